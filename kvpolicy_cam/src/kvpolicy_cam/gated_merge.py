@@ -1,0 +1,116 @@
+"""CaM-adapted disposition: merge the loser into its most similar survivor, behind a gate."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
+
+
+def take(x: mx.array, idx: mx.array) -> mx.array:
+    """Gather along the slot axis: x [B, H, L, ...], idx [B, H, E] -> [B, H, E, ...]."""
+    if x.ndim == 3:
+        return mx.take_along_axis(x, idx, axis=2)
+    return mx.take_along_axis(x, idx[..., None], axis=2)
+
+
+def unit(keys: mx.array) -> mx.array:
+    """keys [B, H, L, D] -> fp32 unit vectors; a zero key stays zero (cosine 0 with anything)."""
+    k = keys.astype(mx.float32)
+    norm = mx.sqrt((k * k).sum(axis=-1, keepdims=True))
+    return k / mx.maximum(norm, 1e-12)
+
+
+def loser_mask(losers: mx.array, L: int) -> mx.array:
+    """bool [B, H, L]: True at the loser slots."""
+    zeros = mx.zeros((*losers.shape[:2], L), dtype=mx.bool_)
+    return mx.put_along_axis(zeros, losers, mx.array(True), axis=2)
+
+
+def merge_targets(view: CacheView, losers: mx.array, n_sink: int):
+    """The most similar surviving non-sink token of each loser, by key cosine.
+
+    Returns (target [B, H, E] int32, cos [B, H, E] float32, has_target [B, H, E] bool).
+    Excluded: sinks (positions < n_sink), every loser of this step (its own slot
+    included) and tokens outside a sliding window. No candidate -> has_target False.
+    """
+    L = view.keys.shape[2]
+    kn = unit(view.keys)
+    sim = take(kn, losers) @ kn.swapaxes(-1, -2)  # [B, H, E, L]
+    invalid = (view.positions < n_sink) | loser_mask(losers, L)
+    if view.dead is not None:
+        invalid = invalid | view.dead
+    sim = mx.where(invalid[:, :, None, :], mx.array(-math.inf, mx.float32), sim)
+    target = mx.argmax(sim, axis=-1).astype(mx.int32)
+    cos = mx.take_along_axis(sim, target[..., None], axis=-1)[..., 0]
+    return target, cos, cos > -math.inf
+
+
+def gate_probability(s_loser: mx.array, s_target: mx.array) -> mx.array:
+    """p = clamp(s_loser / s_target, 0, 1); for s_target <= 0: p = 1 if s_loser > 0 else 0."""
+    safe = mx.where(s_target > 0, s_target, mx.ones_like(s_target))
+    ratio = mx.clip(s_loser / safe, 0.0, 1.0)
+    fallback = (s_loser > 0).astype(mx.float32)
+    return mx.where(s_target > 0, ratio, fallback)
+
+
+def bernoulli(p: mx.array, key: mx.array) -> mx.array:
+    """One independent draw per element: u ~ U[0, 1), merge iff u < p (p=1 always, p=0 never)."""
+    return mx.random.uniform(shape=p.shape, key=key) < p
+
+
+class GatedMergeDisposition(Disposition):
+    """Merge each loser l into its target t (the most similar surviving non-sink key).
+
+    Gate (``gate=True``): ``M ~ Bernoulli(clamp(s_l / s_t, 0, 1))``; else ``M = 1``.
+    Weight: ``w = clip(cos(k_l, k_t), 0, 1)`` ("sim_weighted") or ``1/2`` ("mean").
+    Blend, for values (and keys when ``merge_keys``)::
+
+        x_t' = x_t + sum_{l -> t} M_l w_l (x_l - x_t) / max(1, sum_{l -> t} M_l w_l)
+
+    With one loser per step (decode) this is ``x_t' = (1 - w) x_t + w x_l``. With several
+    losers of one chunk sharing a target it is the convex combination of all of them
+    (normalised when the weights sum past 1), independent of the losers' order.
+    Mass transfer: ``s_t' = s_t + sum_{l -> t} M_l s_l``. The losers are then removed.
+    Losers outside a sliding window (``view.dead``) are dropped, not merged.
+    """
+
+    def __init__(self, n_sink: int = 4, mode: str = "sim_weighted", gate: bool = True, merge_keys: bool = False):
+        if mode not in ("sim_weighted", "mean"):
+            raise ValueError(f"mode must be 'sim_weighted' or 'mean' (got {mode!r})")
+        self.n_sink, self.mode, self.gate, self.merge_keys = n_sink, mode, gate, merge_keys
+
+    @classmethod
+    def from_config(cls, config) -> "GatedMergeDisposition":
+        return cls(n_sink=config.n_sink, mode=config.merge, gate=config.merge_gate, merge_keys=config.merge_keys)
+
+    def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> MergeUpdate:
+        target, cos, has_target = merge_targets(view, losers, self.n_sink)
+        s_l, s_t = take(view.scores, losers), take(view.scores, target)
+        if view.dead is not None:
+            has_target = has_target & ~take(view.dead, losers)
+        if self.gate:
+            merge = has_target & bernoulli(gate_probability(s_l, s_t), key)
+            draws = has_target.sum()
+        else:
+            merge, draws = has_target, mx.array(0)
+        w = mx.clip(cos, 0.0, 1.0) if self.mode == "sim_weighted" else mx.full(cos.shape, 0.5)
+        w = mx.where(merge, w, 0.0)
+        B, H, L = view.scores.shape
+        bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
+        w_sum = mx.zeros((B, H, L), mx.float32).at[bi, hi, target].add(w)
+        coef = (w / mx.maximum(take(w_sum, target), 1.0))[..., None]
+
+        def delta(x):
+            return (coef * (take(x, losers).astype(mx.float32) - take(x, target).astype(mx.float32))).astype(x.dtype)
+
+        return MergeUpdate(
+            targets=target,
+            d_keys=delta(view.keys) if self.merge_keys else None,
+            d_values=delta(view.values),
+            d_scores=mx.where(merge, s_l, 0.0),
+            draws=draws,
+            merges=merge.sum(),
+        )

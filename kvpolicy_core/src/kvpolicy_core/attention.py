@@ -1,0 +1,90 @@
+"""Opt-in observation of the model's real attention, at mlx-lm's one meeting point.
+
+mlx-lm model modules import ``scaled_dot_product_attention`` by name from
+``mlx_lm.models.base``; that call is the only place where queries, keys, the cache and
+the mask meet. :func:`install` replaces the name in the modules a given model uses
+with a wrapper that, for kvpolicy caches only, lets the cache see the queries (for
+``signal="observed"``) and substitute a per-layer sliding-window mask; for any other
+cache it calls the original unchanged. Installs are reference counted per module and
+undone by :meth:`AttentionHook.remove`.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Dict, List
+
+_lock = threading.Lock()
+_patched: Dict[str, tuple] = {}  # module name -> (original fn, refcount)
+ATTR = "scaled_dot_product_attention"
+
+
+def _wrap(original):
+    from .cache import PolicyCache
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
+        if isinstance(cache, PolicyCache):
+            mask = cache.before_attention(queries, scale, mask)
+        return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
+
+    scaled_dot_product_attention.__wrapped__ = original
+    scaled_dot_product_attention._kvpolicy = True
+    return scaled_dot_product_attention
+
+
+def _model_modules(model) -> List[str]:
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    return sorted(n for n in names if hasattr(sys.modules.get(n), ATTR))
+
+
+class AttentionHook:
+    """A handle on one install; :meth:`remove` undoes it (idempotent)."""
+
+    def __init__(self, modules: List[str]) -> None:
+        self.modules = modules
+        self.active = True
+
+    def remove(self) -> None:
+        with _lock:
+            if not self.active:
+                return
+            self.active = False
+            for name in self.modules:
+                original, count = _patched[name]
+                if count == 1:
+                    setattr(sys.modules[name], ATTR, original)
+                    del _patched[name]
+                else:
+                    _patched[name] = (original, count - 1)
+
+
+def install(model) -> AttentionHook:
+    """Route the attention of ``model``'s modules through kvpolicy caches; returns the handle.
+
+    Raises :class:`~kvpolicy_core.errors.ModelError` if the model computes attention
+    without mlx-lm's ``scaled_dot_product_attention``.
+    """
+    from .errors import ModelError
+
+    modules = _model_modules(model)
+    if not modules:
+        raise ModelError(
+            f"{type(model).__name__}: no module of this model calls mlx-lm's scaled_dot_product_attention, "
+            "so kvpolicy cannot observe its attention (needed for signal='observed' and sliding windows)"
+        )
+    with _lock:
+        for name in modules:
+            module = sys.modules[name]
+            if name in _patched:
+                original, count = _patched[name]
+                _patched[name] = (original, count + 1)
+            else:
+                original = getattr(module, ATTR)
+                _patched[name] = (original, 1)
+                setattr(module, ATTR, _wrap(original))
+    return AttentionHook(modules)
+
+
+def is_installed(model) -> bool:
+    return bool(_model_modules(model)) and all(n in _patched for n in _model_modules(model))

@@ -1,0 +1,21 @@
+"""Exceptions raised by kvpolicy. Every message names what was wrong and what is accepted."""
+
+
+class KVPolicyError(Exception):
+    """Base class of every kvpolicy error."""
+
+
+class ConfigError(KVPolicyError, ValueError):
+    """An invalid configuration: the message names the field, the value and what is accepted."""
+
+
+class UnknownMethodError(ConfigError):
+    """A method name that no installed plugin registers."""
+
+
+class PluginError(KVPolicyError):
+    """A plugin failed to load, to register, or raised inside a policy part."""
+
+
+class ModelError(KVPolicyError, ValueError):
+    """A model that kvpolicy cannot attach caches to (no ``layers``, foreign cache types, ...)."""

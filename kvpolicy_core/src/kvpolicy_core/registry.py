@@ -1,0 +1,162 @@
+"""The registry of named policy parts and methods, filled once from the plugins.
+
+Plugins register through the hooks in :mod:`kvpolicy_core.hookspecs`; each hook
+implementation is called separately with a ``register`` callback bound to its
+plugin's name, so duplicate names and failures can be attributed to a plugin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from .errors import ConfigError, PluginError, UnknownMethodError
+
+PartName = Union[str, Callable[[Any], str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """An eviction method: a name, its pydantic config class and the parts it composes.
+
+    ``scorer``, ``selector`` and ``disposition`` are registered part names, or
+    callables ``config -> name`` when the choice depends on the config (CaM picks
+    ``drop`` when ``merge="drop"``).
+    """
+
+    name: str
+    config_class: type
+    scorer: PartName
+    selector: PartName
+    disposition: PartName
+    description: str = ""
+
+    def part_names(self, config) -> Dict[str, str]:
+        """The part names this method composes for ``config``."""
+        pick = lambda p: p(config) if callable(p) else p  # noqa: E731
+        return {
+            "scorer": pick(self.scorer),
+            "selector": pick(self.selector),
+            "disposition": pick(self.disposition),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """One registered object and the plugin (and distribution) that registered it."""
+
+    obj: Any
+    plugin: str
+    dist: Optional[str] = None
+    version: Optional[str] = None
+
+
+KINDS = ("scorers", "selectors", "dispositions", "methods")
+
+
+class Registry:
+    """Named scorers, selectors, dispositions and methods, and the plugin failures seen."""
+
+    def __init__(self) -> None:
+        self.parts: Dict[str, Dict[str, Registered]] = {k: {} for k in KINDS}
+        self.failures: List[str] = []
+        self.conflicts: Dict[str, str] = {}
+
+    # -- filling ---------------------------------------------------------------------------
+    def add(self, kind: str, name: str, obj: Any, plugin: str, dist=None, version=None) -> None:
+        table = self.parts[kind]
+        if not isinstance(name, str) or not name.isidentifier():
+            raise PluginError(f"plugin {plugin!r} registered a {kind[:-1]} with an invalid name {name!r}")
+        if name in table:
+            other = table[name].plugin
+            message = (
+                f"{kind[:-1]} {name!r} is registered twice: by plugin {other!r} and by plugin {plugin!r}; "
+                "uninstall one, or block one with KVPOLICY_BLOCK_PLUGINS"
+            )
+            self.conflicts[f"{kind}:{name}"] = message
+            raise PluginError(message)
+        table[name] = Registered(obj, plugin, dist, version)
+
+    # -- lookup ----------------------------------------------------------------------------
+    def method(self, name: str) -> MethodSpec:
+        """The method called ``name``, or an error listing the installed ones."""
+        table = self.parts["methods"]
+        if f"methods:{name}" in self.conflicts:
+            raise PluginError(self.conflicts[f"methods:{name}"])
+        if name not in table:
+            installed = ", ".join(sorted(table)) or "none"
+            raise UnknownMethodError(
+                f"unknown method {name!r}; installed methods: {installed}. "
+                f"To add it, install its plugin: pip install kvpolicy-{name}"
+            )
+        return table[name].obj
+
+    def part(self, kind: str, name: str):
+        table = self.parts[kind]
+        if name not in table:
+            raise ConfigError(
+                f"no {kind[:-1]} named {name!r} is registered; known: {', '.join(sorted(table))}"
+            )
+        return table[name].obj
+
+    def methods(self) -> Dict[str, Registered]:
+        return dict(self.parts["methods"])
+
+
+def _check_method(spec: Any, plugin: str) -> None:
+    from pydantic import BaseModel
+
+    from .config import PolicyConfig
+
+    if not isinstance(spec, MethodSpec):
+        raise PluginError(f"plugin {plugin!r} registered {spec!r}, which is not a MethodSpec")
+    cls = spec.config_class
+    if not (isinstance(cls, type) and issubclass(cls, BaseModel) and issubclass(cls, PolicyConfig)):
+        raise PluginError(
+            f"plugin {plugin!r} registered method {spec.name!r} with config class {cls!r}, "
+            "which is not a subclass of kvpolicy_core.PolicyConfig"
+        )
+    try:
+        cls()
+    except Exception as exc:  # the defaults must make a valid config
+        raise PluginError(
+            f"plugin {plugin!r} registered method {spec.name!r} whose config class "
+            f"{cls.__name__} has invalid defaults: {exc}"
+        ) from exc
+
+
+def fill(registry: Registry, pm, strict: bool) -> None:
+    """Call every plugin's registration hooks, one plugin at a time.
+
+    A plugin whose hook raises, or that registers something invalid, is reported
+    (warning, or :class:`PluginError` when ``strict``) and its registrations of
+    that kind are rolled back; the other plugins carry on.
+    """
+    for kind in KINDS:
+        caller = getattr(pm.hook, f"register_{kind}")
+        for impl in reversed(caller.get_hookimpls()):  # registration order
+            plugin = impl.plugin_name
+            dist, version = pm.dist_of(plugin)
+            added: List[str] = []
+
+            def register(*args, _plugin=plugin, _kind=kind, _added=added, _d=dist, _v=version):
+                if _kind == "methods":
+                    (spec,) = args
+                    _check_method(spec, _plugin)
+                    name, obj = spec.name, spec
+                else:
+                    name, obj = args
+                registry.add(_kind, name, obj, _plugin, _d, _v)
+                _added.append(name)
+
+            try:
+                impl.function(register=register)
+            except Exception as exc:
+                for name in added:
+                    registry.parts[kind].pop(name, None)
+                message = f"kvpolicy: plugin {plugin!r} failed in register_{kind}: {type(exc).__name__}: {exc}"
+                if strict:
+                    raise PluginError(message) from exc
+                registry.failures.append(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -1,0 +1,209 @@
+"""The policy cache honours mlx-lm's cache contract on tiny random-weight models."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
+
+from conftest import VOCAB, plain_caches, random_kv, run_chunks, tiny_gemma3, tiny_llama
+from kvpolicy_core import ConfigError, KVCacheBuilder, ModelError, PolicyCache, attach, detach
+from kvpolicy_core import attention as attention_hook
+
+METHODS = ["h2o", "cam", "cam:merge=mean,gate=false,keys=true", "cam:merge=paper", "h2o:signal=observed"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("chunks", [[40], [1] * 40, [13, 1, 1, 25], [7] * 5 + [1] * 5])
+def test_budget_above_length_reproduces_plain_cache_exactly(llama_model, tokens, method, chunks):
+    ref = run_chunks(llama_model, plain_caches(llama_model), tokens, chunks)
+    got = run_chunks(llama_model, KVCacheBuilder.for_model(llama_model, f"{method}{':' if ':' not in method else ','}budget=64"), tokens, chunks)
+    assert mx.array_equal(ref, got)
+
+
+class RetainedReference:
+    """A test-only cache: given retained K/V, attends to them plus the new token at offset=seen."""
+
+    def __init__(self, keys, values, offset):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, k, v):
+        self.offset += k.shape[2]
+        return mx.concatenate([self.keys, k], axis=2), mx.concatenate([self.values, v], axis=2)
+
+    def make_mask(self, N, **_):
+        return None if N == 1 else "causal"
+
+
+@pytest.mark.parametrize("method", ["h2o:budget=12,n_sink=2", "cam:budget=12,n_sink=2,keys=true"])
+def test_after_evictions_queries_rotate_at_the_absolute_position(llama_model, tokens, method):
+    caches = KVCacheBuilder.for_model(llama_model, method)
+    run_chunks(llama_model, caches, tokens[:, :30], [20] + [1] * 10)
+    for c in caches:
+        c.settle()
+        assert c.offset == 30 and c.tokens_kept == 12
+    refs = [RetainedReference(c.keys[..., : c.n, :], c.values[..., : c.n, :], c.offset) for c in caches]
+    nxt = tokens[:, 30:31]
+    want = llama_model(nxt, cache=refs)
+    got = llama_model(nxt, cache=caches)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+def test_generate_uses_fresh_bounded_caches_with_small_prefill_steps(llama_model, tokens):
+    attach(llama_model, "cam:budget=10,n_sink=2")
+    try:
+        made = []
+        for _ in range(2):
+            caches = llama_model.make_cache()
+            made.append(caches)
+            out = [t for (t, _), _ in zip(generate_step(tokens[0], llama_model, prompt_cache=caches, prefill_step_size=7), range(12))]
+            assert len(out) == 12 and all(0 <= t < VOCAB for t in out)
+            for c in caches:
+                assert isinstance(c, PolicyCache) and c.tokens_kept == 10 and c.offset >= 40 + 11
+        assert made[0][0] is not made[1][0]
+    finally:
+        detach(llama_model)
+    assert "make_cache" not in llama_model.__dict__
+
+
+def test_mlx_lm_generate_runs_with_attached_caches(tiny_model_dir):
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(tiny_model_dir))
+    attach(model, "h2o:budget=16")
+    try:
+        seen = []
+        for response in mlx_lm.stream_generate(model, tokenizer, "hello there, a prompt longer than the budget", max_tokens=8):
+            seen.append(response.token)
+        assert len(seen) == 8
+        text = mlx_lm.generate(model, tokenizer, "hello again, also a prompt longer than sixteen", max_tokens=5)
+        assert isinstance(text, str)
+    finally:
+        detach(model)
+
+
+def test_offsets_sizes_and_masks_after_evictions():
+    cache = PolicyCache("h2o:budget=8,n_sink=2,recent=2")
+    k, v = random_kv(S=20)
+    out_k, out_v = cache.update_and_fetch(k, v)
+    assert out_k.shape[2] == 20 and cache.offset == 20 and cache.tokens_kept == 8
+    assert cache.make_mask(1) is None and cache.make_mask(5) == "causal"
+    mask = cache.make_mask(3, return_array=True)
+    assert mask.shape == (3, 11) and mask[:, :8].all() and not mask[0, 9]
+    for step in range(5):
+        kk, vv = random_kv(S=1, seed=step + 1)
+        out_k, _ = cache.update_and_fetch(kk, vv)
+        assert out_k.shape[2] == 9 and cache.offset == 21 + step
+    pos = np.array(cache.retained()[2])
+    assert pos.shape == (2, 3, 8)
+    assert (np.diff(pos, axis=-1) > 0).all() and (pos[..., :2] == [0, 1]).all() and (pos[..., -2:] == [23, 24]).all()
+
+
+def test_contract_surface(tmp_path):
+    cache = PolicyCache("cam:budget=8,n_sink=2")
+    assert cache.empty() and cache.nbytes == 0 and cache.state == [] and not hasattr(cache, "bits")
+    k, v = random_kv(S=6, dtype=mx.float16)
+    cache.update_and_fetch(k, v)
+    assert cache.is_trimmable() and cache.trim(2) == 2 and cache.offset == 4 and cache.size() == 4
+    cache.update_and_fetch(*random_kv(S=10, seed=3, dtype=mx.float16))
+    assert not cache.is_trimmable() and cache.trim(1) == 0
+    keys, values, positions, scores = cache.state
+    assert keys.dtype == mx.float16 and keys.shape == (2, 3, 8, 8) and positions.shape == scores.shape == (2, 3, 8)
+    clone = PolicyCache.from_state(cache.state, cache.meta_state)
+    assert clone.offset == 14 and clone.tokens_kept == 8 and clone.policy.config == cache.policy.config
+    assert mx.array_equal(clone.state[0], keys)
+    assert cache.nbytes >= keys.nbytes + values.nbytes
+
+
+def test_byte_accounting_uses_the_true_dtype():
+    cache = PolicyCache("h2o:budget=16,n_sink=2")
+    cache.update_and_fetch(*random_kv(B=1, H=2, S=64, D=32, dtype=mx.bfloat16))
+    per_token = 1 * 2 * (32 * 2 + 32 * 2)
+    assert cache.tokens_seen == 64 and cache.tokens_kept == 16
+    assert cache.kept_bytes == 16 * per_token and cache.full_seq_bytes == 64 * per_token
+    assert cache.compression_ratio == pytest.approx(4.0)
+    assert PolicyCache("h2o").compression_ratio == 1.0
+
+
+def test_shape_and_dtype_changes_are_clear_errors():
+    cache = PolicyCache("h2o:budget=8,n_sink=2")
+    cache.update_and_fetch(*random_kv(S=4))
+    with pytest.raises(ValueError, match="changed from"):
+        cache.update_and_fetch(*random_kv(H=4, S=1))
+    with pytest.raises(ValueError, match="dtype changed"):
+        cache.update_and_fetch(*random_kv(S=1, dtype=mx.float16))
+    with pytest.raises(ValueError, match=r"\[B, H, S, D\]"):
+        cache.update_and_fetch(mx.zeros((2, 3, 4)), mx.zeros((2, 3, 4)))
+
+
+@pytest.mark.parametrize("chunks", [[30], [1] * 30, [10, 1, 1, 5, 13], [12] + [1] * 18])
+def test_sliding_window_layers_stay_correct(gemma_model, chunks):
+    toks = mx.random.randint(0, VOCAB, (2, 30), key=mx.random.key(4))
+    ref = run_chunks(gemma_model, gemma_model.make_cache(), toks, chunks)
+    caches = KVCacheBuilder.for_model(gemma_model, "h2o:budget=64")
+    assert [c.window for c in caches] == [8, 8, None, 8, 8, None]
+    got = run_chunks(gemma_model, caches, toks, chunks)
+    np.testing.assert_allclose(np.array(got), np.array(ref), atol=5e-5)
+
+
+def test_window_mask_is_built_from_each_layers_positions():
+    cache = PolicyCache("h2o:budget=10,n_sink=2,recent=2", window=6)
+    q = mx.zeros((2, 6, 1, 8))
+    cache.update_and_fetch(*random_kv(S=12))
+    cache.before_attention(mx.zeros((2, 6, 12, 8)), 1.0, "causal")
+    for s in range(3):
+        cache.update_and_fetch(*random_kv(S=1, seed=s + 7))
+        cache.before_attention(q, 1.0, None)
+    cache.update_and_fetch(*random_kv(S=1, seed=20))
+    mask = np.array(cache.before_attention(q, 1.0, None))
+    pos = np.array(cache.positions[..., : cache.n])
+    want = (pos <= 15) & (pos > 15 - 6)
+    assert mask.shape == (2, 6, 1, cache.n)
+    np.testing.assert_array_equal(mask[:, ::2, 0], want)
+    np.testing.assert_array_equal(mask[:, 1::2, 0], want)
+
+
+def test_only_unbounded_layers_option_keeps_native_window_caches(gemma_model):
+    caches = KVCacheBuilder.for_model(gemma_model, "cam:budget=16,layers=unbounded")
+    kinds = [type(c).__name__ for c in caches]
+    assert kinds == ["RotatingKVCache", "RotatingKVCache", "PolicyCache"] * 2
+
+
+def test_attention_hook_is_removable_and_ignores_foreign_caches():
+    import mlx_lm.models.llama as llama_mod
+
+    model = tiny_llama(seed=3)
+    original = llama_mod.scaled_dot_product_attention
+    attach(model, "h2o:budget=8,signal=observed")
+    assert llama_mod.scaled_dot_product_attention is not original
+    toks = mx.random.randint(0, VOCAB, (1, 12), key=mx.random.key(2))
+    ref = run_chunks(model, plain_caches(model), toks, [12])
+    detach(model)
+    assert llama_mod.scaled_dot_product_attention is original
+    assert mx.array_equal(ref, run_chunks(model, plain_caches(model), toks, [12]))
+
+
+def test_observed_signal_without_the_hook_is_a_clear_error():
+    model = tiny_llama(seed=5)
+    caches = KVCacheBuilder.for_model(model, "h2o:budget=8,signal=observed")
+    detach(model)
+    model(mx.zeros((1, 4), dtype=mx.int32), cache=caches)
+    with pytest.raises(ModelError, match="attention hook"):
+        model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+
+
+def test_for_model_rejects_models_it_cannot_serve(llama_model):
+    class NoLayers:
+        pass
+
+    with pytest.raises(ModelError, match="has no `layers`"):
+        KVCacheBuilder.for_model(NoLayers(), "h2o")
+    with pytest.raises(ConfigError, match="head_dim: the config says 128 but the model's head_dim is 16"):
+        KVCacheBuilder.for_model(llama_model, "h2o:head_dim=128")
+
+    model = tiny_llama(seed=7)
+    from mlx_lm.models.cache import ArraysCache
+
+    object.__setattr__(model, "make_cache", lambda: [KVCache(), ArraysCache(2)])
+    with pytest.raises(ModelError, match="layer 1 uses ArraysCache"):
+        KVCacheBuilder.for_model(model, "h2o")

@@ -1,0 +1,103 @@
+"""Configuration: every accepted form gives the same config; every bad input a clear error."""
+
+import pytest
+
+from kvpolicy_core import ConfigError, KVCacheConfig, UnknownMethodError, parse_config
+
+
+def test_spec_api_works_as_written():
+    c = KVCacheConfig(method="cam", head_dim=128, cam_budget=512, cam_n_sink=4)
+    assert (c.cam_budget, c.cam_n_sink, c.cam_merge, c.cam_merge_gate, c.cam_merge_keys) == (
+        512, 4, "sim_weighted", True, False)
+    h = KVCacheConfig(method="h2o", h2o_budget=256, h2o_n_sink=2)
+    assert (h.h2o_budget, h.h2o_n_sink, h.seed) == (256, 2, 0)
+
+
+def test_all_forms_give_the_same_config():
+    want = KVCacheConfig(method="cam", cam_budget=256, cam_merge="mean", cam_merge_gate=False, seed=3)
+    forms = [
+        "cam:budget=256,merge=mean,gate=false,seed=3",
+        " cam : budget = 256 , merge = mean , merge_gate = False , seed = 3 ",
+        {"method": "cam", "budget": 256, "merge": "mean", "gate": False, "seed": 3},
+        {"method": "cam", "cam_budget": 256, "cam_merge": "mean", "cam_merge_gate": False, "seed": 3},
+        '{"method": "cam", "budget": 256, "merge": "mean", "merge_gate": false, "seed": 3}',
+        want,
+    ]
+    for form in forms:
+        assert parse_config(form) == want, form
+    assert parse_config(want.to_string()) == want
+
+
+def test_defaults_match_the_specification():
+    c = parse_config("cam")
+    p = c.policy
+    assert (p.budget, p.n_sink, p.merge, p.merge_gate, p.merge_keys) == (512, 4, "sim_weighted", True, False)
+    assert p.signal == "proxy" and p.recent_tokens == 128
+
+
+def test_unknown_method_lists_installed_and_names_package():
+    with pytest.raises(UnknownMethodError) as e:
+        parse_config("snapkv:budget=3")
+    msg = str(e.value)
+    assert "'snapkv'" in msg and "cam" in msg and "h2o" in msg and "pip install kvpolicy-snapkv" in msg
+
+
+@pytest.mark.parametrize(
+    "spec, needles",
+    [
+        ("cam:merge=avg", ["cam_merge", "'sim_weighted'", "'mean'", "'drop'", "'paper'", "'avg'"]),
+        ("cam:budget=-5", ["cam_budget", "greater than or equal to 1", "-5"]),
+        ("cam:budget=0", ["cam_budget", "0"]),
+        ("h2o:budget=8,n_sink=4,recent=4", ["budget must be greater than n_sink + recent", "budget=8"]),
+        ("h2o:n_sink=-1", ["h2o_n_sink", "-1"]),
+        ("h2o:recent=-2", ["h2o_recent"]),
+        ("h2o:signal=magic", ["h2o_signal", "'proxy'", "'observed'"]),
+        ("cam:gate=maybe", ["cam_gate", "valid boolean", "maybe"]),
+        ("cam:budget=12.5", ["cam_budget", "12.5"]),
+        ("cam:budget=inf", ["cam_budget", "finite", "inf"]),
+        ("cam:budget=nan", ["cam_budget", "finite"]),
+        ("cam:colour=red", ["colour", "unknown field", "cam_budget"]),
+        ("cam:layers=some", ["layers", "'all'", "'unbounded'"]),
+        ("cam:head_dim=0", ["head_dim", "0"]),
+        ("cam:seed=abc", ["seed", "abc"]),
+    ],
+)
+def test_bad_fields_name_field_value_and_accepted(spec, needles):
+    with pytest.raises(ConfigError) as e:
+        parse_config(spec)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("", "empty"),
+        ("cam:", "nothing after ':'"),
+        ("cam:budget", "item 1 'budget' is not key=value"),
+        ("cam:budget=4,,merge=mean", "item 2 '' is not key=value"),
+        ("cam:budget=4,budget=5", "'budget' is given twice"),
+        ("c-am", "is not a method name"),
+        ("{not json", "config JSON is malformed"),
+        ("[1, 2]", "is not a method name"),
+    ],
+)
+def test_malformed_config_strings_point_at_the_part(spec, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_config(spec)
+    assert needle in str(e.value)
+
+
+def test_wrong_types_are_clear():
+    with pytest.raises(ConfigError, match="expected a KVCacheConfig"):
+        parse_config(42)
+    with pytest.raises(ConfigError, match="method: a method name is required"):
+        parse_config({"budget": 3})
+    with pytest.raises(ConfigError, match="cam_budget"):
+        KVCacheConfig(method="cam", cam_budget="lots")
+
+
+def test_configs_are_frozen():
+    c = parse_config("h2o")
+    with pytest.raises(Exception):
+        c.seed = 5

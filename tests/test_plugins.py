@@ -1,0 +1,148 @@
+"""Hook registration and entry-point discovery, including broken and conflicting plugins."""
+
+import textwrap
+import warnings
+
+import pytest
+
+from kvpolicy_core import PluginError, get_registry, reset_registry
+from kvpolicy_core.plugins import register_plugin, unregister_plugin
+
+
+def make_dist(root, name, modules, entry_points):
+    """Write an installed distribution (dist-info + modules) under ``root``."""
+    info = root / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    lines = "\n".join(f"{ep} = {target}" for ep, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[kvpolicy]\n{lines}\n")
+    for mod, source in modules.items():
+        (root / f"{mod}.py").write_text(textwrap.dedent(source))
+
+
+GOOD = """
+    from kvpolicy_core import MethodSpec, PolicyConfig, hookimpl
+
+    class OldestConfig(PolicyConfig):
+        pass
+
+    @hookimpl
+    def register_methods(register):
+        register(MethodSpec("oldest", OldestConfig, "cumulative_attention", "lowest_score", "drop"))
+"""
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("KVPOLICY_STRICT_PLUGINS", raising=False)
+    monkeypatch.delenv("KVPOLICY_BLOCK_PLUGINS", raising=False)
+    reset_registry()
+    yield tmp_path
+    reset_registry()
+
+
+def test_shipped_plugins_are_discovered_with_their_distributions():
+    reg = get_registry()
+    methods = reg.methods()
+    assert methods["h2o"].dist == "kvpolicy-h2o" and methods["cam"].dist == "kvpolicy-cam"
+    assert methods["h2o"].version
+    assert set(reg.parts["dispositions"]) >= {"drop", "gated_merge", "paper_merge"}
+    assert reg.parts["scorers"]["cumulative_attention"].plugin == "kvpolicy_core"
+
+
+def test_entry_point_from_an_installed_distribution(site):
+    make_dist(site, "kvpolicy_oldest", {"kvp_oldest": GOOD}, {"oldest": "kvp_oldest"})
+    reset_registry()
+    spec = get_registry().methods()["oldest"]
+    assert spec.plugin == "oldest" and spec.dist == "kvpolicy_oldest" and spec.version == "0.1"
+    from kvpolicy_core import parse_config
+
+    assert parse_config("oldest:budget=9").policy.budget == 9
+
+
+def test_broken_plugin_is_reported_and_skipped(site):
+    make_dist(site, "kvpolicy_broken", {"kvp_broken": "raise ImportError('no numpy for you')"}, {"broken": "kvp_broken"})
+    make_dist(site, "kvpolicy_oldest", {"kvp_oldest": GOOD}, {"oldest": "kvp_oldest"})
+    reset_registry()
+    with pytest.warns(RuntimeWarning, match=r"skipping plugin 'broken' \(kvp_broken, from kvpolicy_broken\).*no numpy"):
+        reg = get_registry()
+    assert "oldest" in reg.methods() and "cam" in reg.methods()
+    assert any("broken" in f for f in reg.failures)
+
+
+def test_strict_mode_makes_a_broken_plugin_an_error(site, monkeypatch):
+    make_dist(site, "kvpolicy_broken", {"kvp_broken2": "1/0"}, {"broken2": "kvp_broken2"})
+    monkeypatch.setenv("KVPOLICY_STRICT_PLUGINS", "1")
+    reset_registry()
+    with pytest.raises(PluginError, match="broken2.*ZeroDivisionError"):
+        get_registry()
+
+
+def test_blocked_plugins_are_not_loaded(site, monkeypatch):
+    make_dist(site, "kvpolicy_broken", {"kvp_broken3": "raise SystemError('boom')"}, {"broken3": "kvp_broken3"})
+    monkeypatch.setenv("KVPOLICY_BLOCK_PLUGINS", "broken3, cam")
+    reset_registry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg = get_registry()
+    assert "cam" not in reg.methods() and "h2o" in reg.methods()
+
+
+def test_duplicate_method_names_both_plugins(site):
+    make_dist(site, "kvpolicy_fakecam", {"kvp_fakecam": GOOD.replace('"oldest"', '"cam"')}, {"fakecam": "kvp_fakecam"})
+    reset_registry()
+    with pytest.warns(RuntimeWarning, match="registered twice"):
+        reg = get_registry()
+    with pytest.raises(PluginError) as e:
+        reg.method("cam")
+    assert "'cam'" in str(e.value) and "'fakecam'" in str(e.value)
+    assert "h2o" in reg.methods()  # the others carry on
+
+
+def test_invalid_config_class_and_raising_hook_are_reported(site):
+    class NotAConfig:
+        pass
+
+    class Plugin:
+        from kvpolicy_core import hookimpl
+
+        @hookimpl
+        def register_methods(self, register):
+            from kvpolicy_core import MethodSpec
+
+            register(MethodSpec("weird", NotAConfig, "cumulative_attention", "lowest_score", "drop"))
+
+    class Raiser:
+        from kvpolicy_core import hookimpl
+
+        @hookimpl
+        def register_scorers(self, register):
+            register("half", object)
+            raise RuntimeError("oops in register")
+
+    register_plugin(Plugin(), "weird")
+    register_plugin(Raiser(), "raiser")
+    try:
+        with pytest.warns(RuntimeWarning) as record:
+            reg = get_registry()
+        text = " ".join(str(w.message) for w in record)
+        assert "'weird'" in text and "not a subclass of kvpolicy_core.PolicyConfig" in text
+        assert "'raiser'" in text and "oops in register" in text
+        assert "weird" not in reg.methods() and "half" not in reg.parts["scorers"]  # rolled back
+    finally:
+        unregister_plugin("weird")
+        unregister_plugin("raiser")
+
+
+def test_registry_is_lazy_and_pluggy_is_not_on_the_decode_path(llama_model, monkeypatch):
+    from kvpolicy_core import KVCacheBuilder
+    import kvpolicy_core.plugins as plugins
+
+    caches = KVCacheBuilder.for_model(llama_model, "cam:budget=8")
+    monkeypatch.setattr(plugins, "get_registry", lambda: (_ for _ in ()).throw(AssertionError("registry used")))
+    import mlx.core as mx
+
+    llama_model(mx.zeros((1, 20), dtype=mx.int32), cache=caches)
+    for _ in range(3):
+        llama_model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)

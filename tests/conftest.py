@@ -102,3 +102,8 @@ def write_tiny_model_dir(path, seed: int = 0):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def with_fields(method: str, fields: str) -> str:
+    """Append ``fields`` to a config string that may already have some."""
+    return f"{method}{',' if ':' in method else ':'}{fields}"

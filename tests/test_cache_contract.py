@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
-from conftest import VOCAB, plain_caches, random_kv, run_chunks, tiny_gemma3, tiny_llama
+from conftest import VOCAB, plain_caches, random_kv, run_chunks, tiny_gemma3, tiny_llama, with_fields
 from kvpolicy_core import ConfigError, KVCacheBuilder, ModelError, PolicyCache, attach, detach
 from kvpolicy_core import attention as attention_hook
 
@@ -17,7 +17,7 @@ METHODS = ["h2o", "cam", "cam:merge=mean,gate=false,keys=true", "cam:merge=paper
 @pytest.mark.parametrize("chunks", [[40], [1] * 40, [13, 1, 1, 25], [7] * 5 + [1] * 5])
 def test_budget_above_length_reproduces_plain_cache_exactly(llama_model, tokens, method, chunks):
     ref = run_chunks(llama_model, plain_caches(llama_model), tokens, chunks)
-    got = run_chunks(llama_model, KVCacheBuilder.for_model(llama_model, f"{method}{':' if ':' not in method else ','}budget=64"), tokens, chunks)
+    got = run_chunks(llama_model, KVCacheBuilder.for_model(llama_model, with_fields(method, "budget=64")), tokens, chunks)
     assert mx.array_equal(ref, got)
 
 

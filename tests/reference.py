@@ -1,0 +1,60 @@
+"""Plain, slow reference implementations used only by the tests (loops everywhere, numpy)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _softmax(x):
+    x = x - x.max()
+    e = np.exp(x)
+    return e / e.sum()
+
+
+def reference_h2o(K, chunks, budget, n_sink, recent, Q=None, scale=None):
+    """Per (batch, head) H2O with the semantics documented in kvpolicy: returns {(b, h): {pos: score}}.
+
+    K [B, H, T, D]; Q [B, Hq, T, D] selects the observed signal (scores from real queries).
+    Each call: settle (evict the E lowest unprotected), append the chunk, score it.
+    """
+    B, H, T, D = K.shape
+    out = {}
+    for b in range(B):
+        for h in range(H):
+            kept = {}  # pos -> score
+            t0 = 0
+
+            def settle(offset):
+                E = len(kept) - budget
+                if E <= 0:
+                    return
+                cands = sorted((s, p) for p, s in kept.items() if not (p < n_sink or p >= offset - recent))
+                for _, p in cands[:E]:
+                    del kept[p]
+
+            for S in chunks:
+                settle(t0)
+                for t in range(t0, t0 + S):
+                    kept[t] = 0.0
+                if Q is None:
+                    for t in range(t0, t0 + S):
+                        prior = sorted(p for p in kept if p < t)
+                        if prior:
+                            w = _softmax(np.array([K[b, h, p] @ K[b, h, t] for p in prior]) / math.sqrt(D))
+                            for p, wi in zip(prior, w):
+                                kept[p] += wi
+                else:
+                    Hq = Q.shape[1]
+                    rep = Hq // H
+                    for g in range(h * rep, (h + 1) * rep):
+                        for t in range(t0, t0 + S):
+                            seen = sorted(p for p in kept if p <= t)
+                            w = _softmax(np.array([Q[b, g, t] @ K[b, h, p] * scale for p in seen]))
+                            for p, wi in zip(seen, w):
+                                kept[p] += wi
+                t0 += S
+            settle(t0)
+            out[(b, h)] = kept
+    return out

@@ -1,0 +1,338 @@
+"""The ``kvpolicy`` command line: methods, generate, eval, convert.
+
+Loads the optimised BLAS before mlx on Linux and runs models in fp32 there. Errors
+are one line (``kvpolicy: error: ...``, exit 2); ``KVPOLICY_DEBUG=1`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, List, Optional
+
+DEFAULT_COMPARISON = ["full", "rotating", "h2o", "cam"]
+
+
+class CLIError(Exception):
+    """A user error: printed as one line."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def _config_from_file(path: str) -> Any:
+    p = Path(path)
+    if not p.is_file():
+        raise CLIError(f"--config {path}: no such file")
+    text = p.read_text()
+    if p.suffix.lower() == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            raise CLIError("TOML configs need Python >= 3.11; use JSON") from None
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise CLIError(f"--config {path}: invalid TOML: {exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"--config {path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+
+
+def _with_budget(spec: Any, budget: Optional[int]) -> Any:
+    from .evaluation import parse_spec
+
+    kind, value = parse_spec(spec)
+    if budget is None or kind == "full":
+        return spec if kind != "policy" else value
+    if kind == "rotating":
+        return f"rotating:budget={budget}"
+    from .config import parse_config
+
+    return parse_config(value, budget=budget)
+
+
+def _load_model(path_arg: Optional[str], dtype: str):
+    import mlx.core as mx
+    import mlx_lm
+
+    from .model.default import resolve_model_path
+
+    want = "float32" if dtype == "auto" else dtype
+    path = resolve_model_path(path_arg, "float32" if path_arg is None and want == "float32" else want)
+    model, tokenizer = mlx_lm.load(str(path))
+    if dtype == "auto" and sys.platform.startswith("linux"):
+        model.set_dtype(mx.float32)
+    elif dtype != "auto":
+        model.set_dtype(getattr(mx, dtype))
+    return model, tokenizer, path
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+# ----------------------------------------------------------------------------- commands
+def cmd_methods(args) -> int:
+    from .plugins import get_registry
+
+    reg = get_registry()
+    rows = []
+    for name, entry in sorted(reg.methods().items()):
+        spec = entry.obj
+        config = spec.config_class()
+        fields = {}
+        for fname, field in spec.config_class.model_fields.items():
+            fields[fname] = {"default": getattr(config, fname), "description": field.description or ""}
+        rows.append({
+            "method": name,
+            "package": entry.dist or entry.plugin,
+            "version": entry.version,
+            "parts": spec.part_names(config),
+            "description": spec.description,
+            "fields": fields,
+        })
+    if args.json:
+        print(json.dumps({"methods": rows, "failures": reg.failures}, indent=2, default=str))
+        return 0
+    for r in rows:
+        parts = ", ".join(f"{k}={v}" for k, v in r["parts"].items())
+        print(f"{r['method']}  ({r['package']} {r['version'] or ''})".rstrip())
+        if r["description"]:
+            print(f"  {r['description']}")
+        print(f"  parts: {parts}")
+        for fname, f in r["fields"].items():
+            print(f"    {fname} = {f['default']!r}  {f['description']}")
+    for failure in reg.failures:
+        print(f"warning: {failure}", file=sys.stderr)
+    print("baselines (kvpolicy eval/generate): full, rotating:budget=N (mlx-lm RotatingKVCache, keep=4)")
+    return 0
+
+
+def _read_prompt(args) -> str:
+    if args.file:
+        p = Path(args.file)
+        if not p.is_file():
+            raise CLIError(f"--file {args.file}: no such file")
+        return p.read_text()
+    if args.prompt and args.prompt != "-":
+        return args.prompt
+    if args.prompt == "-" or not sys.stdin.isatty():
+        text = sys.stdin.read()
+        if text.strip():
+            return text
+    raise CLIError("no prompt: give it as an argument, with --file, or on stdin")
+
+
+def _spec_from_args(args) -> Any:
+    if args.config and args.method:
+        raise CLIError("give either --method or --config, not both")
+    return _config_from_file(args.config) if args.config else (args.method or "cam")
+
+
+def cmd_generate(args) -> int:
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from .evaluation import kv_bytes, make_caches, spec_label
+
+    spec = _with_budget(_spec_from_args(args), args.budget)
+    prompt = _read_prompt(args)
+    model, tokenizer, _ = _load_model(args.model, args.dtype)
+    caches = make_caches(model, spec)
+    last = None
+    for response in mlx_lm.stream_generate(
+        model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=make_sampler(temp=args.temp),
+        prompt_cache=caches,
+    ):
+        print(response.text, end="", flush=True)
+        last = response
+    print()
+    kept, full = kv_bytes(caches)
+    summary = {
+        "method": spec_label(spec),
+        "prompt_tokens": last.prompt_tokens,
+        "prompt_tps": round(last.prompt_tps, 2),
+        "generation_tokens": last.generation_tokens,
+        "generation_tps": round(last.generation_tps, 2),
+        "kv_bytes_kept": kept,
+        "kv_bytes_full": full,
+        "compression_ratio": round(full / kept, 3) if kept else 1.0,
+        "peak_memory_gb": round(last.peak_memory, 3),
+    }
+    if args.json:
+        print(json.dumps(summary), file=sys.stderr)
+    else:
+        print(
+            f"[{summary['method']}] prompt: {summary['prompt_tokens']} tok, {summary['prompt_tps']} tok/s | "
+            f"generation: {summary['generation_tokens']} tok, {summary['generation_tps']} tok/s | "
+            f"KV kept {_human(kept)} of {_human(full)} (x{summary['compression_ratio']}) | "
+            f"peak memory {summary['peak_memory_gb']} GB",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def format_table(results: List[dict]) -> str:
+    base = next((r for r in results if r["spec"] == "full"), None)
+    header = f"{'method':44} {'ppl':>9} {'Δppl':>8} {'tok/s':>7} {'KV kept':>11} {'KV full':>11} {'x':>6}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        delta = "" if base is None else f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}%"
+        ratio = r["kv_bytes_full"] / r["kv_bytes_kept"] if r["kv_bytes_kept"] else 1.0
+        lines.append(
+            f"{r['spec'][:44]:44} {r['perplexity']:9.3f} {delta:>8} {r['tokens_per_s']:7.1f} "
+            f"{_human(r['kv_bytes_kept']):>11} {_human(r['kv_bytes_full']):>11} {ratio:6.1f}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_eval(args) -> int:
+    from .evaluation import perplexity, spec_label
+    from .model.corpus import load_corpus
+
+    specs: List[Any] = []
+    if args.config:
+        specs.append(_config_from_file(args.config))
+    specs.extend(args.method or [])
+    if not specs:
+        specs = list(DEFAULT_COMPARISON)
+    budgets = args.budget or [None]
+    runs: List[Any] = []
+    for spec in specs:
+        for b in budgets:
+            item = _with_budget(spec, b)
+            if spec_label(item) not in [spec_label(r) for r in runs]:
+                runs.append(item)
+    if args.tokens < 2:
+        raise CLIError("--tokens must be at least 2")
+    try:
+        text = load_corpus(args.file)
+    except FileNotFoundError as exc:
+        raise CLIError(str(exc)) from None
+    model, tokenizer, path = _load_model(args.model, args.dtype)
+    ids = tokenizer.encode(text)[: args.tokens]
+    if len(ids) < 2:
+        raise CLIError("the text has fewer than 2 tokens")
+    results = []
+    for i, spec in enumerate(runs, 1):
+        label = spec_label(spec)
+        r = perplexity(model, ids, spec, chunk=args.chunk, progress=not args.no_progress,
+                       desc=f"[{i}/{len(runs)}] {label}")
+        results.append(r)
+        if not args.no_progress:
+            print(f"[{i}/{len(runs)}] {label}: ppl {r['perplexity']:.3f}, {r['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    print(f"model: {path} | tokens: {len(ids)} | chunk: {args.chunk}")
+    print(format_table(results))
+    if args.json:
+        payload = {
+            "model": str(path),
+            "tokens": len(ids),
+            "chunk": args.chunk,
+            "results": [{k: v for k, v in r.items() if k != "nll"} | {"nll": r["nll"].tolist()} for r in results],
+        }
+        if args.json == "-":
+            print(json.dumps(payload))
+        else:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(payload, indent=1))
+            print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .model.default import ensure_default_model
+
+    if args.gguf:
+        from .model.gguf_convert import convert
+
+        if not args.out:
+            raise CLIError("--out is required with --gguf")
+        print(convert(args.gguf, args.out, dtype=args.dtype))
+    else:
+        print(ensure_default_model(args.dtype))
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpolicy", description="KV-cache eviction policies for mlx-lm.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("methods", help="list installed methods, their parts and config fields")
+    m.add_argument("--json", action="store_true", help="machine-readable output")
+    m.set_defaults(func=cmd_methods)
+
+    def model_args(sp):
+        sp.add_argument("--model", help="local mlx-lm model directory (default: the embedded Gemma 3 270M)")
+        sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="model dtype (auto: float32 on Linux CPU)")
+
+    g = sub.add_parser("generate", help="generate text with a bounded cache")
+    g.add_argument("prompt", nargs="?", help="the prompt ('-' or omitted: stdin)")
+    g.add_argument("--file", help="read the prompt from a file")
+    g.add_argument("--method", help='config string, e.g. "cam:budget=128,merge=mean" (default: cam)')
+    g.add_argument("--config", help="JSON or TOML file with the config")
+    g.add_argument("--budget", type=int, help="override the budget")
+    g.add_argument("--max-tokens", type=int, default=100)
+    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--json", action="store_true", help="print the summary as JSON (stderr)")
+    model_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="perplexity with bounded caches, token by token")
+    e.add_argument("--method", action="append",
+                   help="cache spec (repeatable): a config string, 'full' or 'rotating:budget=N' "
+                        f"(default: {' '.join(DEFAULT_COMPARISON)})")
+    e.add_argument("--config", help="JSON or TOML file with one more config")
+    e.add_argument("--budget", type=int, action="append", help="budget(s) applied to every bounded method")
+    e.add_argument("--tokens", type=int, default=512, help="tokens of text to evaluate (default 512)")
+    e.add_argument("--chunk", type=int, default=1, help="tokens fed per step (1: the StreamingLLM recipe)")
+    e.add_argument("--file", action="append", help="text file(s) to evaluate (default: pydoc topics)")
+    e.add_argument("--json", help="write results (with per-token NLL) to this file, '-' for stdout")
+    e.add_argument("--no-progress", action="store_true")
+    model_args(e)
+    e.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("convert", help="convert the embedded default model (or a Gemma 3 GGUF) once")
+    c.add_argument("--gguf", help="a Gemma 3 GGUF file to convert instead of the default model")
+    c.add_argument("--out", help="output directory (with --gguf)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    c.set_defaults(func=cmd_convert)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from .blas import load_optimized_blas
+
+    load_optimized_blas(quiet=True)
+    args = build_parser().parse_args(argv)
+    if getattr(args, "chunk", 1) is not None and getattr(args, "chunk", 1) < 1:
+        print("kvpolicy: error: --chunk must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if os.environ.get("KVPOLICY_DEBUG"):
+            raise
+        from .errors import KVPolicyError
+        from .model.default import ModelUnavailable
+
+        if isinstance(exc, (CLIError, KVPolicyError, ModelUnavailable, ValueError, FileNotFoundError)):
+            print(f"kvpolicy: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"kvpolicy: unexpected error: {type(exc).__name__}: {exc} (KVPOLICY_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

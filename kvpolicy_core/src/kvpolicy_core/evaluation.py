@@ -1,0 +1,134 @@
+"""Perplexity with a bounded cache (the StreamingLLM recipe) and the baseline caches to compare.
+
+A *cache spec* is a kvpolicy config (``"cam:budget=128"``), ``"full"`` (mlx-lm's
+``KVCache`` on every layer) or ``"rotating:budget=N"`` (mlx-lm's
+``RotatingKVCache(N, keep=4)`` on every layer: StreamingLLM's sinks + window).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from .builder import KVCacheBuilder
+from .cache import PolicyCache
+from .config import KVCacheConfig, parse_config, parse_config_string
+from .errors import ConfigError
+
+BASELINES = ("full", "rotating")
+
+
+def parse_spec(spec: Any):
+    """A cache spec -> ("full", None) | ("rotating", budget) | ("policy", KVCacheConfig)."""
+    if isinstance(spec, KVCacheConfig):
+        return "policy", spec
+    if isinstance(spec, str):
+        head = spec.strip().partition(":")[0].strip()
+        if head == "full":
+            if spec.strip() != "full":
+                raise ConfigError(f"'full' takes no options (got {spec!r})")
+            return "full", None
+        if head == "rotating":
+            fields = parse_config_string(spec)
+            budget = fields.pop("budget", 512)
+            fields.pop("method")
+            if fields:
+                raise ConfigError(f"rotating: unknown field(s) {', '.join(fields)}; accepted: budget")
+            if not isinstance(budget, int) or budget <= 4:
+                raise ConfigError(f"rotating_budget: must be an integer > 4 (keep=4 sinks) (got {budget!r})")
+            return "rotating", budget
+    return "policy", parse_config(spec)
+
+
+def spec_label(spec: Any) -> str:
+    kind, value = parse_spec(spec)
+    if kind == "full":
+        return "full"
+    if kind == "rotating":
+        return f"rotating:budget={value}"
+    return value.to_string()
+
+
+def make_caches(model, spec: Any) -> List[Any]:
+    """Fresh caches for one run of ``model`` under ``spec``."""
+    kind, value = parse_spec(spec)
+    if kind == "full":
+        return [KVCache() for _ in model.layers]
+    if kind == "rotating":
+        return [RotatingKVCache(max_size=value, keep=4) for _ in model.layers]
+    return KVCacheBuilder.for_model(model, value)
+
+
+def _per_token_bytes(keys: mx.array, values: mx.array) -> int:
+    B, H, _, D = keys.shape
+    return B * H * (D * keys.itemsize + values.shape[-1] * values.itemsize)
+
+
+def kv_bytes(caches: Sequence[Any]) -> Tuple[int, int]:
+    """(bytes of K/V tokens kept, bytes a full cache would hold) summed over layers, true dtypes."""
+    kept = full = 0
+    for c in caches:
+        if isinstance(c, PolicyCache):
+            kept += c.kept_bytes
+            full += c.full_seq_bytes
+        elif getattr(c, "keys", None) is not None:
+            per = _per_token_bytes(c.keys, c.values)
+            n = min(c.offset, c.max_size) if isinstance(c, RotatingKVCache) else c.offset
+            kept += n * per
+            full += c.offset * per
+    return kept, full
+
+
+def perplexity(model, ids: Sequence[int], spec: Any, chunk: int = 1, progress: bool = True,
+               desc: Optional[str] = None) -> Dict[str, Any]:
+    """Feed ``ids`` ``chunk`` tokens at a time through fresh caches; NLL of every next token.
+
+    Each token's NLL is read from the logits of the step that fed its predecessor, i.e.
+    before the cache is reduced for the next step. ``chunk=1`` is the StreamingLLM
+    recipe; larger chunks are faster (prefill-style) and reported separately.
+    """
+    caches = make_caches(model, spec)
+    tokens = mx.array(list(ids), dtype=mx.int32)
+    T = tokens.shape[0]
+    if T < 2:
+        raise ValueError("perplexity needs at least 2 tokens")
+    nll = np.zeros(T - 1, dtype=np.float64)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=T - 1, desc=desc or spec_label(spec), unit="tok", leave=False)
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for i in range(0, T - 1, chunk):
+        j = min(i + chunk, T - 1)
+        logits = model(tokens[None, i:j], cache=caches)[0].astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        step = -mx.take_along_axis(logp, tokens[i + 1 : j + 1, None], axis=-1)[:, 0]
+        nll[i:j] = np.array(step)
+        if bar is not None:
+            bar.update(j - i)
+    seconds = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    kept, full = kv_bytes(caches)
+    mean = float(nll.mean())
+    return {
+        "spec": spec_label(spec),
+        "tokens": T,
+        "chunk": chunk,
+        "nll": nll,
+        "perplexity": math.exp(mean),
+        "mean_nll": mean,
+        "seconds": seconds,
+        "tokens_per_s": (T - 1) / seconds,
+        "kv_bytes_kept": kept,
+        "kv_bytes_full": full,
+        "peak_memory": int(mx.get_peak_memory()),
+        "nan": bool(np.isnan(nll).any()),
+    }

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
-import pytest
-from mlx_lm.models import gemma3_text, llama
-from mlx_lm.models.cache import KVCache
+from kvpolicy_core.blas import load_optimized_blas
+
+load_optimized_blas(quiet=True)  # before mlx: the real-model tests need a fast BLAS
+
+import mlx.core as mx  # noqa: E402
+import pytest  # noqa: E402
+from mlx_lm.models import gemma3_text, llama  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
 
 VOCAB = 97
 

@@ -101,3 +101,11 @@ def test_configs_are_frozen():
     c = parse_config("h2o")
     with pytest.raises(Exception):
         c.seed = 5
+
+
+def test_json_round_trip_keeps_method_fields():
+    c = parse_config("cam:budget=64,merge=paper,m=8,gate=false,seed=2")
+    dumped = c.model_dump_json()
+    assert '"merge":"paper"' in dumped and '"merge_window":8' in dumped
+    data = c.model_dump()
+    assert parse_config({**{k: v for k, v in data.items() if k != "policy"}, **data["policy"]}) == c

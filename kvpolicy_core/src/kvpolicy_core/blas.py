@@ -41,9 +41,10 @@ def _candidates():
 def load_optimized_blas(quiet: bool = False) -> Optional[str]:
     """Load OpenBLAS with ``RTLD_GLOBAL`` so MLX's CPU matmuls use it; returns its path.
 
-    Does nothing (returns None) off Linux or when ``KVPOLICY_BLAS=off``. Warns when
-    ``mlx.core`` is already imported (then it is too late to take effect) and when no
-    optimised BLAS can be found.
+    Does nothing (returns None) off Linux or when ``KVPOLICY_BLAS=off``. Unless ``quiet``,
+    warns when ``mlx.core`` is already imported (then it is too late to take effect) and
+    when no optimised BLAS can be loaded (cmeel-openblas needs ``libgfortran.so.5``:
+    Debian/Ubuntu ``apt install libgfortran5``).
     """
     global _loaded
     if _loaded is not None:
@@ -51,6 +52,8 @@ def load_optimized_blas(quiet: bool = False) -> Optional[str]:
     if not sys.platform.startswith("linux") or os.environ.get("KVPOLICY_BLAS", "").lower() == "off":
         return None
     if "mlx.core" in sys.modules:
+        if quiet:
+            return None
         warnings.warn(
             "kvpolicy: load_optimized_blas() called after mlx.core was imported; MLX keeps the slow "
             "reference BLAS. Call it before importing mlx (the kvpolicy CLI does).",
@@ -67,8 +70,8 @@ def load_optimized_blas(quiet: bool = False) -> Optional[str]:
         return path
     if not quiet:
         warnings.warn(
-            "kvpolicy: no optimised BLAS found (pip install cmeel-openblas); MLX fp32 matmul on Linux "
-            "CPU will be ~28x slower",
+            "kvpolicy: no optimised BLAS could be loaded (pip install cmeel-openblas; it needs "
+            "libgfortran.so.5: apt install libgfortran5); MLX fp32 matmul on Linux CPU will be ~28x slower",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -21,7 +21,7 @@ import json
 import math
 from typing import Any, Dict, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
 from .errors import ConfigError
 
@@ -101,7 +101,7 @@ class KVCacheConfig(BaseModel):
     layers: Literal["all", "unbounded"] = Field(
         "all", description="'all' layers, or only layers whose native cache is unbounded."
     )
-    policy: PolicyConfig
+    policy: SerializeAsAny[PolicyConfig]
 
     def __init__(self, /, **data: Any) -> None:
         try:

@@ -1,0 +1,118 @@
+"""The kvpolicy CLI on a tiny random-weight model directory, including every error path."""
+
+import io
+import json
+
+import pytest
+
+from kvpolicy_core.cli import main
+
+
+def run(capsys, *argv, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_methods_lists_packages_parts_and_fields(capsys):
+    code, out, _ = run(capsys, "methods")
+    assert code == 0
+    assert "cam  (kvpolicy-cam 0.1.0)" in out and "h2o  (kvpolicy-h2o 0.1.0)" in out
+    assert "disposition=gated_merge" in out and "disposition=drop" in out
+    assert "budget = 512" in out and "merge = 'sim_weighted'" in out
+    code, out, _ = run(capsys, "methods", "--json")
+    data = {m["method"]: m for m in json.loads(out)["methods"]}
+    assert data["cam"]["fields"]["merge_gate"]["default"] is True and data["h2o"]["parts"]["selector"] == "lowest_score"
+
+
+def test_generate_from_argument_file_and_stdin(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    code, out, err = run(capsys, "generate", "hello world, a long prompt", "--model", str(tiny_model_dir),
+                         "--method", "cam:budget=8,n_sink=2", "--max-tokens", "12")
+    assert code == 0 and out.strip()
+    assert "[cam:budget=8,n_sink=2]" in err and "tok/s" in err and "KV kept" in err and "peak memory" in err
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("a prompt from a file that is long")
+    code, out, err = run(capsys, "generate", "--file", str(prompt), "--model", str(tiny_model_dir),
+                         "--method", "h2o:budget=8,n_sink=2", "--max-tokens", "5", "--json")
+    summary = json.loads(err.strip().splitlines()[-1])
+    assert code == 0 and summary["generation_tokens"] == 5 and summary["kv_bytes_kept"] <= summary["kv_bytes_full"]
+    assert summary["compression_ratio"] > 1
+    code, out, err = run(capsys, "generate", "--model", str(tiny_model_dir), "--max-tokens", "3", "--method", "full",
+                         stdin="from stdin", monkeypatch=monkeypatch)
+    assert code == 0 and "[full]" in err
+
+
+def test_eval_table_and_json(capsys, tiny_model_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    out_json = tmp_path / "r.json"
+    code, out, err = run(capsys, "eval", "--model", str(tiny_model_dir), "--file", str(text), "--tokens", "60",
+                         "--method", "full", "--method", "rotating", "--method", "cam:n_sink=2", "--budget", "12",
+                         "--budget", "24", "--json", str(out_json), "--no-progress")
+    assert code == 0
+    for label in ("full", "rotating:budget=12", "rotating:budget=24", "cam:budget=12,n_sink=2", "cam:budget=24,n_sink=2"):
+        assert label in out
+    data = json.loads(out_json.read_text())
+    assert data["tokens"] == 60 and len(data["results"]) == 5
+    full = data["results"][0]
+    assert full["spec"] == "full" and len(full["nll"]) == 59 and full["kv_bytes_kept"] == full["kv_bytes_full"]
+    assert all(r["kv_bytes_kept"] < full["kv_bytes_kept"] for r in data["results"][1:])
+
+
+def test_eval_chunked_mode_and_config_files(capsys, tiny_model_dir, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('method = "cam"\nbudget = 16\nn_sink = 2\nmerge = "mean"\n')
+    code, out, _ = run(capsys, "eval", "--model", str(tiny_model_dir), "--config", str(cfg), "--tokens", "40",
+                       "--chunk", "8", "--no-progress")
+    assert code == 0 and "cam:budget=16,n_sink=2,merge=mean" in out and "chunk: 8" in out
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"method": "h2o", "h2o_budget": 16, "h2o_n_sink": 2}')
+    code, out, _ = run(capsys, "eval", "--model", str(tiny_model_dir), "--config", str(cfg), "--tokens", "30",
+                       "--no-progress", "--json", "-")
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["results"][0]["spec"] == "h2o:budget=16,n_sink=2"
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["eval", "--method", "snapkv"], "unknown method 'snapkv'; installed methods: cam, h2o"),
+        (["eval", "--method", "cam:merge=avg"], "cam_merge: Input should be"),
+        (["eval", "--method", "cam:budget"], "item 1 'budget' is not key=value"),
+        (["eval", "--method", "rotating:budget=3"], "rotating_budget"),
+        (["eval", "--method", "rotating:size=3"], "unknown field"),
+        (["eval", "--method", "full:budget=3"], "'full' takes no options"),
+        (["eval", "--file", "/nonexistent.txt"], "corpus file not found"),
+        (["eval", "--tokens", "1"], "--tokens must be at least 2"),
+        (["eval", "--chunk", "0"], "--chunk must be >= 1"),
+        (["eval", "--config", "/nonexistent.json"], "no such file"),
+        (["generate", "x", "--method", "cam", "--config", "c.json"], "either --method or --config"),
+        (["generate", "--file", "/nonexistent.txt"], "no such file"),
+        (["generate", "x", "--model", "/tmp"], "not an mlx-lm model directory"),
+        (["generate", "x", "--method", "h2o:budget=4,n_sink=4"], "budget must be greater than n_sink + recent"),
+    ],
+)
+def test_errors_are_one_clear_line(capsys, argv, needle, tiny_model_dir):
+    if "--model" not in argv and argv[0] in ("eval", "generate") and "--file" not in argv[:2]:
+        argv = argv + ["--model", str(tiny_model_dir)]
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvpolicy: error:") and needle in lines[0], err
+
+
+def test_bad_config_files_are_clear(capsys, tmp_path, tiny_model_dir):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    code, _, err = run(capsys, "eval", "--config", str(bad), "--model", str(tiny_model_dir))
+    assert code == 2 and "invalid JSON at line 1" in err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("method = ")
+    code, _, err = run(capsys, "eval", "--config", str(bad), "--model", str(tiny_model_dir))
+    assert code == 2 and "invalid TOML" in err
+
+
+def test_no_prompt_is_an_error(capsys, tiny_model_dir, monkeypatch):
+    code, _, err = run(capsys, "generate", "--model", str(tiny_model_dir), stdin="", monkeypatch=monkeypatch)
+    assert code == 2 and "no prompt" in err

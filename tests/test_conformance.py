@@ -1,0 +1,31 @@
+"""The test kit's conformance suite over every method this repository ships: one shared matrix."""
+
+import pytest
+
+from kvpolicy_core.testing import PolicyConformance, run_conformance
+
+SHIPPED = [
+    "h2o:budget=16,n_sink=2",
+    "h2o:budget=16,n_sink=2,signal=observed,recent=0",
+    "cam:budget=16,n_sink=2",
+    "cam:budget=16,n_sink=2,merge=mean,gate=false,keys=true",
+    "cam:budget=16,n_sink=2,merge=drop",
+    "cam:budget=16,n_sink=2,merge=paper,m=4",
+    "cam:budget=16,n_sink=2,signal=observed",
+]
+
+
+@pytest.fixture(params=SHIPPED, ids=lambda m: m.replace(":", "-"))
+def _method(request):
+    return request.param
+
+
+class TestShippedMethods(PolicyConformance):
+    @pytest.fixture(autouse=True)
+    def _use(self, _method):
+        self.method = _method
+
+
+def test_run_conformance_helper_runs_every_check():
+    names = run_conformance("h2o:budget=12,n_sink=2")
+    assert "test_budget_held_and_sinks_kept" in names and len(names) >= 6

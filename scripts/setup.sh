@@ -18,6 +18,7 @@ fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q -e "kvpolicy_core[model,bench,test]" -e kvpolicy_h2o -e kvpolicy_cam 2>&1 \
+.venv/bin/python -m pip install -q -e "kvpolicy_core[model,bench,test]" -e kvpolicy_h2o -e kvpolicy_cam \
+  -e examples/kvpolicy-streaming 2>&1 \
   | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import kvpolicy_core, kvpolicy_h2o, kvpolicy_cam" || { echo "setup: install failed" >&2; exit 1; }

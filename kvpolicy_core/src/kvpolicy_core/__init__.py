@@ -38,6 +38,10 @@ _EXPORTS = {
     "Scorer": "parts.base",
     "Selector": "parts.base",
     "Disposition": "parts.base",
+    "observed_weights": "parts.cumulative_attention",
+    "masked_softmax": "parts.cumulative_attention",
+    "causal_allowed": "parts.cumulative_attention",
+    "pick_lowest": "parts.lowest_score",
 }
 
 __all__ = sorted(_EXPORTS)

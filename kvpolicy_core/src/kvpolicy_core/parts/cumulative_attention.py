@@ -9,7 +9,7 @@ import mlx.core as mx
 from .base import CacheView, Scorer
 
 
-def _masked_softmax(logits: mx.array, allowed: mx.array) -> mx.array:
+def masked_softmax(logits: mx.array, allowed: mx.array) -> mx.array:
     """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give 0."""
     neg = mx.array(-math.inf, dtype=logits.dtype)
     probs = mx.softmax(mx.where(allowed, logits, neg), axis=-1, precise=True)
@@ -38,14 +38,14 @@ def observed_weights(queries: mx.array, keys: mx.array, scale: float, mask) -> m
     if mask is None:
         return mx.softmax(logits, axis=-1, precise=True)
     if isinstance(mask, str):
-        return _masked_softmax(logits, causal_allowed(S, L))
+        return masked_softmax(logits, causal_allowed(S, L))
     m = mask
     if m.ndim == 4:
         m = m.reshape(m.shape[0], H, rep, S, L) if m.shape[1] == Hq and Hq > 1 else m[:, :, None]
         if m.shape[1] == 1 and H > 1:
             m = mx.broadcast_to(m, (m.shape[0], H) + m.shape[2:])
     if m.dtype == mx.bool_:
-        return _masked_softmax(logits, m)
+        return masked_softmax(logits, m)
     return mx.softmax(logits + m.astype(mx.float32), axis=-1, precise=True)
 
 
@@ -86,7 +86,7 @@ class CumulativeAttentionScorer(Scorer):
         k = view.keys.astype(mx.float32)
         logits = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(D))  # [B, H, S, L]
         allowed = view.positions[:, :, None, :] < new_positions[None, None, :, None]
-        return view.scores + _masked_softmax(logits, allowed).sum(axis=2)
+        return view.scores + masked_softmax(logits, allowed).sum(axis=2)
 
     def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:
         if self.signal != "observed":

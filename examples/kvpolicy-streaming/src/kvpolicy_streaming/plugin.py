@@ -1,0 +1,26 @@
+"""Registers the parts and the two methods through kvpolicy's hooks."""
+
+from kvpolicy_core import MethodSpec, hookimpl
+
+from .config import StreamingConfig, TovaConfig
+from .current_attention import CurrentAttentionScorer
+from .oldest import ConstantScorer, OldestSelector
+
+
+@hookimpl
+def register_scorers(register):
+    register("constant", ConstantScorer)
+    register("current_attention", CurrentAttentionScorer)
+
+
+@hookimpl
+def register_selectors(register):
+    register("oldest", OldestSelector)
+
+
+@hookimpl
+def register_methods(register):
+    register(MethodSpec("streamingllm", StreamingConfig, "constant", "oldest", "drop",
+                        description="StreamingLLM: attention sinks + the most recent tokens."))
+    register(MethodSpec("tova", TovaConfig, "current_attention", "lowest_score", "drop",
+                        description="TOVA: evict the token the current query attends to least."))

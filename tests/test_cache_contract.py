@@ -107,7 +107,7 @@ def test_contract_surface(tmp_path):
     assert cache.is_trimmable() and cache.trim(2) == 2 and cache.offset == 4 and cache.size() == 4
     cache.update_and_fetch(*random_kv(S=10, seed=3, dtype=mx.float16))
     assert not cache.is_trimmable() and cache.trim(1) == 0
-    keys, values, positions, scores = cache.state
+    keys, values, positions, scores = cache.state[:4]
     assert keys.dtype == mx.float16 and keys.shape == (2, 3, 8, 8) and positions.shape == scores.shape == (2, 3, 8)
     clone = PolicyCache.from_state(cache.state, cache.meta_state)
     assert clone.offset == 14 and clone.tokens_kept == 8 and clone.policy.config == cache.policy.config

@@ -34,7 +34,8 @@ def merge_targets(view: CacheView, losers: mx.array, n_sink: int):
 
     Returns (target [B, H, E] int32, cos [B, H, E] float32, has_target [B, H, E] bool).
     Excluded: sinks (positions < n_sink), every loser of this step (its own slot
-    included) and tokens outside a sliding window. No candidate -> has_target False.
+    included), tokens outside a sliding window and non-finite similarities. No
+    candidate -> has_target False.
     """
     L = view.keys.shape[2]
     kn = unit(view.keys)
@@ -42,10 +43,15 @@ def merge_targets(view: CacheView, losers: mx.array, n_sink: int):
     invalid = (view.positions < n_sink) | loser_mask(losers, L)
     if view.dead is not None:
         invalid = invalid | view.dead
-    sim = mx.where(invalid[:, :, None, :], mx.array(-math.inf, mx.float32), sim)
+    sim = mx.where(invalid[:, :, None, :] | mx.isnan(sim), mx.array(-math.inf, mx.float32), sim)
     target = mx.argmax(sim, axis=-1).astype(mx.int32)
     cos = mx.take_along_axis(sim, target[..., None], axis=-1)[..., 0]
     return target, cos, cos > -math.inf
+
+
+def finite_rows(x: mx.array, idx: mx.array) -> mx.array:
+    """bool [B, H, E]: the rows ``idx`` of x [B, H, L, D] are all finite."""
+    return mx.isfinite(take(x, idx)).all(axis=-1)
 
 
 def gate_probability(s_loser: mx.array, s_target: mx.array) -> mx.array:
@@ -74,7 +80,8 @@ class GatedMergeDisposition(Disposition):
     losers of one chunk sharing a target it is the convex combination of all of them
     (normalised when the weights sum past 1), independent of the losers' order.
     Mass transfer: ``s_t' = s_t + sum_{l -> t} M_l s_l``. The losers are then removed.
-    Losers outside a sliding window (``view.dead``) are dropped, not merged.
+    Losers outside a sliding window (``view.dead``) and losers with a non-finite key or value
+    are dropped, not merged: a finite survivor never absorbs NaN or Inf.
     """
 
     def __init__(self, n_sink: int = 4, mode: str = "sim_weighted", gate: bool = True, merge_keys: bool = False):
@@ -88,6 +95,7 @@ class GatedMergeDisposition(Disposition):
 
     def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> MergeUpdate:
         target, cos, has_target = merge_targets(view, losers, self.n_sink)
+        has_target = has_target & finite_rows(view.keys, losers) & finite_rows(view.values, losers)
         s_l, s_t = take(view.scores, losers), take(view.scores, target)
         if view.dead is not None:
             has_target = has_target & ~take(view.dead, losers)
@@ -103,8 +111,9 @@ class GatedMergeDisposition(Disposition):
         w_sum = mx.zeros((B, H, L), mx.float32).at[bi, hi, target].add(w)
         coef = (w / mx.maximum(take(w_sum, target), 1.0))[..., None]
 
-        def delta(x):
-            return (coef * (take(x, losers).astype(mx.float32) - take(x, target).astype(mx.float32))).astype(x.dtype)
+        def delta(x):  # where(), not a product: 0 * NaN would still be NaN
+            d = coef * (take(x, losers).astype(mx.float32) - take(x, target).astype(mx.float32))
+            return mx.where(merge[..., None], d, 0.0).astype(x.dtype)
 
         return MergeUpdate(
             targets=target,

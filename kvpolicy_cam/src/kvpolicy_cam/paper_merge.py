@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
 
-from .gated_merge import bernoulli, gate_probability, loser_mask, take
+from .gated_merge import bernoulli, finite_rows, gate_probability, loser_mask, take
 
 _INT_MAX = 2**31 - 1
 
@@ -22,7 +22,7 @@ class PaperMergeDisposition(Disposition):
         v_j' = v_j + M * v_l / m                          for j in N(l)
 
     Keys and scores are untouched (as in the paper's code). A loser with no following
-    survivor is dropped. Not normalised: ``m`` stays the divisor when |N(l)| < m.
+    survivor, or with a non-finite value, is dropped. Not normalised: ``m`` stays the divisor when |N(l)| < m.
     """
 
     def __init__(self, m: int = 16, gate: bool = True) -> None:
@@ -50,14 +50,15 @@ class PaperMergeDisposition(Disposition):
         count = valid.sum(axis=-1)
         mean_next = mx.where(valid, s_next, 0.0).sum(axis=-1) / mx.maximum(count, 1)
         s_l = take(view.scores, losers)
-        has = count > 0
+        has = (count > 0) & finite_rows(view.values, losers)
         if self.gate:
             merge = has & bernoulli(gate_probability(s_l, mean_next), key)
             draws = has.sum()
         else:
             merge, draws = has, mx.array(0)
         v_l = take(view.values, losers).astype(mx.float32)  # [B, H, E, Dv]
-        add = (merge[..., None, None] & valid[..., None]) * (v_l[:, :, :, None, :] / self.m)  # [B,H,E,k,Dv]
+        mask = (merge[..., None] & valid)[..., None]  # [B, H, E, k, 1]
+        add = mx.where(mask, v_l[:, :, :, None, :] / self.m, 0.0)  # [B, H, E, k, Dv]
         return MergeUpdate(
             targets=nxt_flat,
             d_keys=None,

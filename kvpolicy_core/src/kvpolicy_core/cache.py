@@ -28,8 +28,8 @@ exact after evictions without any re-rotation.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -72,18 +72,20 @@ class PolicyCache:
         self._check_input(keys, values)
         self._check_observation()
         S = keys.shape[2]
-        over = self.n - self.budget
-        if over == 1 and S == 1:
-            losers = self._evict(1)
-            self._write_into(losers, keys, values)
-        else:
-            if over > 0:
-                self._compact(over)
-            self._append(keys, values)
-        self.offset += S
-        new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
-        self.scores = self._call("scorer", self.policy.scorer.on_append, self._view(S), keys, new_positions)
-        self._attended = False
+        with self._transaction():
+            over = self.n - self.budget
+            if over == 1 and S == 1:
+                losers = self._evict(1)
+                self._write_into(losers, keys, values)
+            else:
+                if over > 0:
+                    self._compact(over)
+                self._append(keys, values)
+            self.offset += S
+            new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
+            scores = self._call("scorer", self.policy.scorer.on_append, self._view(S), keys, new_positions)
+            self._set_scores(scores)
+            self._attended = False
         mx.async_eval(self.scores, self._stats)  # keep the score graph one step deep
         return self.keys[..., : self.n, :], self.values[..., : self.n, :]
 
@@ -103,11 +105,16 @@ class PolicyCache:
 
     @property
     def state(self):
+        """(keys, values, positions, scores, meta JSON) of the retained tokens, settled.
+
+        The JSON carries the config, offset, layer, window and counters, so mlx-lm's own
+        ``save_prompt_cache``/``load_prompt_cache`` round-trip a kvpolicy cache.
+        """
         self.settle()
         if self.keys is None:
             return []
         n = self.n
-        return self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n], self.scores
+        return self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n], self.scores, self._meta_json()
 
     @state.setter
     def state(self, v) -> None:
@@ -115,26 +122,37 @@ class PolicyCache:
             self.keys = self.values = self.positions = self.scores = None
             self.n = 0
             return
-        self.keys, self.values, self.positions, self.scores = v
+        self.keys, self.values, self.positions, self.scores = v[:4]
         self.n = self.keys.shape[2]
+        if len(v) > 4:
+            meta = json.loads(v[4])
+            self.offset = int(meta["offset"])
+            self._stats = mx.array(meta.get("stats", [0, 0]), dtype=mx.int32)
+
+    def _meta_json(self) -> str:
+        return json.dumps({
+            "config": json.loads(self.policy.config.model_dump_json()),
+            "offset": self.offset,
+            "layer": self.layer,
+            "window": self.window,
+            "stats": self._stats.tolist(),
+        })
 
     @property
     def meta_state(self):
-        return (
-            self.policy.config.model_dump_json(),
-            str(self.offset),
-            str(self.layer),
-            "" if self.window is None else str(self.window),
-        )
+        return (self._meta_json(),)
 
     @classmethod
-    def from_state(cls, state, meta_state):
-        config, offset, layer, window = meta_state
-        data = json.loads(config)
-        data = {**{k: v for k, v in data.items() if k != "policy"}, **data["policy"]}
-        obj = cls(data, layer=int(layer), window=int(window) if window else None)
-        obj.state = state
-        obj.offset = int(offset)
+    def from_state(cls, state, meta_state=None):
+        """Rebuild a cache from ``state`` (and optionally ``meta_state``); the config comes with them."""
+        meta_json = meta_state[0] if meta_state else (state[4] if len(state) > 4 else None)
+        if meta_json is None:
+            raise KVPolicyError("PolicyCache.from_state needs the meta JSON (state[4] or meta_state)")
+        meta = json.loads(meta_json)
+        data = dict(meta["config"])
+        data.update(data.pop("policy"))
+        obj = cls(data, layer=int(meta["layer"]), window=meta["window"])
+        obj.state = (*state[:4], meta_json)
         return obj
 
     def is_trimmable(self) -> bool:
@@ -227,7 +245,8 @@ class PolicyCache:
     def settle(self) -> None:
         """Apply a pending eviction now (after a step), so exactly ``budget`` tokens remain."""
         if self.n > self.budget:
-            self._compact(self.n - self.budget)
+            with self._transaction():
+                self._compact(self.n - self.budget)
 
     def __repr__(self) -> str:
         return (
@@ -246,7 +265,7 @@ class PolicyCache:
             mask = self._window_mask(queries.shape[1])
         if self.policy.scorer.needs_attention:
             view = self._view(queries.shape[2])
-            self.scores = self._call("scorer", self.policy.scorer.on_attention, view, queries, scale, mask)
+            self._set_scores(self._call("scorer", self.policy.scorer.on_attention, view, queries, scale, mask))
             mx.async_eval(self.scores)
         self._attended = True
         return mask
@@ -294,6 +313,33 @@ class PolicyCache:
                 "but the model's attention did not call it; build caches with "
                 "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
             )
+
+    _FIELDS = ("keys", "values", "positions", "scores", "n", "offset", "_stats", "_attended")
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """All-or-nothing: if a part (or anything) raises, the cache is left exactly as before.
+
+        Every update below is functional (MLX arrays are values), so keeping references is a
+        complete snapshot.
+        """
+        saved = {name: getattr(self, name) for name in self._FIELDS}
+        try:
+            yield
+        except BaseException:
+            for name, value in saved.items():
+                setattr(self, name, value)
+            raise
+
+    def _set_scores(self, scores: mx.array) -> None:
+        """Store a scorer's result; must be [B, H, n]. NaN scores (from non-finite keys) count as 0."""
+        if not isinstance(scores, mx.array) or scores.shape != (*self.keys.shape[:2], self.n):
+            raise PluginError(
+                f"layer {self.layer}: {self.policy.owners['scorer']} returned scores of shape "
+                f"{getattr(scores, 'shape', type(scores).__name__)}, expected {(*self.keys.shape[:2], self.n)}"
+            )
+        scores = scores.astype(mx.float32)
+        self.scores = mx.where(mx.isnan(scores), mx.zeros_like(scores), scores)
 
     def _view(self, n_new: int) -> CacheView:
         n = self.n
@@ -385,8 +431,21 @@ class PolicyCache:
                 self.values = mx.concatenate([self.values[..., :n, :], v_new], axis=2)
                 self.positions = mx.concatenate([self.positions[..., :n], p_new], axis=2)
         n = self.n
-        self.keys[..., n:need, :] = keys
-        self.values[..., n:need, :] = values
-        self.positions[..., n:need] = mx.arange(self.offset, self.offset + S, dtype=mx.int32)
+        at = mx.array([0, 0, n, 0])
+        self.keys = mx.slice_update(self.keys, keys, at, axes=(0, 1, 2, 3))
+        self.values = mx.slice_update(self.values, values, at, axes=(0, 1, 2, 3))
+        new_pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
+        self.positions = mx.slice_update(self.positions, new_pos, at[:3], axes=(0, 1, 2))
         self.scores = mx.concatenate([self.scores[..., :n], mx.zeros((B, H, S), mx.float32)], axis=2)
         self.n = need
+
+
+def _register_with_mlx_lm() -> None:
+    """Let mlx-lm's ``load_prompt_cache`` (which looks classes up by name in its own module) find us."""
+    import mlx_lm.models.cache as mlx_cache
+
+    if getattr(mlx_cache, "PolicyCache", None) is not PolicyCache:
+        mlx_cache.PolicyCache = PolicyCache
+
+
+_register_with_mlx_lm()

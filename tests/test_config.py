@@ -32,7 +32,7 @@ def test_defaults_match_the_specification():
     c = parse_config("cam")
     p = c.policy
     assert (p.budget, p.n_sink, p.merge, p.merge_gate, p.merge_keys) == (512, 4, "sim_weighted", True, False)
-    assert p.signal == "proxy" and p.recent_tokens == 128
+    assert p.signal == "proxy" and p.recent_tokens == 256
 
 
 def test_unknown_method_lists_installed_and_names_package():

@@ -65,6 +65,7 @@ class PolicyCache:
         self._stats = mx.zeros((2,), dtype=mx.int32)  # gate draws, merges
         self._attended = True
         self._last_S = 0
+        self._updates = 0
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -86,7 +87,7 @@ class PolicyCache:
             scores = self._call("scorer", self.policy.scorer.on_append, self._view(S), keys, new_positions)
             self._set_scores(scores)
             self._attended = False
-        mx.async_eval(self.scores, self._stats)  # keep the score graph one step deep
+        self._bound_graph()
         return self.keys[..., : self.n, :], self.values[..., : self.n, :]
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
@@ -266,7 +267,7 @@ class PolicyCache:
         if self.policy.scorer.needs_attention:
             view = self._view(queries.shape[2])
             self._set_scores(self._call("scorer", self.policy.scorer.on_attention, view, queries, scale, mask))
-            mx.async_eval(self.scores)
+            self._bound_graph()
         self._attended = True
         return mask
 
@@ -330,6 +331,20 @@ class PolicyCache:
             for name, value in saved.items():
                 setattr(self, name, value)
             raise
+
+    def _bound_graph(self) -> None:
+        """Keep the lazy graph of scores and counters bounded over long runs.
+
+        Once over budget, the next step's eviction (hence the model's output) depends on the
+        scores, so they are evaluated with the output every step. Below the budget nothing
+        depends on them yet: evaluate them asynchronously. Counters depend only on small,
+        already evaluated arrays: evaluate them every 256 updates.
+        """
+        self._updates += 1
+        if self.n <= self.budget:
+            mx.async_eval(self.scores)
+        if self._updates % 256 == 0:
+            mx.async_eval(self._stats)
 
     def _set_scores(self, scores: mx.array) -> None:
         """Store a scorer's result; must be [B, H, n]. NaN scores (from non-finite keys) count as 0."""

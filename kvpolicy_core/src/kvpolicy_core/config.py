@@ -31,8 +31,9 @@ COMMON_FIELDS = ("method", "head_dim", "seed", "layers")
 class PolicyConfig(BaseModel):
     """Fields shared by every budgeted eviction method.
 
-    ``recent=None`` (the default) protects ``budget // 4`` of the most recent tokens;
-    this default was chosen from a measurement on the default model (docs/methods/h2o.md).
+    ``recent=None`` (the default) protects ``budget // 2`` of the most recent tokens (the
+    official H2O's half heavy hitters, half recent split); chosen from a measurement on the
+    default model, ``benchmarks/recent_window.py`` (docs/methods/h2o.md).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -40,7 +41,7 @@ class PolicyConfig(BaseModel):
     budget: int = Field(512, ge=1, description="Maximum tokens kept per layer, sinks included.")
     n_sink: int = Field(4, ge=0, description="First absolute positions that are never evicted.")
     recent: Optional[int] = Field(
-        None, ge=0, description="Most recent tokens protected from eviction (None: budget // 4)."
+        None, ge=0, description="Most recent tokens protected from eviction (None: budget // 2)."
     )
     signal: Literal["proxy", "observed"] = Field(
         "proxy",
@@ -49,8 +50,11 @@ class PolicyConfig(BaseModel):
 
     @property
     def recent_tokens(self) -> int:
-        """The protected recent window actually used (``recent`` or ``budget // 4``)."""
-        return self.budget // 4 if self.recent is None else self.recent
+        """The protected recent window actually used: ``recent``, or ``budget // 2`` capped at
+        ``budget - n_sink - 1`` so that a token stays evictable."""
+        if self.recent is None:
+            return max(0, min(self.budget // 2, self.budget - self.n_sink - 1))
+        return self.recent
 
     @model_validator(mode="after")
     def _leave_room_to_evict(self):

@@ -1,0 +1,94 @@
+"""Soak: thousands of decode steps per bounded policy on a tiny model; memory and step time stay flat.
+
+    python benchmarks/soak.py [--tokens 4000] [--seconds 600]
+    python benchmarks/soak.py --smoke                       # 300 tokens (the test suite runs this)
+
+Feeds tokens one at a time (the model's own greedy choices) through a tiny random-weight llama with
+each bounded policy and with mlx-lm's full KVCache for contrast. Every ``--every`` steps it records
+the mean step time and MLX active memory. Flat means: last window / first window (after warm-up)
+close to 1 for time and memory. Stops a policy early when ``--seconds`` (per policy) runs out.
+Writes benchmarks/results/soak.json and soak.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from _common import RESULTS, mx, write_json
+
+from kvpolicy_core.evaluation import make_caches
+from kvpolicy_core.testing import tiny_llama
+
+POLICIES = ["full", "h2o:budget=256", "cam:budget=256", "cam:budget=256,merge=paper", "h2o:budget=256,signal=observed"]
+
+
+def soak(model, spec, tokens, every, seconds):
+    caches = make_caches(model, spec)
+    tok = mx.array([[1]])
+    points, t_window, start = [], 0.0, time.perf_counter()
+    mx.eval(model(tok, cache=caches))
+    for step in range(1, tokens + 1):
+        t = time.perf_counter()
+        logits = model(tok, cache=caches)
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(tok)
+        t_window += time.perf_counter() - t
+        if step % every == 0:
+            points.append({"step": step, "ms_per_step": 1e3 * t_window / every, "active_mb": mx.get_active_memory() / 2**20})
+            t_window = 0.0
+            if time.perf_counter() - start > seconds:
+                break
+    first, last = points[1] if len(points) > 2 else points[0], points[-1]
+    return {
+        "spec": spec, "steps": points[-1]["step"], "points": points,
+        "time_ratio_last_first": last["ms_per_step"] / first["ms_per_step"],
+        "memory_growth_mb": last["active_mb"] - first["active_mb"],
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4000)
+    p.add_argument("--every", type=int, default=100)
+    p.add_argument("--seconds", type=float, default=600)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+    if args.smoke:
+        args.tokens, args.every = 300, 50
+    model = tiny_llama(n_kv_heads=2, n_heads=4, layers=4)
+    runs = []
+    for spec in POLICIES:
+        r = soak(model, spec.replace("256", "64") if args.smoke else spec, args.tokens, args.every, args.seconds)
+        runs.append(r)
+        print(f"{r['spec']:40} steps {r['steps']:5d}  time last/first {r['time_ratio_last_first']:.2f}  "
+              f"memory growth {r['memory_growth_mb']:+.2f} MB", flush=True)
+    out = Path(args.out)
+    path = write_json("soak" + ("_smoke" if args.smoke else ""), {"tokens": args.tokens, "runs": runs}, out)
+    if not args.smoke:
+        plot(runs, out / "soak.png")
+    print(f"wrote {path}")
+
+
+def plot(runs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        steps = [p["step"] for p in r["points"]]
+        ax[0].plot(steps, [p["ms_per_step"] for p in r["points"]], label=r["spec"])
+        ax[1].plot(steps, [p["active_mb"] for p in r["points"]], label=r["spec"])
+    ax[0].set(xlabel="decode step", ylabel="ms / step", title="step time (tiny llama, 4 layers)")
+    ax[1].set(xlabel="decode step", ylabel="MLX active memory (MB)", title="memory")
+    ax[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

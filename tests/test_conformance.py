@@ -12,6 +12,7 @@ SHIPPED = [
     "cam:budget=16,n_sink=2,merge=drop",
     "cam:budget=16,n_sink=2,merge=paper,m=4",
     "cam:budget=16,n_sink=2,signal=observed",
+    "random:budget=16,n_sink=2,salt=3",
 ]
 
 

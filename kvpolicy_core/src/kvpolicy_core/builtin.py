@@ -4,11 +4,14 @@ from .hookspecs import hookimpl
 from .parts.cumulative_attention import CumulativeAttentionScorer
 from .parts.drop import DropDisposition
 from .parts.lowest_score import LowestScoreSelector
+from .parts.random_score import RandomConfig, RandomScorer
+from .registry import MethodSpec
 
 
 @hookimpl
 def register_scorers(register):
     register("cumulative_attention", CumulativeAttentionScorer)
+    register("random", RandomScorer)
 
 
 @hookimpl
@@ -19,3 +22,9 @@ def register_selectors(register):
 @hookimpl
 def register_dispositions(register):
     register("drop", DropDisposition)
+
+
+@hookimpl
+def register_methods(register):
+    register(MethodSpec("random", RandomConfig, "random", "lowest_score", "drop",
+                        description="Random eviction among unprotected tokens: the floor any policy must beat."))

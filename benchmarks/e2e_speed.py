@@ -1,0 +1,115 @@
+"""End-to-end speed and memory on the default model: full cache, StreamingLLM, H2O and CaM.
+
+    python benchmarks/e2e_speed.py [--prompt 512] [--decode 128] [--budget 256]
+    python benchmarks/e2e_speed.py --long 3000      # also a long generation: memory and step time
+    python benchmarks/e2e_speed.py --smoke          # tiny random model
+
+Measured in one run, one method after the other: prefill tokens/s (the prompt in one chunk),
+decode tokens/s, ratios to the full cache, KV bytes kept and peak memory (mx.get_peak_memory).
+``--long N`` decodes N tokens per method recording step time and active memory every 100 steps.
+Writes benchmarks/results/e2e_speed.json (and e2e_long.png with --long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from _common import RESULTS, mx, write_json
+
+from kvpolicy_core.evaluation import kv_bytes, make_caches
+
+
+def load(smoke):
+    if smoke:
+        from kvpolicy_core.testing import tiny_llama
+
+        return tiny_llama(layers=4)
+    import mlx_lm
+
+    from kvpolicy_core.model.default import ensure_default_model
+
+    return mlx_lm.load(str(ensure_default_model()))[0]
+
+
+def run(model, spec, prompt, decode, every=100):
+    caches = make_caches(model, spec)
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    logits = model(prompt, cache=caches)
+    tok = mx.argmax(logits[:, -1:], axis=-1)
+    mx.eval(tok)
+    t_prefill = time.perf_counter() - t
+    points, t0, window = [], time.perf_counter(), time.perf_counter()
+    for step in range(1, decode + 1):
+        tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
+        mx.eval(tok)
+        if step % every == 0:
+            now = time.perf_counter()
+            points.append({"step": step, "ms_per_step": 1e3 * (now - window) / every, "active_mb": mx.get_active_memory() / 2**20})
+            window = now
+    t_decode = time.perf_counter() - t0
+    kept, full = kv_bytes(caches)
+    return {"spec": spec, "prefill_tps": prompt.shape[1] / t_prefill, "decode_tps": decode / t_decode,
+            "kv_bytes_kept": kept, "kv_bytes_full": full, "peak_memory_mb": mx.get_peak_memory() / 2**20, "points": points}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--decode", type=int, default=128)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--long", type=int, default=0)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+    if args.smoke:
+        args.prompt, args.decode, args.budget, args.long = 64, 16, 32, 0
+    model = load(args.smoke)
+    prompt = mx.random.randint(0, 1000 if not args.smoke else 97, (1, args.prompt), key=mx.random.key(0))
+    specs = ["full", f"rotating:budget={args.budget}", f"h2o:budget={args.budget}", f"cam:budget={args.budget}"]
+    run(model, specs[0], prompt[:, :16], 4)  # warm-up
+    rows = [run(model, s, prompt, args.decode) for s in specs]
+    base = rows[0]
+    for r in rows:
+        r["prefill_ratio"] = r["prefill_tps"] / base["prefill_tps"]
+        r["decode_ratio"] = r["decode_tps"] / base["decode_tps"]
+        print(f"{r['spec']:22} prefill {r['prefill_tps']:8.1f} tok/s (x{r['prefill_ratio']:.2f})  decode "
+              f"{r['decode_tps']:6.2f} tok/s (x{r['decode_ratio']:.2f})  KV {r['kv_bytes_kept'] / 2**20:.1f}/"
+              f"{r['kv_bytes_full'] / 2**20:.1f} MiB  peak {r['peak_memory_mb']:.0f} MB", flush=True)
+    long_rows = []
+    if args.long:
+        for s in specs:
+            r = run(model, s, prompt[:, :64], args.long)
+            long_rows.append(r)
+            pts = r["points"]
+            print(f"long {s:22} ms/step first {pts[0]['ms_per_step']:.1f} last {pts[-1]['ms_per_step']:.1f}  "
+                  f"active MB first {pts[0]['active_mb']:.0f} last {pts[-1]['active_mb']:.0f}", flush=True)
+        plot(long_rows, Path(args.out) / "e2e_long.png")
+    out = write_json("e2e_speed" + ("_smoke" if args.smoke else ""),
+                     {"prompt": args.prompt, "decode": args.decode, "budget": args.budget, "rows": rows, "long": long_rows},
+                     Path(args.out))
+    print(f"wrote {out}")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        s = [p["step"] for p in r["points"]]
+        ax[0].plot(s, [p["ms_per_step"] for p in r["points"]], label=r["spec"])
+        ax[1].plot(s, [p["active_mb"] for p in r["points"]], label=r["spec"])
+    ax[0].set(xlabel="decode step", ylabel="ms / token", title="long generation: step time")
+    ax[1].set(xlabel="decode step", ylabel="MLX active memory (MB)", title="long generation: memory")
+    ax[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

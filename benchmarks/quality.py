@@ -1,0 +1,172 @@
+"""Model-level quality: perplexity of the default model on the default corpus with bounded caches.
+
+    python benchmarks/quality.py --mode token --tokens 2048 --budgets 256
+    python benchmarks/quality.py --mode chunked --chunk 256 --tokens 2048 --budgets 128,256,512,1024 --seeds 3
+    python benchmarks/quality.py --smoke          # tiny random model (the test suite runs this)
+
+``token`` mode is the StreamingLLM recipe: one token at a time, each token's NLL read before the
+cache is reduced. ``chunked`` mode feeds ``--chunk`` tokens per step (prefill-style, faster; each
+chunk attends to all of itself). Policies apply to all layers. Gated methods (CaM with the gate)
+run with ``--seeds`` seeds; the spread is reported. Writes quality_<mode>.json/.csv and plots
+(perplexity vs budget; running NLL vs position) under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+from _common import RESULTS, write_json
+
+from kvpolicy_core.evaluation import perplexity
+
+METHODS = {
+    "full": "full",
+    "streamingllm (mlx-lm rotating)": "rotating",
+    "random": "random",
+    "h2o proxy": "h2o",
+    "h2o observed": "h2o:signal=observed",
+    "cam sim_weighted gated": "cam",
+    "cam sim_weighted ungated": "cam:gate=false",
+    "cam mean gated": "cam:merge=mean",
+    "cam paper": "cam:merge=paper",
+}
+GATED = {"cam sim_weighted gated", "cam mean gated", "cam paper"}
+
+
+def spec_for(base: str, budget: int, seed: int) -> str:
+    if base == "full":
+        return "full"
+    if base == "rotating":
+        return f"rotating:budget={budget}"
+    sep = "," if ":" in base else ":"
+    extra = f",seed={seed}" if seed else ""
+    return f"{base}{sep}budget={budget}{extra}"
+
+
+def load(smoke: bool):
+    if smoke:
+        from kvpolicy_core.testing import tiny_llama
+
+        class Tok:
+            def encode(self, text):
+                return [ord(c) % 97 for c in text]
+
+        return tiny_llama(), Tok()
+    import mlx_lm
+
+    from kvpolicy_core.model.default import ensure_default_model
+
+    return mlx_lm.load(str(ensure_default_model()))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=["token", "chunked"], default="token")
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--budgets", default="256")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from: " + ", ".join(METHODS))
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+    if args.smoke:
+        args.tokens, args.budgets, args.seeds = 80, "16,32", 2
+    from kvpolicy_core.model.corpus import default_corpus
+
+    model, tok = load(args.smoke)
+    ids = tok.encode(default_corpus())[: args.tokens]
+    chunk = 1 if args.mode == "token" else args.chunk
+    budgets = [int(b) for b in args.budgets.split(",")]
+    names = [m.strip() for m in args.methods.split(",")]
+    out = Path(args.out)
+    tag = f"quality_{args.mode}" + ("_smoke" if args.smoke else "")
+    rows, curves = [], {}
+    base = perplexity(model, ids, "full", chunk=chunk, progress=False)
+    rows.append(row("full", None, 0, base, base))
+    curves["full"] = base["nll"]
+    print(f"full: ppl {base['perplexity']:.3f}", flush=True)
+    for budget in budgets:
+        for name in names:
+            if name == "full":
+                continue
+            seeds = range(args.seeds) if name in GATED else [0]
+            for seed in seeds:
+                r = perplexity(model, ids, spec_for(METHODS[name], budget, seed), chunk=chunk, progress=False)
+                rows.append(row(name, budget, seed, r, base))
+                if seed == 0 and budget == budgets[0]:
+                    curves[name] = r["nll"]
+                print(f"{name:28} budget {budget:5d} seed {seed}: ppl {r['perplexity']:8.3f} "
+                      f"({rows[-1]['delta_ppl_pct']:+.1f}%) {r['tokens_per_s']:.1f} tok/s", flush=True)
+                save(out, tag, args, ids, rows)
+    save(out, tag, args, ids, rows)
+    if not args.smoke:
+        plot(out / f"{tag}.png", rows, curves, budgets[0], len(ids))
+    print(f"wrote {out / (tag + '.json')}")
+
+
+def row(name, budget, seed, r, base):
+    return {
+        "method": name, "spec": r["spec"], "budget": budget, "seed": seed,
+        "compression": (len(r["nll"]) + 1) / budget if budget else 1.0,
+        "perplexity": r["perplexity"], "delta_ppl_pct": 100 * (r["perplexity"] / base["perplexity"] - 1),
+        "tokens_per_s": r["tokens_per_s"], "kv_bytes_kept": r["kv_bytes_kept"], "kv_bytes_full": r["kv_bytes_full"],
+        "peak_memory": r["peak_memory"], "nan": r["nan"],
+    }
+
+
+def summary(rows):
+    """Mean and spread over seeds per (method, budget)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["method"], r["budget"]), []).append(r["perplexity"])
+    return [{"method": m, "budget": b, "ppl_mean": float(np.mean(v)), "ppl_std": float(np.std(v)), "seeds": len(v)}
+            for (m, b), v in groups.items()]
+
+
+def save(out, tag, args, ids, rows):
+    write_json(tag, {"mode": args.mode, "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
+                     "rows": rows, "summary": summary(rows)}, out)
+    with open(out / f"{tag}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot(path, rows, curves, budget, T):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    full = next(r["perplexity"] for r in rows if r["method"] == "full")
+    for s in summary(rows):
+        pass
+    methods = sorted({r["method"] for r in rows if r["method"] != "full"})
+    for m in methods:
+        pts = sorted((s["budget"], s["ppl_mean"], s["ppl_std"]) for s in summary(rows) if s["method"] == m)
+        if pts:
+            b, mean, std = zip(*pts)
+            ax[0].errorbar(b, mean, yerr=std, marker="o", capsize=3, label=m)
+    ax[0].axhline(full, color="black", lw=1, ls="--", label="full cache")
+    ax[0].set(xscale="log", yscale="log", xlabel="budget (tokens per layer)", ylabel="perplexity",
+              title=f"perplexity vs budget ({T} tokens)")
+    ax[0].legend(fontsize=7)
+    k = 64
+    for m, nll in curves.items():
+        if len(nll) > k:
+            ax[1].plot(np.arange(k, len(nll) + 1), np.convolve(nll, np.ones(k) / k, mode="valid"), label=m, lw=1)
+    ax[1].axvline(budget, color="gray", lw=0.8, ls=":")
+    ax[1].set(xlabel="position", ylabel=f"NLL (moving average, {k})", title=f"running NLL, budget {budget}")
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

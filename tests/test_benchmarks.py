@@ -1,0 +1,30 @@
+"""Every benchmark program runs in its smoke configuration, so the scripts cannot rot.
+
+Benchmarks are programs, not timed tests: these only check that each one runs and writes its
+results, not what the numbers are.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize("script, result", [
+    ("step_cost.py", "step_cost_smoke.json"),
+    ("soak.py", "soak_smoke.json"),
+    ("quality.py", "quality_token_smoke.json"),
+    ("perturbation.py", "perturbation_smoke.json"),
+    ("blas_speedup.py", "blas_speedup_smoke.json"),
+    ("e2e_speed.py", "e2e_speed_smoke.json"),
+])
+def test_benchmark_smoke(tmp_path, script, result):
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / result).read_text())
+    assert data["versions"]["mlx"] and data["command"].startswith("python")

@@ -46,3 +46,22 @@ def timed(fn, repeat: int) -> float:
         samples.append(time.perf_counter() - t)
     samples.sort()
     return samples[len(samples) // 2]
+
+
+def plot_time_memory(runs, path: Path, title: str) -> None:
+    """Two panels over decode steps: ms per step and MLX active memory, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        steps = [p["step"] for p in r["points"]]
+        ax[0].plot(steps, [p["ms_per_step"] for p in r["points"]], label=r["spec"])
+        ax[1].plot(steps, [p["active_mb"] for p in r["points"]], label=r["spec"])
+    ax[0].set(xlabel="decode step", ylabel="ms / step", title=f"{title}: step time")
+    ax[1].set(xlabel="decode step", ylabel="MLX active memory (MB)", title=f"{title}: memory")
+    ax[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -16,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from _common import RESULTS, mx, write_json
+from _common import RESULTS, mx, plot_time_memory, write_json
 
 from kvpolicy_core.evaluation import kv_bytes, make_caches
 
@@ -86,29 +86,11 @@ def main():
             pts = r["points"]
             print(f"long {s:22} ms/step first {pts[0]['ms_per_step']:.1f} last {pts[-1]['ms_per_step']:.1f}  "
                   f"active MB first {pts[0]['active_mb']:.0f} last {pts[-1]['active_mb']:.0f}", flush=True)
-        plot(long_rows, Path(args.out) / "e2e_long.png")
+        plot_time_memory(long_rows, Path(args.out) / "e2e_long.png", "long generation")
     out = write_json("e2e_speed" + ("_smoke" if args.smoke else ""),
                      {"prompt": args.prompt, "decode": args.decode, "budget": args.budget, "rows": rows, "long": long_rows},
                      Path(args.out))
     print(f"wrote {out}")
-
-
-def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for r in rows:
-        s = [p["step"] for p in r["points"]]
-        ax[0].plot(s, [p["ms_per_step"] for p in r["points"]], label=r["spec"])
-        ax[1].plot(s, [p["active_mb"] for p in r["points"]], label=r["spec"])
-    ax[0].set(xlabel="decode step", ylabel="ms / token", title="long generation: step time")
-    ax[1].set(xlabel="decode step", ylabel="MLX active memory (MB)", title="long generation: memory")
-    ax[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

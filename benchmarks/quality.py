@@ -145,8 +145,6 @@ def plot(path, rows, curves, budget, T):
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     full = next(r["perplexity"] for r in rows if r["method"] == "full")
-    for s in summary(rows):
-        pass
     methods = sorted({r["method"] for r in rows if r["method"] != "full"})
     for m in methods:
         pts = sorted((s["budget"], s["ppl_mean"], s["ppl_std"]) for s in summary(rows) if s["method"] == m)

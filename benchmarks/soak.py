@@ -16,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from _common import RESULTS, mx, write_json
+from _common import RESULTS, mx, plot_time_memory, write_json
 
 from kvpolicy_core.evaluation import make_caches
 from kvpolicy_core.testing import tiny_llama
@@ -68,26 +68,8 @@ def main():
     out = Path(args.out)
     path = write_json("soak" + ("_smoke" if args.smoke else ""), {"tokens": args.tokens, "runs": runs}, out)
     if not args.smoke:
-        plot(runs, out / "soak.png")
+        plot_time_memory(runs, out / "soak.png", "tiny llama, 4 layers")
     print(f"wrote {path}")
-
-
-def plot(runs, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for r in runs:
-        steps = [p["step"] for p in r["points"]]
-        ax[0].plot(steps, [p["ms_per_step"] for p in r["points"]], label=r["spec"])
-        ax[1].plot(steps, [p["active_mb"] for p in r["points"]], label=r["spec"])
-    ax[0].set(xlabel="decode step", ylabel="ms / step", title="step time (tiny llama, 4 layers)")
-    ax[1].set(xlabel="decode step", ylabel="MLX active memory (MB)", title="memory")
-    ax[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

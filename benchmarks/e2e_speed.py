@@ -2,6 +2,7 @@
 
     python benchmarks/e2e_speed.py [--prompt 512] [--decode 128] [--budget 256]
     python benchmarks/e2e_speed.py --long 3000      # also a long generation: memory and step time
+    python benchmarks/e2e_speed.py --long 2000 --long-methods full,cam --decode 32
     python benchmarks/e2e_speed.py --smoke          # tiny random model
 
 Measured in one run, one method after the other: prefill tokens/s (the prompt in one chunk),
@@ -61,6 +62,7 @@ def main():
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--long", type=int, default=0)
+    p.add_argument("--long-methods", default="all", help="comma-separated subset of full,rotating,h2o,cam for --long")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
@@ -80,7 +82,8 @@ def main():
               f"{r['kv_bytes_full'] / 2**20:.1f} MiB  peak {r['peak_memory_mb']:.0f} MB", flush=True)
     long_rows = []
     if args.long:
-        for s in specs:
+        wanted = None if args.long_methods == "all" else set(args.long_methods.split(","))
+        for s in [s for s in specs if wanted is None or s.split(":")[0] in wanted]:
             r = run(model, s, prompt[:, :64], args.long)
             long_rows.append(r)
             pts = r["points"]

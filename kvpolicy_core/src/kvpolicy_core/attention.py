@@ -85,6 +85,3 @@ def install(model) -> AttentionHook:
                 setattr(module, ATTR, _wrap(original))
     return AttentionHook(modules)
 
-
-def is_installed(model) -> bool:
-    return bool(_model_modules(model)) and all(n in _patched for n in _model_modules(model))

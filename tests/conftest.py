@@ -8,21 +8,15 @@ load_optimized_blas(quiet=True)  # before mlx: the real-model tests need a fast 
 
 import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
-from mlx_lm.models import gemma3_text, llama  # noqa: E402
+from mlx_lm.models import gemma3_text  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from kvpolicy_core import testing as kit  # noqa: E402
+from kvpolicy_core.testing import tiny_llama, with_fields  # noqa: E402,F401  (re-exported to the tests)
 
 VOCAB = 97
 
 
-def tiny_llama(n_kv_heads: int = 2, seed: int = 0):
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=n_kv_heads, rms_norm_eps=1e-5, vocab_size=VOCAB,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 def tiny_gemma3(window: int = 8, seed: int = 0):
@@ -68,11 +62,8 @@ def plain_caches(model):
 
 
 def random_kv(B=2, H=3, S=10, D=8, seed=0, dtype=mx.float32):
-    k1, k2 = mx.random.split(mx.random.key(seed))
-    return (
-        mx.random.normal((B, H, S, D), key=k1).astype(dtype),
-        mx.random.normal((B, H, S, D), key=k2).astype(dtype),
-    )
+    """The test kit's random K/V with smaller defaults."""
+    return kit.random_kv(B=B, H=H, S=S, D=D, seed=seed, dtype=dtype)
 
 
 def write_tiny_model_dir(path, seed: int = 0):
@@ -107,7 +98,3 @@ def write_tiny_model_dir(path, seed: int = 0):
 def tiny_model_dir(tmp_path_factory):
     return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
-
-def with_fields(method: str, fields: str) -> str:
-    """Append ``fields`` to a config string that may already have some."""
-    return f"{method}{',' if ':' in method else ':'}{fields}"

@@ -149,12 +149,17 @@ class PolicyCache:
         meta_json = meta_state[0] if meta_state else (state[4] if len(state) > 4 else None)
         if meta_json is None:
             raise KVPolicyError("PolicyCache.from_state needs the meta JSON (state[4] or meta_state)")
+        obj = cls.from_meta(meta_json)
+        obj.state = (*state[:4], meta_json)
+        return obj
+
+    @classmethod
+    def from_meta(cls, meta_json: str) -> "PolicyCache":
+        """An empty cache with the config, layer and window recorded in ``meta_json``."""
         meta = json.loads(meta_json)
         data = dict(meta["config"])
         data.update(data.pop("policy"))
-        obj = cls(data, layer=int(meta["layer"]), window=meta["window"])
-        obj.state = (*state[:4], meta_json)
-        return obj
+        return cls(data, layer=int(meta["layer"]), window=meta["window"])
 
     def is_trimmable(self) -> bool:
         """Trimmable only while nothing was ever evicted (then it is a plain cache)."""

@@ -93,10 +93,7 @@ def load_caches(path) -> List[Any]:
         kind = entry["class"]
         if kind == "PolicyCache":
             if get("keys") is None:
-                meta_json = json.loads(entry["meta"])
-                data = dict(meta_json["config"])
-                data.update(data.pop("policy"))
-                caches.append(PolicyCache(data, layer=meta_json["layer"], window=meta_json["window"]))
+                caches.append(PolicyCache.from_meta(entry["meta"]))
             else:
                 state = (get("keys"), get("values"), get("positions"), get("scores"))
                 caches.append(PolicyCache.from_state(state, (entry["meta"],)))

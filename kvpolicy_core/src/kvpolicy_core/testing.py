@@ -24,7 +24,7 @@ from .cache import PolicyCache
 from .config import parse_config
 from .errors import ConfigError
 
-__all__ = ["PolicyConformance", "run_conformance", "tiny_llama", "random_kv", "feed", "CHUNK_PATTERNS"]
+__all__ = ["PolicyConformance", "run_conformance", "tiny_llama", "random_kv", "feed", "with_fields", "CHUNK_PATTERNS"]
 
 #: Update sizes per call: decode, prefill then decode, several chunks, a chunk larger than the budget.
 CHUNK_PATTERNS: Tuple[Tuple[int, ...], ...] = ((1,) * 40, (24,) + (1,) * 16, (7, 7, 1, 1, 20, 4), (3, 37))
@@ -65,7 +65,8 @@ def feed(cache: PolicyCache, keys: mx.array, values: mx.array, chunks: Iterable[
     return shapes
 
 
-def _with(method: str, fields: str) -> str:
+def with_fields(method: str, fields: str) -> str:
+    """Append ``fields`` to a config string that may already have some."""
     return f"{method}{',' if ':' in method else ':'}{fields}"
 
 
@@ -81,7 +82,7 @@ class PolicyConformance:
 
     def cache(self, **fields) -> PolicyCache:
         extra = ",".join(f"{k}={v}" for k, v in fields.items())
-        return PolicyCache(_with(self.method, extra) if extra else self.method)
+        return PolicyCache(with_fields(self.method, extra) if extra else self.method)
 
     # -- checks --------------------------------------------------------------------------------
     def test_budget_held_and_sinks_kept(self):

@@ -21,10 +21,11 @@ ATTR = "scaled_dot_product_attention"
 
 
 def _wrap(original):
+    from .batch_cache import BatchPolicyCache
     from .cache import PolicyCache
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
-        if isinstance(cache, PolicyCache):
+        if isinstance(cache, (PolicyCache, BatchPolicyCache)):
             mask = cache.before_attention(queries, scale, mask)
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
 

@@ -181,6 +181,13 @@ class PolicyCache:
     def empty(self) -> bool:
         return self.keys is None
 
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batching entry point: single-sequence caches -> one BatchPolicyCache (copies)."""
+        from .batch_cache import BatchPolicyCache
+
+        return BatchPolicyCache.merge(caches)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers this cache holds (keys, values, positions, scores)."""

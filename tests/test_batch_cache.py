@@ -7,29 +7,15 @@ still produce the greedy tokens and log-probabilities of a single generation.
 
 import mlx.core as mx
 import pytest
+from conftest import tiny_gemma3, tiny_llama
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
-from mlx_lm.models import gemma3_text
 
 from kvpolicy_core import KVCacheBuilder, PolicyCache, attach, detach
 from kvpolicy_core.batch_cache import BatchPolicyCache
-from kvpolicy_core.testing import tiny_llama
 
 SHIPPED = ["h2o", "cam", "random", "streamingllm", "tova", "cam:merge=mean,gate=false", "h2o:signal=observed"]
 LENGTHS = (5, 23, 14)  # one under the budget, two over it
 MAX_TOKENS = (12, 4, 12)  # the second row finishes early (filter)
-
-
-def tiny_gemma3(seed: int = 0):
-    """A tiny random Gemma 3: a sliding-window layer (window 6) then a global one."""
-    mx.random.seed(seed)
-    args = gemma3_text.ModelArgs(
-        model_type="gemma3_text", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
-        query_pre_attn_scalar=16, sliding_window=6, sliding_window_pattern=2,
-    )
-    model = gemma3_text.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 def prompts():
@@ -62,7 +48,7 @@ def batched(model, ps, max_tokens, prefill_step_size, join_late_after=3):
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def model(request):
-    m = tiny_llama(seed=1) if request.param == "llama" else tiny_gemma3(seed=2)
+    m = tiny_llama(seed=1) if request.param == "llama" else tiny_gemma3(window=6, seed=2)
     yield m
     detach(m)
 

@@ -53,9 +53,11 @@ def model(request):
     detach(m)
 
 
-@pytest.mark.parametrize("prefill_step_size", [2048, 7])
-@pytest.mark.parametrize("method", SHIPPED)
+@pytest.mark.parametrize("method, prefill_step_size",
+                         [(m, 2048) for m in SHIPPED] + [(m, 7) for m in ("h2o", "cam", "tova")])
 def test_each_row_equals_its_prompt_alone(model, method, prefill_step_size):
+    """Prompts of 5, 23 and 14 tokens (budget 8): the 4-token row finishes early (filter), the
+    14-token row joins after 3 decode steps (extend); prefill in one chunk or chunks of 7."""
     config = f"{method}{',' if ':' in method else ':'}budget=8,n_sink=2"
     attach(model, config)
     try:

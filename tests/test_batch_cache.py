@@ -13,7 +13,8 @@ from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 from kvpolicy_core import KVCacheBuilder, PolicyCache, attach, detach
 from kvpolicy_core.batch_cache import BatchPolicyCache
 
-SHIPPED = ["h2o", "cam", "random", "streamingllm", "tova", "cam:merge=mean,gate=false", "h2o:signal=observed"]
+SHIPPED = ["h2o", "cam", "random", "streamingllm", "tova", "cam:merge=mean,gate=false", "h2o:signal=observed",
+           "h2o:layers=unbounded"]  # the last: sliding layers keep mlx-lm's RotatingKVCache, batched by mlx-lm
 LENGTHS = (5, 23, 14)  # one under the budget, two over it
 MAX_TOKENS = (12, 4, 12)  # the second row finishes early (filter)
 

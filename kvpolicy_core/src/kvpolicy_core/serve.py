@@ -99,9 +99,15 @@ class ServerStats:
         self.config = config
         self.model_path: Optional[str] = None
         self.batching = False
+        self.peak_batch = 0  # most sequences decoded together in one step
         self._lock = threading.Lock()
         self._recent: deque = deque(maxlen=_RECENT)
         self._count = 0
+
+    def decoded(self, rows: int) -> None:
+        """One batched decode step over ``rows`` sequences (tracks the largest batch seen)."""
+        if rows > self.peak_batch:
+            self.peak_batch = rows
 
     def record(self, caches: List[Any]) -> None:
         report = cache_report(caches)
@@ -120,6 +126,7 @@ class ServerStats:
             "budget": self.config.policy.budget,
             "model": self.model_path,
             "batching": self.batching,
+            "peak_batch": self.peak_batch,
             "requests_finished": count,
             "recent": recent,
         }
@@ -206,6 +213,7 @@ def _server_classes():
         def next(self):
             prompt_responses, generation_responses = super().next()
             if self.stats is not None:
+                self.stats.decoded(len(generation_responses))
                 for r in generation_responses:
                     if r.finish_reason is not None and r.prompt_cache is not None:
                         self.stats.record(r.prompt_cache)

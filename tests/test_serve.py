@@ -122,6 +122,15 @@ def test_prompt_longer_than_the_budget_holds_the_budget(server):
     assert last["compression_ratio"] > 1 and last["kv_bytes_kept"] < last["kv_bytes_full"]
 
 
+def test_unbatched_path_serves_and_records_too(server, reference):
+    # mlx-lm serves a request with a seed alone (stream_generate), not through the batch
+    before = server.stats()["requests_finished"]
+    got = completion(server, "walrus " + LONG, 5, seed=3)
+    assert_same(got[:2], reference("walrus " + LONG, 5))
+    stats = server.stats()
+    assert stats["requests_finished"] == before + 1 and stats["recent"][-1]["max_tokens_kept"] == 8
+
+
 def test_prompt_cache_reuse_after_evictions_is_never_stale(server, reference):
     # prompts start with words no other test uses, so only this test's stored caches can match
     long_prompt = "zebra " + LONG

@@ -107,6 +107,7 @@ def test_batch_generate_matches_single_generation_and_leaves_given_caches_alone(
 def test_protocol_filter_extend_extract_and_padding_never_kept():
     model = tiny_llama(seed=4)
     caches = [KVCacheBuilder.for_model(model, "h2o:budget=6,n_sink=1") for _ in range(3)]
+    detach(model)  # the proxy signal needs no attention hook; leave none installed behind
     batch = [PolicyCache.merge([c[i] for c in caches]) for i in range(len(model.layers))]
     assert all(isinstance(b, BatchPolicyCache) and len(b) == 3 for b in batch)
     # right-padded prompt of lengths 2, 9, 4: row b sees only its real tokens

@@ -6,6 +6,7 @@ A tiny random-weight model directory keeps these fast; the default model is test
 
 import json
 import threading
+import time
 
 import mlx.core as mx
 import mlx_lm
@@ -92,20 +93,23 @@ def test_streaming_sse(server):
 
 
 def test_two_concurrent_requests_each_equal_their_prompt_alone(server, reference):
-    prompts = [("hello world, how are you", 48), (LONG, 40)]
+    # the second request arrives while the first (300 tokens) is decoding: it joins the batch
+    prompts = [(LONG, 300), ("hello world, how are you", 40)]
     results = [None, None]
 
     def go(i):
         results[i] = completion(server, *prompts[i])
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    threads[0].start()
+    time.sleep(0.3)
+    threads[1].start()
     for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=300)
     for (prompt, n), got in zip(prompts, results):
         assert got is not None
         assert_same(got[:2], reference(prompt, n))
+    assert len(results[0][0]) == 300
     assert server.stats()["peak_batch"] == 2  # they were decoded together
 
 

@@ -72,7 +72,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.stop()}")
             with contextlib.suppress(OSError):
                 status, _ = self.get("/health")
                 if status == 200:
@@ -132,4 +132,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        return self.proc.stdout.read()
+        if self.proc.stdout.closed:
+            return ""
+        out = self.proc.stdout.read()
+        self.proc.stdout.close()
+        return out

@@ -29,7 +29,8 @@ def tiny_dir(tmp_path_factory):
 def server(tiny_dir):
     s = Server(["--model", str(tiny_dir), "--method", METHOD, "--max-tokens", "16"])
     yield s
-    s.stop()
+    out = s.stop()
+    assert s.proc.returncode == 0, f"Ctrl-C must stop the server cleanly:\n{out[-2000:]}"
 
 
 @pytest.fixture(scope="module")

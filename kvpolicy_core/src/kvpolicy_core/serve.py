@@ -28,6 +28,7 @@ import contextlib
 import copy
 import functools
 import json
+import os
 import sys
 import threading
 import time
@@ -335,7 +336,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"kvpolicy serve: error: {failed[0]}", file=sys.stderr)
                 return 2
             return int(exc.code or 0) if isinstance(exc.code, int) else 2
-    return 0
+    # mlx-lm has stopped its HTTP server and joined its generation thread (Ctrl-C). Exit now:
+    # tearing the interpreter down after MLX ran on that thread aborts in C++ ("terminate called").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager

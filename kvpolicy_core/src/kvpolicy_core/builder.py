@@ -11,6 +11,7 @@ from .cache import PolicyCache
 from .config import KVCacheConfig, parse_config
 from .errors import ConfigError, ModelError
 from .policy import build_policy
+from .sharding import shard_layout
 
 _ORIGINAL = "_kvpolicy_original_make_cache"
 _HOOK = "_kvpolicy_attention_hook"
@@ -55,7 +56,8 @@ class KVCacheBuilder:
         ``config.layers == "all"`` replaces every layer's cache, a sliding-window layer's
         ``RotatingKVCache(W)`` by a policy cache with ``window=W``; ``"unbounded"`` only
         replaces layers whose native cache is an unbounded ``KVCache``. Installs the
-        attention hook on the model (idempotent).
+        attention hook on the model (idempotent). On a model split by mlx-lm's ``sharded_load``
+        each cache gets its global layer index and KV-head slice (:mod:`kvpolicy_core.sharding`).
         """
         config = parse_config(config)
         layers = _layers(model)
@@ -66,15 +68,17 @@ class KVCacheBuilder:
         natives = native_caches(model)
         if len(natives) != len(layers):
             raise ModelError(f"the model made {len(natives)} caches for {len(layers)} layers")
+        layout = shard_layout(model)
         caches = []
         for i, native in enumerate(natives):
+            i = layout.layer_offset + i  # the model's global layer index
             if type(native) is KVCache:
-                caches.append(PolicyCache(policy, layer=i))
+                caches.append(PolicyCache(policy, layer=i, head_shard=layout.tensor))
             elif type(native) is RotatingKVCache:
                 if config.layers == "unbounded":
                     caches.append(native)
                 else:
-                    caches.append(PolicyCache(policy, layer=i, window=native.max_size))
+                    caches.append(PolicyCache(policy, layer=i, window=native.max_size, head_shard=layout.tensor))
             else:
                 raise ModelError(
                     f"layer {i} uses {type(native).__name__}, which kvpolicy cannot replace "

@@ -50,11 +50,20 @@ class PolicyCache:
         layer: the layer index (decorrelates random draws between layers).
         window: the sliding window of the layer, or None for global attention. Tokens
             outside the window of every future query are evicted first and masked out.
+        head_shard: ``(rank, size)`` of the tensor-parallel group that splits this layer's KV
+            heads evenly (mlx-lm's ``model.shard``): this cache holds global heads
+            ``rank * H .. rank * H + H - 1`` of ``size * H``; ``(0, 1)`` when unsharded.
+            Random draws are keyed by global head, so they do not depend on the split.
     """
 
     step = 256
 
-    def __init__(self, policy, layer: int = 0, window: Optional[int] = None) -> None:
+    def __init__(self, policy, layer: int = 0, window: Optional[int] = None,
+                 head_shard: Tuple[int, int] = (0, 1)) -> None:
+        rank, size = head_shard
+        if not (isinstance(rank, int) and isinstance(size, int) and 0 <= rank < size):
+            raise ValueError(f"head_shard: must be (rank, size) with 0 <= rank < size (got {head_shard!r})")
+        self.head_shard = (rank, size)
         self.policy: Policy = policy if isinstance(policy, Policy) else build_policy(policy)
         self.budget = self.policy.budget
         self.layer = layer
@@ -131,13 +140,16 @@ class PolicyCache:
             self._stats = mx.array(meta.get("stats", [0, 0]), dtype=mx.int32)
 
     def _meta_json(self) -> str:
-        return json.dumps({
+        meta = {
             "config": json.loads(self.policy.config.model_dump_json()),
             "offset": self.offset,
             "layer": self.layer,
             "window": self.window,
             "stats": self._stats.tolist(),
-        })
+        }
+        if self.head_shard != (0, 1):
+            meta["head_shard"] = list(self.head_shard)
+        return json.dumps(meta)
 
     @property
     def meta_state(self):
@@ -159,7 +171,8 @@ class PolicyCache:
         meta = json.loads(meta_json)
         data = dict(meta["config"])
         data.update(data.pop("policy"))
-        return cls(data, layer=int(meta["layer"]), window=meta["window"])
+        return cls(data, layer=int(meta["layer"]), window=meta["window"],
+                   head_shard=tuple(meta.get("head_shard", (0, 1))))
 
     def is_trimmable(self) -> bool:
         """Trimmable only while nothing was ever evicted (then it is a plain cache)."""
@@ -367,7 +380,9 @@ class PolicyCache:
         dead = None
         if self.window is not None and self.offset > self.window and n_new == 0:
             dead = pos <= self.offset - self.window
-        return CacheView(self.keys[..., :n, :], self.values[..., :n, :], pos, self.scores, self.offset, n_new, dead)
+        H, (rank, size) = self.keys.shape[1], self.head_shard
+        return CacheView(self.keys[..., :n, :], self.values[..., :n, :], pos, self.scores, self.offset, n_new, dead,
+                         rank * H, size * H)
 
     def _call(self, kind: str, fn, *args):
         try:

@@ -27,7 +27,7 @@ from kvpolicy_core.cache import PolicyCache
 from kvpolicy_core.cli import main as cli
 from kvpolicy_core.model.tiny import write_model_dir
 from kvpolicy_core.persistence import load_caches
-from test_sharding import shipped_methods
+from method_specs import shipped_methods
 
 BIN = Path(sys.executable).parent
 DRIVER = Path(__file__).with_name("distributed_driver.py")

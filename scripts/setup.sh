@@ -14,6 +14,8 @@ if [ "$(uname -s)" = "Linux" ]; then
   libs="$(ldconfig -p 2>/dev/null || true)"
   grep -q 'libopenblas\.so\.0' <<<"$libs" || need+=(libopenblas0-pthread)
   grep -q 'libgfortran\.so\.5' <<<"$libs" || need+=(libgfortran5)
+  # Tests only: qemu-user emulates a CPU without AVX-512 (tests/test_blas_emulated.py).
+  [ "$(uname -m)" != "x86_64" ] || command -v qemu-x86_64 >/dev/null 2>&1 || need+=(qemu-user)
   if [ ${#need[@]} -gt 0 ]; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
       echo "setup: installing ${need[*]} (a BLAS for MLX that runs on any x86-64/arm64 CPU)"

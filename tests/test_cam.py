@@ -40,7 +40,7 @@ def test_no_target_when_only_sinks_remain():
     assert not has.item()
     d = GatedMergeDisposition(n_sink=2, gate=False)
     u = d.dispose(view([[1, 0], [0, 1], [1, 1]]), L(2), mx.random.key(0))
-    assert u.merges.item() == 0 and not np.array(u.d_values).any()  # dropped, not merged
+    assert u.stats["merges"].item() == 0 and not np.array(u.d_values).any()  # dropped, not merged
 
 
 # ---------------------------------------------------------------- gate
@@ -183,15 +183,15 @@ def test_paper_merge_spreads_the_loser_over_the_next_m_tokens():
     u = None
     for seed in range(40):  # find a draw that merges, then check the arithmetic exactly
         u = d.dispose(v, L(2), mx.random.key(seed))
-        if u.merges.item():
+        if u.stats["merges"].item():
             break
-    assert u.draws.item() == 1 and u.merges.item() == 1 and u.d_keys is None and u.d_scores is None
+    assert u.stats["gate_draws"].item() == 1 and u.stats["merges"].item() == 1 and u.d_keys is None and u.d_scores is None
     targets = np.array(u.targets[0, 0]).tolist()
     adds = dict(zip(targets, np.array(u.d_values[0, 0]).tolist()))
     assert sorted(targets) == [3, 4, 5]
     for j in (3, 4, 5):
         assert np.allclose(adds[j], [8 / 3, 4 / 3])
-    rates = np.mean([d.dispose(v, L(2), mx.random.key(s)).merges.item() for s in range(400)])
+    rates = np.mean([d.dispose(v, L(2), mx.random.key(s)).stats["merges"].item() for s in range(400)])
     assert 0.4 < rates < 0.6  # p = clamp(1.0 / 2.0, 0, 1)
 
 
@@ -201,4 +201,4 @@ def test_paper_merge_without_followers_drops_and_divides_by_m():
     adds = dict(zip(np.array(u.targets[0, 0]).tolist(), np.array(u.d_values[0, 0]).tolist()))
     assert adds[4] == [0.25, 0.25] and sum(map(sum, adds.values())) == pytest.approx(0.5)
     u = d.dispose(view(np.eye(5, 2)), L(4), mx.random.key(0))
-    assert u.merges.item() == 0 and not np.array(u.d_values).any()
+    assert u.stats["merges"].item() == 0 and not np.array(u.d_values).any()

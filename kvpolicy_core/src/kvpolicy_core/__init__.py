@@ -41,10 +41,11 @@ _EXPORTS = {
     "Scorer": "parts.base",
     "Selector": "parts.base",
     "Disposition": "parts.base",
+    "AttentionScorer": "parts.attention_scorer",
     "observed_weights": "parts.cumulative_attention",
     "masked_softmax": "parts.cumulative_attention",
     "causal_allowed": "parts.cumulative_attention",
-    "pick_lowest": "parts.lowest_score",
+    "pick_lowest": "parts.base",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -20,6 +20,7 @@ from typing import Iterable, List, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .builder import KVCacheBuilder, detach
 from .cache import PolicyCache
 from .config import parse_config
 from .errors import ConfigError
@@ -138,8 +139,6 @@ class PolicyConformance:
     def test_mlx_lm_contract_on_a_tiny_model(self):
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import KVCache
-
-        from .builder import KVCacheBuilder, detach
 
         _, budget, _ = self.config()
         model = tiny_llama(seed=1)

@@ -39,4 +39,5 @@ def register_dispositions(register):
 @hookimpl
 def register_methods(register):
     register(MethodSpec("random", RandomConfig, "random", "lowest_score", "drop",
-                        description="Random eviction among unprotected tokens: the floor any policy must beat."))
+                        description="Random eviction among unprotected tokens: the floor any policy must beat.",
+                        ignores=("signal",)))

@@ -25,7 +25,8 @@ class MethodSpec:
 
     ``scorer``, ``selector`` and ``disposition`` are registered part names, or
     callables ``config -> name`` when the choice depends on the config (CaM picks
-    ``drop`` when ``merge="drop"``).
+    ``drop`` when ``merge="drop"``). ``ignores`` (since 0.2.0) names shared
+    :class:`PolicyConfig` fields the method's parts do not read (``kvpolicy methods`` says so).
     """
 
     name: str
@@ -34,6 +35,7 @@ class MethodSpec:
     selector: PartName
     disposition: PartName
     description: str = ""
+    ignores: tuple = ()
 
     def part_names(self, config) -> Dict[str, str]:
         """The part names this method composes for ``config``."""

@@ -44,19 +44,22 @@ def test_hybrid_cache_list_layers_are_refused():
 
 
 def test_the_attention_hook_is_installed_only_when_needed():
-    import mlx_lm.models.gemma3_text as g3
-    import mlx_lm.models.llama as llama_mod
+    from kvpolicy_core import attention
 
-    model, original = tiny_llama(seed=4), llama_mod.scaled_dot_product_attention
+    refs = lambda name: attention._patched.get(name, (None, 0))[1]  # noqa: E731  installs per module
+    model = tiny_llama(seed=4)
+    before = refs("mlx_lm.models.llama")
     KVCacheBuilder.for_model(model, "h2o:budget=16")  # proxy signal, global layers: no hook
-    assert llama_mod.scaled_dot_product_attention is original and "_kvpolicy_attention_hook" not in model.__dict__
-    gemma, g_original = tiny_model("gemma3_text"), g3.scaled_dot_product_attention
-    try:
-        KVCacheBuilder.for_model(gemma, "h2o:budget=16")  # sliding-window layers need the per-layer mask
-        assert g3.scaled_dot_product_attention is not g_original
-    finally:
-        detach(gemma)
-    assert g3.scaled_dot_product_attention is g_original
+    assert "_kvpolicy_attention_hook" not in model.__dict__ and refs("mlx_lm.models.llama") == before
+    KVCacheBuilder.for_model(model, "h2o:budget=16,signal=observed")  # the observed signal needs the queries
+    assert refs("mlx_lm.models.llama") == before + 1
+    detach(model)
+    gemma = tiny_model("gemma3_text")
+    before = refs("mlx_lm.models.gemma3_text")
+    KVCacheBuilder.for_model(gemma, "h2o:budget=16")  # sliding-window layers need the per-layer mask
+    assert gemma.__dict__["_kvpolicy_attention_hook"].active and refs("mlx_lm.models.gemma3_text") == before + 1
+    detach(gemma)
+    assert refs("mlx_lm.models.gemma3_text") == before
 
 
 def test_readme_first_example_generate_with_prompt_cache(tiny_model_dir):

@@ -81,6 +81,7 @@ def _human(n: float) -> str:
 # ----------------------------------------------------------------------------- commands
 def cmd_methods(args) -> int:
     from .plugins import get_registry
+    from .policy_config import COMMON_FIELDS, PolicyConfig
 
     reg = get_registry()
     rows = []
@@ -89,7 +90,13 @@ def cmd_methods(args) -> int:
         config = spec.config_class()
         fields = {}
         for fname, field in spec.config_class.model_fields.items():
-            fields[fname] = {"default": getattr(config, fname), "description": field.description or ""}
+            shared = fname in PolicyConfig.model_fields
+            fields[fname] = {
+                "default": getattr(config, fname), "description": field.description or "",
+                "scope": "shared" if shared else "method",
+                "default_changed": shared and PolicyConfig.model_fields[fname].default != field.default,
+                "used": fname not in spec.ignores,
+            }
         rows.append({
             "method": name,
             "package": entry.dist or entry.plugin,
@@ -99,16 +106,24 @@ def cmd_methods(args) -> int:
             "fields": fields,
         })
     if args.json:
-        print(json.dumps({"methods": rows, "failures": reg.failures}, indent=2, default=str))
+        print(json.dumps({"methods": rows, "common_fields": list(COMMON_FIELDS), "failures": reg.failures},
+                         indent=2, default=str))
         return 0
+    print(f"every method: {', '.join(COMMON_FIELDS)} (KVCacheConfig); budget, n_sink, recent, signal (PolicyConfig)")
     for r in rows:
         parts = ", ".join(f"{k}={v}" for k, v in r["parts"].items())
         print(f"{r['method']}  ({r['package']} {r['version'] or ''})".rstrip())
         if r["description"]:
             print(f"  {r['description']}")
         print(f"  parts: {parts}")
-        for fname, f in r["fields"].items():
-            print(f"    {fname} = {f['default']!r}  {f['description']}")
+        for scope, title in (("shared", "shared fields"), ("method", "method fields")):
+            items = [(f, v) for f, v in r["fields"].items() if v["scope"] == scope]
+            if items:
+                print(f"  {title}:")
+            for fname, f in items:
+                note = "  [not used by this method]" if not f["used"] else (
+                    "  [default changed by this method]" if f["default_changed"] else "")
+                print(f"    {fname} = {f['default']!r}  {f['description']}{note}")
     for failure in reg.failures:
         print(f"warning: {failure}", file=sys.stderr)
     print("baselines (kvpolicy eval/generate): full, rotating:budget=N (mlx-lm RotatingKVCache, keep=4)")

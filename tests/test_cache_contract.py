@@ -6,14 +6,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
-from conftest import VOCAB, plain_caches, random_kv, run_chunks, tiny_gemma3, tiny_llama, with_fields
+from helpers import SHIPPED_METHODS, VOCAB, plain_caches, random_kv, run_chunks, tiny_gemma3, tiny_llama, with_fields
 from kvpolicy_core import ConfigError, KVCacheBuilder, ModelError, PolicyCache, attach, detach
 from kvpolicy_core import attention as attention_hook
 
-METHODS = ["h2o", "cam", "cam:merge=mean,gate=false,keys=true", "cam:merge=paper", "h2o:signal=observed"]
-
-
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", SHIPPED_METHODS)
 @pytest.mark.parametrize("chunks", [[40], [1] * 40, [13, 1, 1, 25], [7] * 5 + [1] * 5])
 def test_budget_above_length_reproduces_plain_cache_exactly(llama_model, tokens, method, chunks):
     ref = run_chunks(llama_model, plain_caches(llama_model), tokens, chunks)
@@ -76,8 +73,11 @@ def test_mlx_lm_generate_runs_with_attached_caches(tiny_model_dir):
         for response in mlx_lm.stream_generate(model, tokenizer, "hello there, a prompt longer than the budget", max_tokens=8):
             seen.append(response.token)
         assert len(seen) == 8
-        text = mlx_lm.generate(model, tokenizer, "hello again, also a prompt longer than sixteen", max_tokens=5)
-        assert isinstance(text, str)
+        prompt = "hello again, also a prompt longer than sixteen"
+        text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=5)
+        # fresh caches per call and greedy decoding: generate's text is exactly stream_generate's
+        streamed = "".join(r.text for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=5))
+        assert text == streamed and len(tokenizer.encode(text, add_special_tokens=False)) >= 1
     finally:
         detach(model)
 

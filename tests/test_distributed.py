@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import SHIPPED_METHODS, with_fields
 from kvpolicy_core.cache import PolicyCache
 from kvpolicy_core.cli import main as cli
 from kvpolicy_core.model.tiny import write_model_dir
 from kvpolicy_core.persistence import load_caches
-from method_specs import shipped_methods
 
 BIN = Path(sys.executable).parent
 DRIVER = Path(__file__).with_name("distributed_driver.py")
@@ -141,7 +141,7 @@ class Launch:
         self.root, self.models = root, models
         text = root / "text.txt"
         text.write_text("It was the best of times, it was the worst of times, it was the age of wisdom. " * 2)
-        self.methods = shipped_methods(budget=16) + ["full"]
+        self.methods = [with_fields(m, "budget=16,n_sink=2") for m in SHIPPED_METHODS] + ["full"]
         self.runs, self.index = [], {}
         for model, parallel in (("llama", "auto"), ("qwen2", "pipeline")):
             for m in self.methods:

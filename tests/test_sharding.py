@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import random_kv, tiny_llama
+from helpers import SHIPPED_METHODS, random_kv, tiny_llama, with_fields
 from kvpolicy_cam.gated_merge import bernoulli
 from kvpolicy_core import KVCacheBuilder
 from kvpolicy_core.cache import PolicyCache
@@ -17,12 +17,16 @@ from kvpolicy_core.errors import KVPolicyError, ModelError
 from kvpolicy_core.model.tiny import write_model_dir
 from kvpolicy_core.parts.random_score import hash01
 from kvpolicy_core.persistence import CacheFileError, load_caches, save_caches
+from kvpolicy_core.plugins import get_registry
 from kvpolicy_core.policy import step_key
 from kvpolicy_core.sharding import ShardLayout, shard_layout
 from kvpolicy_core.testing import feed
-from method_specs import shipped_methods
 
 CHUNKS = (12, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)  # 40 tokens, budget 10
+FIELDS = "budget=10,n_sink=2"
+#: the shipped matrix, plus every other installed method (e.g. the example plugin's) at its defaults
+METHODS = [with_fields(m, FIELDS) for m in SHIPPED_METHODS] + [
+    with_fields(name, FIELDS) for name in sorted(get_registry().methods()) if name not in {"h2o", "cam", "random"}]
 
 
 def split_run(method, keys, values, layer=3):
@@ -40,7 +44,7 @@ def split_run(method, keys, values, layer=3):
     return (np.array(pos), np.array(v)), (cat(2), cat(1)), whole
 
 
-@pytest.mark.parametrize("method", shipped_methods())
+@pytest.mark.parametrize("method", METHODS)
 def test_two_head_shards_keep_what_one_cache_keeps(method):
     """A rank holding heads 2..3 of 4 evicts and merges exactly as heads 2..3 of the whole cache."""
     keys, values = random_kv(B=2, H=4, S=40, D=8, seed=11)
@@ -48,7 +52,7 @@ def test_two_head_shards_keep_what_one_cache_keeps(method):
     assert pos.shape == (2, 4, 10)
     np.testing.assert_array_equal(pos_s, pos)
     np.testing.assert_allclose(v_s, v, rtol=1e-6, atol=1e-6)
-    if method.startswith("cam:") and "gate" not in method:
+    if whole.policy.config.method == "cam" and whole.merge_gate and whole.merge_mode != "drop":
         assert whole.gate_draws > 0 and 0 < whole.merges < whole.gate_draws  # the draws decided something
 
 

@@ -10,6 +10,10 @@ import mlx.core as mx
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
 
 
+#: The counters CaM's dispositions report (``cache.stats()``, ``cache.gate_draws``, ``cache.merges``).
+STATS = {"gate_draws": "losers that drew the Bernoulli merge gate", "merges": "losers merged into survivors"}
+
+
 def take(x: mx.array, idx: mx.array) -> mx.array:
     """Gather along the slot axis: x [B, H, L, ...], idx [B, H, E] -> [B, H, E, ...]."""
     if x.ndim == 3:
@@ -105,6 +109,9 @@ class GatedMergeDisposition(Disposition):
     def from_config(cls, config) -> "GatedMergeDisposition":
         return cls(n_sink=config.n_sink, mode=config.merge, gate=config.merge_gate, merge_keys=config.merge_keys)
 
+    def stats(self):
+        return STATS
+
     def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> MergeUpdate:
         target, cos, has_target = merge_targets(view, losers, self.n_sink)
         has_target = has_target & finite_rows(view.keys, losers) & finite_rows(view.values, losers)
@@ -132,6 +139,5 @@ class GatedMergeDisposition(Disposition):
             d_keys=delta(view.keys) if self.merge_keys else None,
             d_values=delta(view.values),
             d_scores=mx.where(merge, s_l, 0.0),
-            draws=draws,
-            merges=merge.sum(),
+            stats={"gate_draws": draws, "merges": merge.sum()},
         )

@@ -15,14 +15,15 @@ import sys
 import threading
 from typing import Dict, List
 
+from .cache import PolicyCache
+from .errors import ModelError
+
 _lock = threading.Lock()
 _patched: Dict[str, tuple] = {}  # module name -> (original fn, refcount)
 ATTR = "scaled_dot_product_attention"
 
 
 def _wrap(original):
-    from .cache import PolicyCache
-
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
         if isinstance(cache, PolicyCache):
             mask = cache.before_attention(queries, scale, mask)
@@ -65,8 +66,6 @@ def install(model) -> AttentionHook:
     Raises :class:`~kvpolicy_core.errors.ModelError` if the model computes attention
     without mlx-lm's ``scaled_dot_product_attention``.
     """
-    from .errors import ModelError
-
     modules = _model_modules(model)
     if not modules:
         raise ModelError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
 from . import attention
 from .cache import PolicyCache
@@ -34,6 +34,45 @@ def _layers(model):
     return layers
 
 
+#: Native cache types kvpolicy refuses, with the reason (a policy cache would be wrong for them).
+REFUSED = {
+    ArraysCache: "a recurrent/linear-attention state (hybrid model), not a KV cache of tokens",
+    CacheList: "a list of sub-caches (hybrid layer), not one KV cache of tokens",
+    ChunkedKVCache: "chunked attention (llama4): each chunk attends only within itself, which a policy cache cannot mask",
+}
+
+
+def check_supported(model, natives: List[Any], layers) -> None:
+    """Raise :class:`ModelError` naming the reason when ``model``'s caches cannot be policy caches."""
+    name = type(model).__name__
+    args = getattr(model, "args", None)
+    if getattr(args, "kv_lora_rank", None):
+        raise ModelError(
+            f"{name}: multi-head latent attention (kv_lora_rank={args.kv_lora_rank}, e.g. deepseek_v3, kimi) "
+            "caches compressed latents, not per-head keys; kvpolicy's scores and merges need per-head keys"
+        )
+    if len(natives) != len(layers):
+        raise ModelError(
+            f"{name}: the model makes {len(natives)} caches for {len(layers)} layers (layers share KV caches, "
+            "e.g. gemma3n); kvpolicy needs one cache per layer"
+        )
+    for i, native in enumerate(natives):
+        for cls, why in REFUSED.items():
+            if isinstance(native, cls):
+                raise ModelError(f"{name}: layer {i} uses {cls.__name__}: {why}; kvpolicy cannot replace it")
+        if type(native) not in (KVCache, RotatingKVCache):
+            raise ModelError(
+                f"{name}: layer {i} uses {type(native).__name__}, which kvpolicy cannot replace "
+                "(supported: mlx-lm KVCache and RotatingKVCache)"
+            )
+
+
+def needs_hook(caches: List[Any]) -> bool:
+    """The attention hook is needed for an observed signal or a sliding-window policy cache."""
+    return any(isinstance(c, PolicyCache) and (c.window is not None or c.policy.scorer.needs_attention)
+               for c in caches)
+
+
 def model_head_dim(model) -> int | None:
     """The attention head dim from the model's args (head_dim, or hidden_size / heads)."""
     args = getattr(model, "args", None)
@@ -56,36 +95,32 @@ class KVCacheBuilder:
         ``config.layers == "all"`` replaces every layer's cache, a sliding-window layer's
         ``RotatingKVCache(W)`` by a policy cache with ``window=W``; ``"unbounded"`` only
         replaces layers whose native cache is an unbounded ``KVCache``. Installs the
-        attention hook on the model (idempotent). On a model split by mlx-lm's ``sharded_load``
-        each cache gets its global layer index and KV-head slice (:mod:`kvpolicy_core.sharding`).
+        attention hook on the model (idempotent) only where it is needed: an observed
+        signal or a sliding-window layer. Models kvpolicy cannot serve correctly (latent
+        attention, shared-KV layers, hybrid or chunked caches) raise :class:`ModelError`.
+        On a model split by mlx-lm's ``sharded_load`` each cache gets its global layer index
+        and KV-head slice (:mod:`kvpolicy_core.sharding`).
         """
         config = parse_config(config)
         layers = _layers(model)
         hd = model_head_dim(model)
         if config.head_dim is not None and hd is not None and config.head_dim != hd:
             raise ConfigError(f"head_dim: the config says {config.head_dim} but the model's head_dim is {hd}")
-        policy = build_policy(config)
         natives = native_caches(model)
-        if len(natives) != len(layers):
-            raise ModelError(f"the model made {len(natives)} caches for {len(layers)} layers")
+        check_supported(model, natives, layers)
+        policy = build_policy(config)
         layout = shard_layout(model)
         caches = []
         for i, native in enumerate(natives):
-            i = layout.layer_offset + i  # the model's global layer index
-            if type(native) is KVCache:
-                caches.append(PolicyCache(policy, layer=i, head_shard=layout.tensor))
-            elif type(native) is RotatingKVCache:
-                if config.layers == "unbounded":
-                    caches.append(native)
-                else:
-                    caches.append(PolicyCache(policy, layer=i, window=native.max_size, head_shard=layout.tensor))
+            if type(native) is RotatingKVCache and config.layers == "unbounded":
+                caches.append(native)
             else:
-                raise ModelError(
-                    f"layer {i} uses {type(native).__name__}, which kvpolicy cannot replace "
-                    "(supported: mlx-lm KVCache and RotatingKVCache)"
-                )
+                window = native.max_size if type(native) is RotatingKVCache else None
+                # the model's global layer index (a pipeline rank holds layers from layer_offset on)
+                caches.append(PolicyCache(policy, layer=layout.layer_offset + i, window=window,
+                                          head_shard=layout.tensor))
         hook = model.__dict__.get(_HOOK)
-        if hook is None or not hook.active:
+        if needs_hook(caches) and (hook is None or not hook.active):
             object.__setattr__(model, _HOOK, attention.install(model))
         return caches
 

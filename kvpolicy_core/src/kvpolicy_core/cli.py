@@ -95,6 +95,7 @@ def _human(n: float) -> str:
 # ----------------------------------------------------------------------------- commands
 def cmd_methods(args) -> int:
     from .plugins import get_registry
+    from .policy_config import COMMON_FIELDS, PolicyConfig
 
     reg = get_registry()
     rows = []
@@ -103,7 +104,13 @@ def cmd_methods(args) -> int:
         config = spec.config_class()
         fields = {}
         for fname, field in spec.config_class.model_fields.items():
-            fields[fname] = {"default": getattr(config, fname), "description": field.description or ""}
+            shared = fname in PolicyConfig.model_fields
+            fields[fname] = {
+                "default": getattr(config, fname), "description": field.description or "",
+                "scope": "shared" if shared else "method",
+                "default_changed": shared and PolicyConfig.model_fields[fname].default != field.default,
+                "used": fname not in spec.ignores,
+            }
         rows.append({
             "method": name,
             "package": entry.dist or entry.plugin,
@@ -113,16 +120,24 @@ def cmd_methods(args) -> int:
             "fields": fields,
         })
     if args.json:
-        print(json.dumps({"methods": rows, "failures": reg.failures}, indent=2, default=str))
+        print(json.dumps({"methods": rows, "common_fields": list(COMMON_FIELDS), "failures": reg.failures},
+                         indent=2, default=str))
         return 0
+    print(f"every method: {', '.join(COMMON_FIELDS)} (KVCacheConfig); budget, n_sink, recent, signal (PolicyConfig)")
     for r in rows:
         parts = ", ".join(f"{k}={v}" for k, v in r["parts"].items())
         print(f"{r['method']}  ({r['package']} {r['version'] or ''})".rstrip())
         if r["description"]:
             print(f"  {r['description']}")
         print(f"  parts: {parts}")
-        for fname, f in r["fields"].items():
-            print(f"    {fname} = {f['default']!r}  {f['description']}")
+        for scope, title in (("shared", "shared fields"), ("method", "method fields")):
+            items = [(f, v) for f, v in r["fields"].items() if v["scope"] == scope]
+            if items:
+                print(f"  {title}:")
+            for fname, f in items:
+                note = "  [not used by this method]" if not f["used"] else (
+                    "  [default changed by this method]" if f["default_changed"] else "")
+                print(f"    {fname} = {f['default']!r}  {f['description']}{note}")
     for failure in reg.failures:
         print(f"warning: {failure}", file=sys.stderr)
     print("baselines (kvpolicy eval/generate): full, rotating:budget=N (mlx-lm RotatingKVCache, keep=4)")
@@ -179,6 +194,7 @@ def cmd_generate(args) -> int:
         "kv_bytes_full": full,
         "compression_ratio": round(full / kept, 3) if kept else 1.0,
         "peak_memory_gb": round(last.peak_memory, 3),
+        "blas": _blas_summary(),
     }
     size = _world()[1]
     if size > 1:
@@ -257,6 +273,7 @@ def cmd_eval(args) -> int:
             "model": str(path),
             "tokens": len(ids),
             "chunk": args.chunk,
+            "blas": _blas_summary(),
             "results": [{k: v for k, v in r.items() if k != "nll"} | {"nll": r["nll"].tolist()} for r in results],
         }
         if args.json == "-":
@@ -265,6 +282,47 @@ def cmd_eval(args) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(payload, indent=1))
             print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _blas_summary() -> dict:
+    from .blas import blas_info
+
+    info = blas_info()
+    return {k: info.get(k) for k in ("path", "source", "config", "corename", "coretype_forced", "threads")}
+
+
+def cmd_doctor(args) -> int:
+    """What this machine gives MLX: the BLAS chosen (and why others were not), CPU, speed."""
+    import platform
+
+    import mlx.core as mx
+
+    from .blas import blas_info
+    from .blas_check import cpu_flags, cpu_model
+
+    info = blas_info(measure=not args.no_measure)
+    flags = cpu_flags()
+    isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile")
+           if f in flags]
+    report = {"python": platform.python_version(), "machine": platform.machine(), "cpu": cpu_model(),
+              "cpu_count": os.cpu_count(), "isa": isa, "mlx": mx.__version__, "blas": info}
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+        return 0
+    print(f"CPU      {report['cpu']} ({report['cpu_count']} cores; {' '.join(isa) or 'no SIMD flags read'})")
+    print(f"MLX      {report['mlx']} on Python {report['python']} ({report['machine']})")
+    if info.get("path"):
+        forced = f", OPENBLAS_CORETYPE={info['coretype_forced']} (the library's own pick was generic)" \
+            if info.get("coretype_forced") else ""
+        print(f"BLAS     {info['path']} ({info.get('source')}; {info.get('config') or 'no build string'}; "
+              f"core {info.get('corename') or '?'}; threads {info.get('threads') or '?'}{forced})")
+    else:
+        print(f"BLAS     MLX's reference BLAS: {info.get('reason', 'none loaded')}")
+    for s in info.get("skipped", []):
+        print(f"skipped  {s['path']} ({s['source']}): {s['reason']}")
+    if "mlx_matmul_gflops" in info:
+        print(f"speed    fp32 matmul 1024^3: {info['mlx_matmul_gflops']:.1f} GFLOP/s")
     return 0
 
 
@@ -326,6 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(e)
     e.set_defaults(func=cmd_eval)
 
+    d = sub.add_parser("doctor", help="which BLAS MLX uses here (and why), the CPU, measured matmul speed")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--no-measure", action="store_true", help="skip the matmul measurement")
+    d.set_defaults(func=cmd_doctor)
+
     c = sub.add_parser("convert", help="convert the embedded default model (or a Gemma 3 GGUF) once")
     c.add_argument("--gguf", help="a Gemma 3 GGUF file to convert instead of the default model")
     c.add_argument("--out", help="output directory (with --gguf)")
@@ -335,9 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    import warnings
+
     from .blas import load_optimized_blas
 
-    load_optimized_blas(quiet=True)
+    with warnings.catch_warnings(record=True) as caught:  # one clean line each, not a warning trace
+        warnings.simplefilter("always")
+        load_optimized_blas()
+    for w in caught:
+        print(f"kvpolicy: warning: {str(w.message).removeprefix('kvpolicy: ')}", file=sys.stderr)
     args = build_parser().parse_args(argv)
     if getattr(args, "chunk", 1) is not None and getattr(args, "chunk", 1) < 1:
         print("kvpolicy: error: --chunk must be >= 1", file=sys.stderr)

@@ -39,6 +39,17 @@ class ShardLayout(NamedTuple):
         return "+".join(parts) or "none"
 
 
+def check_head_shard(head_shard) -> Tuple[int, int]:
+    """``head_shard`` as a (rank, size) tuple of ints with ``0 <= rank < size``; ValueError otherwise."""
+    try:
+        rank, size = head_shard
+    except (TypeError, ValueError):
+        rank = size = None
+    if not (isinstance(rank, int) and isinstance(size, int) and 0 <= rank < size):
+        raise ValueError(f"head_shard: must be (rank, size) with 0 <= rank < size (got {head_shard!r})")
+    return rank, size
+
+
 def _sharded_classes():
     from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
 

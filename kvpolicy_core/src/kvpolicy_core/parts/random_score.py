@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
-from pydantic import Field
 
-from ..config import PolicyConfig
 from .base import CacheView, Scorer
 
 
@@ -27,13 +23,6 @@ def hash01(positions: mx.array, salt: int, head_offset: int = 0) -> mx.array:
     x = x * u(0xC2B2AE35)
     x = x ^ (x >> 16)
     return (x >> 8).astype(mx.float32) / float(1 << 24)
-
-
-class RandomConfig(PolicyConfig):
-    """``method="random"``: evict uniformly at random among unprotected tokens (a floor to beat)."""
-
-    recent: Optional[int] = Field(0, ge=0, description="Most recent tokens protected (default 0).")
-    salt: int = Field(0, description="Changes the random draw; same salt, same evictions.")
 
 
 class RandomScorer(Scorer):

@@ -11,6 +11,7 @@ from .cache import PolicyCache
 from .config import KVCacheConfig, parse_config
 from .errors import ConfigError, ModelError
 from .policy import build_policy
+from .sharding import shard_layout
 
 _ORIGINAL = "_kvpolicy_original_make_cache"
 _HOOK = "_kvpolicy_attention_hook"
@@ -97,6 +98,8 @@ class KVCacheBuilder:
         attention hook on the model (idempotent) only where it is needed: an observed
         signal or a sliding-window layer. Models kvpolicy cannot serve correctly (latent
         attention, shared-KV layers, hybrid or chunked caches) raise :class:`ModelError`.
+        On a model split by mlx-lm's ``sharded_load`` each cache gets its global layer index
+        and KV-head slice (:mod:`kvpolicy_core.sharding`).
         """
         config = parse_config(config)
         layers = _layers(model)
@@ -106,13 +109,16 @@ class KVCacheBuilder:
         natives = native_caches(model)
         check_supported(model, natives, layers)
         policy = build_policy(config)
+        layout = shard_layout(model)
         caches = []
         for i, native in enumerate(natives):
             if type(native) is RotatingKVCache and config.layers == "unbounded":
                 caches.append(native)
             else:
                 window = native.max_size if type(native) is RotatingKVCache else None
-                caches.append(PolicyCache(policy, layer=i, window=window))
+                # the model's global layer index (a pipeline rank holds layers from layer_offset on)
+                caches.append(PolicyCache(policy, layer=layout.layer_offset + i, window=window,
+                                          head_shard=layout.tensor))
         hook = model.__dict__.get(_HOOK)
         if needs_hook(caches) and (hook is None or not hook.active):
             object.__setattr__(model, _HOOK, attention.install(model))

@@ -33,6 +33,7 @@ from .errors import ModelError
 from .parts.attention_scorer import causal_allowed
 from .policy import Policy, build_policy
 from .policy_step import PolicyStep
+from .sharding import check_head_shard
 from .slots import FIELDS, SlotStore
 from .window import outside_window, window_mask
 
@@ -49,12 +50,18 @@ class PolicyCache(CacheState, CacheDiagnostics):
         layer: the layer index (decorrelates random draws between layers).
         window: the sliding window of the layer, or None for global attention. Tokens
             outside the window of every future query are evicted first and masked out.
+        head_shard: ``(rank, size)`` of the tensor-parallel group that splits this layer's KV
+            heads evenly (mlx-lm's ``model.shard``): this cache holds global heads
+            ``rank * H .. rank * H + H - 1`` of ``size * H``; ``(0, 1)`` when unsharded.
+            Random draws are keyed by global head, so they do not depend on the split.
     """
 
     step = 256
     keys, values, positions, scores, n = (_slot(f) for f in FIELDS)
 
-    def __init__(self, policy, layer: int = 0, window: Optional[int] = None) -> None:
+    def __init__(self, policy, layer: int = 0, window: Optional[int] = None,
+                 head_shard: Tuple[int, int] = (0, 1)) -> None:
+        self.head_shard = check_head_shard(head_shard)
         self.policy: Policy = policy if isinstance(policy, Policy) else build_policy(policy)
         self.budget, self.layer, self.window = self.policy.budget, layer, window
         self._slots = SlotStore(self.step)
@@ -149,7 +156,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         dead = None
         if self.window is not None and self.offset > self.window and n_new == 0:
             dead = outside_window(self.positions[..., : self.n], self.offset, self.window)
-        return self._slots.view(self.offset, n_new, dead)
+        return self._slots.view(self.offset, n_new, dead, self.head_shard)
 
     def _evict(self, n_evict: int) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors."""

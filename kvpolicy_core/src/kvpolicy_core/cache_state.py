@@ -1,8 +1,8 @@
 """Persistence of a policy cache: mlx-lm's ``state``/``meta_state`` protocol and rebuilding from it.
 
-The meta JSON carries the config, offset, layer, window and the parts' counters, so
-mlx-lm's own ``save_prompt_cache``/``load_prompt_cache`` round-trip a kvpolicy cache
-(``state`` is settled first). :mod:`kvpolicy_core.persistence` saves the unsettled
+The meta JSON carries the config, offset, layer, window, the parts' counters and (on a
+tensor-parallel rank) the head shard, so mlx-lm's own ``save_prompt_cache``/``load_prompt_cache``
+round-trip a kvpolicy cache (``state`` is settled first). :mod:`kvpolicy_core.persistence` saves the unsettled
 buffers for bit-exact resumption.
 """
 
@@ -49,13 +49,16 @@ class CacheState:
             self._counters = {**self._counters, **counters_from_meta(meta.get("stats"))}
 
     def _meta_json(self) -> str:
-        return json.dumps({
+        meta = {
             "config": json.loads(self.policy.config.model_dump_json()),
             "offset": self.offset,
             "layer": self.layer,
             "window": self.window,
             "stats": self.stats(),
-        })
+        }
+        if self.head_shard != (0, 1):  # only when sharded: an unsharded cache's JSON is unchanged
+            meta["head_shard"] = list(self.head_shard)
+        return json.dumps(meta)
 
     @property
     def meta_state(self):
@@ -73,8 +76,9 @@ class CacheState:
 
     @classmethod
     def from_meta(cls, meta_json: str):
-        """An empty cache with the config, layer and window recorded in ``meta_json``."""
+        """An empty cache with the config, layer, window and head shard recorded in ``meta_json``."""
         meta = json.loads(meta_json)
         data = dict(meta["config"])
         data.update(data.pop("policy"))
-        return cls(data, layer=int(meta["layer"]), window=meta["window"])
+        return cls(data, layer=int(meta["layer"]), window=meta["window"],
+                   head_shard=tuple(meta.get("head_shard", (0, 1))))

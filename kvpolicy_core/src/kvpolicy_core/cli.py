@@ -54,20 +54,34 @@ def _with_budget(spec: Any, budget: Optional[int]) -> Any:
     return parse_config(value, budget=budget)
 
 
-def _load_model(path_arg: Optional[str], dtype: str):
+def _load_model(path_arg: Optional[str], dtype: str, parallel: str = "auto"):
     import mlx.core as mx
     import mlx_lm
 
+    from .distributed import describe, load_sharded, world
     from .model.default import resolve_model_path
 
     want = "float32" if dtype == "auto" else dtype
     path = resolve_model_path(path_arg, "float32" if path_arg is None and want == "float32" else want)
-    model, tokenizer = mlx_lm.load(str(path))
+    size = world()[1]
+    if size > 1:  # under mlx.launch: split the model with mlx-lm's sharded_load
+        model, tokenizer, mode = load_sharded(path, parallel)
+        mx.random.seed(0)  # every rank must sample the same tokens
+        print(f"kvpolicy: {describe(model, mode, size)}", file=sys.stderr)
+    else:
+        model, tokenizer = mlx_lm.load(str(path))
     if dtype == "auto" and sys.platform.startswith("linux"):
         model.set_dtype(mx.float32)
     elif dtype != "auto":
         model.set_dtype(getattr(mx, dtype))
     return model, tokenizer, path
+
+
+def _world():
+    """(rank, size) under mlx.launch; (0, 1) in one process."""
+    from .distributed import world
+
+    return world()
 
 
 def _human(n: float) -> str:
@@ -159,7 +173,7 @@ def cmd_generate(args) -> int:
 
     spec = _with_budget(_spec_from_args(args), args.budget)
     prompt = _read_prompt(args)
-    model, tokenizer, _ = _load_model(args.model, args.dtype)
+    model, tokenizer, _ = _load_model(args.model, args.dtype, args.parallel)
     caches = make_caches(model, spec)
     last = None
     for response in mlx_lm.stream_generate(
@@ -182,6 +196,13 @@ def cmd_generate(args) -> int:
         "peak_memory_gb": round(last.peak_memory, 3),
         "blas": _blas_summary(),
     }
+    size = _world()[1]
+    if size > 1:
+        summary["world_size"] = size  # KV bytes above: rank 0's share
+    if args.save_caches:
+        from .persistence import save_caches
+
+        summary["caches_file"] = str(save_caches(args.save_caches, caches))
     if args.json:
         print(json.dumps(summary), file=sys.stderr)
     else:
@@ -189,7 +210,8 @@ def cmd_generate(args) -> int:
             f"[{summary['method']}] prompt: {summary['prompt_tokens']} tok, {summary['prompt_tps']} tok/s | "
             f"generation: {summary['generation_tokens']} tok, {summary['generation_tps']} tok/s | "
             f"KV kept {_human(kept)} of {_human(full)} (x{summary['compression_ratio']}) | "
-            f"peak memory {summary['peak_memory_gb']} GB",
+            f"peak memory {summary['peak_memory_gb']} GB"
+            + (f" | rank 0 of {size}: KV bytes are its share" if size > 1 else ""),
             file=sys.stderr,
         )
     return 0
@@ -232,7 +254,7 @@ def cmd_eval(args) -> int:
         text = load_corpus(args.file)
     except FileNotFoundError as exc:
         raise CLIError(str(exc)) from None
-    model, tokenizer, path = _load_model(args.model, args.dtype)
+    model, tokenizer, path = _load_model(args.model, args.dtype, args.parallel)
     ids = tokenizer.encode(text)[: args.tokens]
     if len(ids) < 2:
         raise CLIError("the text has fewer than 2 tokens")
@@ -256,7 +278,7 @@ def cmd_eval(args) -> int:
         }
         if args.json == "-":
             print(json.dumps(payload))
-        else:
+        elif _world()[0] == 0:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(payload, indent=1))
             print(f"wrote {args.json}", file=sys.stderr)
@@ -331,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", help="local mlx-lm model directory (default: the embedded Gemma 3 270M)")
         sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="model dtype (auto: float32 on Linux CPU)")
+        sp.add_argument("--parallel", default="auto", choices=["auto", "tensor", "pipeline"],
+                        help="under mlx.launch: how to split the model (auto: tensor if the model supports it)")
 
     g = sub.add_parser("generate", help="generate text with a bounded cache")
     g.add_argument("prompt", nargs="?", help="the prompt ('-' or omitted: stdin)")
@@ -341,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=100)
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     g.add_argument("--json", action="store_true", help="print the summary as JSON (stderr)")
+    g.add_argument("--save-caches", metavar="FILE.safetensors",
+                   help="save the caches after generating (under mlx.launch: one file per rank)")
     model_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -386,6 +412,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("kvpolicy: error: --chunk must be >= 1", file=sys.stderr)
         return 2
     try:
+        if args.command in ("generate", "eval"):
+            from .distributed import rank_zero_output
+
+            with rank_zero_output():  # under mlx.launch, only rank 0 prints
+                return args.func(args)
         return args.func(args)
     except KeyboardInterrupt:
         return 130

@@ -6,6 +6,11 @@ generation bit for bit, and a truncated or modified file is rejected, never half
 
 mlx-lm's ``save_prompt_cache``/``load_prompt_cache`` also work with kvpolicy caches (their
 ``state`` carries the config), but they save the settled state; use these for exact resumption.
+
+Under ``mlx.launch`` each rank holds only its own heads or layers: ``save_caches("run.safetensors")``
+on rank r of N writes ``run.rank<r>-of-<N>.safetensors`` (the header records (r, N)), and
+``load_caches("run.safetensors")`` reads back this rank's file, refusing a file from another rank
+or world size (:mod:`kvpolicy_core.distributed`).
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .cache import PolicyCache
+from .distributed import check_shard, missing_rank_file, rank_path, resolve_shard
 from .errors import KVPolicyError
 
 FORMAT = "kvpolicy-caches/1"
@@ -37,11 +43,18 @@ def _digest(arrays: Dict[str, mx.array]) -> str:
     return h.hexdigest()
 
 
-def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] = None) -> Path:
-    """Write ``caches`` (one per layer) to ``path`` (a ``.safetensors`` file); returns the path."""
+def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] = None, *,
+                shard: Optional[Tuple[int, int]] = None) -> Path:
+    """Write ``caches`` (one per layer) to ``path`` (a ``.safetensors`` file); returns the path written.
+
+    ``shard`` = (rank, world size), default this process's: with a world size > 1 the file is
+    ``path``'s rank file (``run.rank0-of-2.safetensors``).
+    """
     path = Path(path)
     if path.suffix != ".safetensors":
         raise CacheFileError(f"{path}: cache files must end in .safetensors")
+    shard = resolve_shard(shard)
+    path = rank_path(path, shard)
     arrays: Dict[str, mx.array] = {}
     layers: List[Dict[str, Any]] = []
     for i, c in enumerate(caches):
@@ -65,16 +78,23 @@ def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] 
     arrays = {k: mx.contiguous(v) for k, v in arrays.items()}
     mx.eval(arrays)
     header = {"format": FORMAT, "layers": layers, "user": dict(metadata or {}), "sha256": _digest(arrays)}
+    if shard != (0, 1):
+        header["shard"] = list(shard)
     path.parent.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path), arrays, metadata={"kvpolicy": json.dumps(header)})
     return path
 
 
-def load_caches(path) -> List[Any]:
-    """Read caches written by :func:`save_caches`; raises :class:`CacheFileError` on any damage."""
-    path = Path(path)
+def load_caches(path, *, shard: Optional[Tuple[int, int]] = None) -> List[Any]:
+    """Read caches written by :func:`save_caches`; raises :class:`CacheFileError` on any damage.
+
+    ``shard`` = (rank, world size), default this process's: the file read is ``path``'s rank
+    file, and a file saved by another rank or world size is refused.
+    """
+    base, shard = Path(path), resolve_shard(shard)
+    path = rank_path(base, shard)
     if not path.is_file():
-        raise CacheFileError(f"{path}: no such cache file")
+        raise CacheFileError(missing_rank_file(base, path, shard))
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
     except Exception as exc:
@@ -87,6 +107,7 @@ def load_caches(path) -> List[Any]:
         raise CacheFileError(f"{path}: format {header.get('format')!r}, expected {FORMAT!r}")
     if _digest(arrays) != header.get("sha256"):
         raise CacheFileError(f"{path}: checksum mismatch: the file was modified or corrupted")
+    check_shard(path, header.get("shard"), shard, CacheFileError)
     caches = []
     for i, entry in enumerate(header["layers"]):
         get = lambda name: arrays.get(f"{i}.{name}")  # noqa: E731

@@ -56,10 +56,13 @@ class SlotStore:
                 "a cache keeps the dtype it was first given: build fresh caches"
             )
 
-    def view(self, offset: int, n_new: int, dead: Optional[mx.array]) -> CacheView:
-        n = self.n
+    def view(self, offset: int, n_new: int, dead: Optional[mx.array],
+             head_shard: Tuple[int, int] = (0, 1)) -> CacheView:
+        """The parts' view of the n valid slots; ``head_shard`` = (rank, size) of a tensor-parallel
+        split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``."""
+        n, H, (rank, size) = self.n, self.keys.shape[1], head_shard
         return CacheView(self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n],
-                         self.scores, offset, n_new, dead)
+                         self.scores, offset, n_new, dead, rank * H, size * H)
 
     def append(self, keys: mx.array, values: mx.array, offset: int, budget: int) -> None:
         """Write S new tokens (positions ``offset .. offset+S-1``, score 0) after the n valid slots.

@@ -103,6 +103,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return self.n == self.offset and self.n <= self.budget
 
     def trim(self, n: int) -> int:
+        if n < 0:
+            raise ValueError(f"layer {self.layer}: trim(n) needs n >= 0 (got {n})")
         if not self.is_trimmable():
             return 0
         n = min(self.n, n)

@@ -77,7 +77,6 @@ def test_one_non_finite_key_does_not_zero_the_other_tokens_scores():
 
 
 # ----------------------------------------------------------------------------- 5, 6: files
-@pytest.mark.xfail(strict=True, reason="issue 13 #5: not fixed yet")
 def test_the_checksum_covers_the_header(tmp_path):
     cache = PolicyCache("h2o:budget=8")
     feed(cache, *random_kv(S=18), (18,))
@@ -89,7 +88,6 @@ def test_the_checksum_covers_the_header(tmp_path):
         load_caches(path)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 #6: not fixed yet")
 def test_a_failed_save_keeps_the_previous_file_and_says_why(tmp_path):
     path = tmp_path / "c.safetensors"
     script = f"""
@@ -118,7 +116,6 @@ sys.exit(3)
     assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temporary file left behind
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 #6: not fixed yet")
 def test_saving_onto_a_directory_is_a_clear_error(tmp_path):
     (tmp_path / "d.safetensors").mkdir()
     with pytest.raises(CacheFileError, match="directory"):

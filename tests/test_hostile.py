@@ -123,7 +123,6 @@ def test_saving_onto_a_directory_is_a_clear_error(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 7: mlx-lm files of fresh caches
-@pytest.mark.xfail(strict=True, reason="issue 13 #7: not fixed yet")
 def test_mlx_lm_round_trip_of_fresh_policy_caches(tmp_path):
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 

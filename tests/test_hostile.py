@@ -135,7 +135,6 @@ def test_mlx_lm_round_trip_of_fresh_policy_caches(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 9, 10: attach / detach
-@pytest.mark.xfail(strict=True, reason="issue 13 #9: not fixed yet")
 def test_detach_restores_the_models_own_make_cache():
     from mlx_lm.models.cache import RotatingKVCache
 

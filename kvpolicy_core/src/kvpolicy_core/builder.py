@@ -14,6 +14,7 @@ from .policy import build_policy
 
 _ORIGINAL = "_kvpolicy_original_make_cache"
 _HOOK = "_kvpolicy_attention_hook"
+_OWN = "_kvpolicy_own_make_cache"
 
 
 def native_caches(model) -> List[Any]:
@@ -129,6 +130,8 @@ def attach(model, config: Any):
     if model.__dict__.get(_ORIGINAL) is None:
         original = getattr(model, "make_cache", None)
         object.__setattr__(model, _ORIGINAL, original or (lambda: [KVCache() for _ in _layers(model)]))
+        if "make_cache" in model.__dict__:  # the user's own, set on the instance: detach puts it back
+            object.__setattr__(model, _OWN, model.__dict__["make_cache"])
     object.__setattr__(model, "make_cache", lambda *_a, **_k: KVCacheBuilder.for_model(model, config))
     return config
 
@@ -138,6 +141,8 @@ def detach(model) -> None:
     d = model.__dict__
     if d.pop(_ORIGINAL, None) is not None:
         d.pop("make_cache", None)
+        if _OWN in d:
+            object.__setattr__(model, "make_cache", d.pop(_OWN))
     hook = d.pop(_HOOK, None)
     if hook is not None:
         hook.remove()

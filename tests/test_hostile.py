@@ -146,7 +146,6 @@ def test_detach_restores_the_models_own_make_cache():
     assert model.make_cache is custom
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 #10: not fixed yet")
 def test_one_users_detach_does_not_break_another_users_observed_caches():
     model = tiny_llama(seed=6)
     mine = KVCacheBuilder.for_model(model, "h2o:budget=8,signal=observed")

@@ -114,9 +114,11 @@ class KVCacheBuilder:
             else:
                 window = native.max_size if type(native) is RotatingKVCache else None
                 caches.append(PolicyCache(policy, layer=i, window=window))
-        hook = model.__dict__.get(_HOOK)
-        if needs_hook(caches) and (hook is None or not hook.active):
-            object.__setattr__(model, _HOOK, attention.install(model))
+        if needs_hook(caches):  # the caches hold the install: it ends when the last of them is gone
+            hook = attention.install(model)
+            for c in caches:
+                if isinstance(c, PolicyCache):
+                    c.attention_hook = hook
         return caches
 
 
@@ -126,7 +128,10 @@ def attach(model, config: Any):
     Returns the validated config. Undo with :func:`detach`.
     """
     config: KVCacheConfig = parse_config(config)
-    KVCacheBuilder.for_model(model, config)  # validate now, install the hook
+    caches = KVCacheBuilder.for_model(model, config)  # validate now
+    hook = model.__dict__.get(_HOOK)
+    if needs_hook(caches) and (hook is None or not hook.active):  # keep the hook while attached
+        object.__setattr__(model, _HOOK, attention.install(model))
     if model.__dict__.get(_ORIGINAL) is None:
         original = getattr(model, "make_cache", None)
         object.__setattr__(model, _ORIGINAL, original or (lambda: [KVCache() for _ in _layers(model)]))
@@ -137,7 +142,7 @@ def attach(model, config: Any):
 
 
 def detach(model) -> None:
-    """Undo :func:`attach` and remove the attention hook installed for ``model``."""
+    """Undo :func:`attach` and release its attention hook (caches that need the hook keep it alive)."""
     d = model.__dict__
     if d.pop(_ORIGINAL, None) is not None:
         d.pop("make_cache", None)

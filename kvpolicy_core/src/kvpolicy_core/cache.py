@@ -62,6 +62,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
         self._attended, self._last_S, self._updates = True, 0, 0
+        self.attention_hook = None  # the attention hook install this cache keeps alive, if it needs one
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:

@@ -47,7 +47,6 @@ class InfPlugin:
         register(MethodSpec("allinf", PolicyConfig, "all_inf", "lowest_score", "drop"))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 #3: not fixed yet")
 def test_infinite_scores_never_evict_sinks():
     register_plugin(InfPlugin(), "inf")
     try:

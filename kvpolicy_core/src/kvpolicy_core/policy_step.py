@@ -58,14 +58,14 @@ class PolicyStep:
             ) from exc
 
     def scores(self, scores, shape: Tuple[int, int, int]) -> mx.array:
-        """A scorer's result checked to be [B, H, n]; float32, NaN (from non-finite keys) counts as 0."""
+        """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0 and +-inf as the largest finite
+        float32, so that no score can tie with the +-inf a selector's rank uses for protection."""
         if not isinstance(scores, mx.array) or tuple(scores.shape) != tuple(shape):
             raise PluginError(
                 f"layer {self.layer}: {self.policy.owners['scorer']} returned scores of shape "
                 f"{getattr(scores, 'shape', type(scores).__name__)}, expected {tuple(shape)}"
             )
-        scores = scores.astype(mx.float32)
-        return mx.where(mx.isnan(scores), mx.zeros_like(scores), scores)
+        return mx.nan_to_num(scores.astype(mx.float32), nan=0.0)
 
     def on_append(self, view: CacheView, keys: mx.array, new_positions: mx.array) -> mx.array:
         return self.scores(self.call("scorer", self.policy.scorer.on_append, view, keys, new_positions),

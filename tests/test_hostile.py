@@ -59,7 +59,6 @@ def test_infinite_scores_never_evict_sinks():
 
 
 # ----------------------------------------------------------------------------- 4: one NaN key
-@pytest.mark.xfail(strict=True, reason="issue 13 #4: not fixed yet")
 def test_one_non_finite_key_does_not_zero_the_other_tokens_scores():
     keys, values = random_kv(B=1, H=2, S=12, D=8, seed=5)
     k = np.array(keys)

@@ -153,3 +153,76 @@ def test_one_users_detach_does_not_break_another_users_observed_caches():
     model(tokens[:, :12], cache=mine)
     model(tokens[:, 12:13], cache=mine)  # still observed: no ModelError
     assert all(c.offset == 13 for c in mine)
+
+
+# ----------------------------------------------------------------------------- 1, 2: part outputs
+class BadSelector(Selector):
+    mode = "big"
+
+    def select(self, view, n_evict):
+        B, H, L = view.scores.shape
+        base = mx.broadcast_to(mx.arange(n_evict, dtype=mx.int32), (B, H, n_evict))
+        return {"big": base + 10**6, "neg": base - 1, "dup": base * 0 + 2, "float": base.astype(mx.float32) + 2,
+                "list": [[[0]]]}[BadSelector.mode]
+
+
+class BadMerge:
+    mode = "big"
+
+    @classmethod
+    def from_config(cls, config):
+        return cls()
+
+    def dispose(self, view, losers, key):
+        B, H, E = losers.shape
+        t = mx.full((B, H, E), view.scores.shape[-1] + 3 if BadMerge.mode == "big" else 0, mx.int32)
+        dv = mx.zeros((B, H, E, view.values.shape[-1] + (1 if BadMerge.mode == "shape" else 0)))
+        return {"dict": {"targets": t}}.get(BadMerge.mode, MergeUpdate(t, None, dv, None))
+
+
+class BadPlugin:
+    @hookimpl
+    def register_selectors(self, register):
+        register("bad_sel", BadSelector)
+
+    @hookimpl
+    def register_dispositions(self, register):
+        register("bad_merge", BadMerge)
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("badsel", PolicyConfig, "cumulative_attention", "bad_sel", "drop"))
+        register(MethodSpec("badmerge", PolicyConfig, "cumulative_attention", "lowest_score", "bad_merge"))
+
+
+@pytest.fixture
+def bad_plugin():
+    register_plugin(BadPlugin(), "bad")
+    yield
+    unregister_plugin("bad")
+
+
+@pytest.mark.parametrize("mode, needle", [("big", "outside the cache"), ("neg", "outside the cache"),
+                                          ("dup", "distinct"), ("float", "dtype float32"), ("list", "shape")])
+@pytest.mark.parametrize("chunks", [(12, 1), (12, 6)])  # the decode write and the chunked compaction
+def test_bad_loser_indices_are_a_plugin_error_and_the_cache_stays_usable(bad_plugin, mode, needle, chunks):
+    BadSelector.mode = mode
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("badsel:budget=8,n_sink=1,recent=1")
+    feed(cache, keys[:, :, :12], values[:, :, :12], chunks[:1])
+    with pytest.raises(PluginError, match=needle):
+        feed(cache, keys[:, :, 12:], values[:, :, 12:], chunks[1:])
+    assert cache.offset == 12 and cache.n == 12  # rolled back: nothing half-applied, nothing corrupted
+    assert mx.array_equal(cache.keys[..., :12, :], keys[:, :, :12]) and cache.scores.shape[-1] == 12
+
+
+@pytest.mark.parametrize("mode, needle", [("big", "merge targets outside"), ("shape", "d_values of shape"),
+                                          ("dict", "expected a MergeUpdate")])
+def test_bad_merge_updates_are_a_plugin_error(bad_plugin, mode, needle):
+    BadMerge.mode = mode
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("badmerge:budget=8,n_sink=1,recent=1")
+    feed(cache, keys[:, :, :12], values[:, :, :12], (12,))
+    with pytest.raises(PluginError, match=needle):
+        feed(cache, keys[:, :, 12:13], values[:, :, 12:13], (1,))
+    assert cache.offset == 12

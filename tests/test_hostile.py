@@ -226,3 +226,18 @@ def test_bad_merge_updates_are_a_plugin_error(bad_plugin, mode, needle):
     with pytest.raises(PluginError, match=needle):
         feed(cache, keys[:, :, 12:13], values[:, :, 12:13], (1,))
     assert cache.offset == 12
+
+
+# ----------------------------------------------------------------------------- weaker spots
+def test_a_window_below_one_is_rejected():
+    for bad in (-3, 0, True, 2.5):
+        with pytest.raises(ValueError, match="window"):
+            PolicyCache("h2o:budget=8", window=bad)
+
+
+def test_zero_new_tokens_is_a_clear_error_not_a_part_failure():
+    for method in ("h2o:budget=8", "random:budget=8"):
+        cache = PolicyCache(method)
+        with pytest.raises(ValueError, match="S=0"):
+            cache.update_and_fetch(mx.zeros((1, 2, 0, 8)), mx.zeros((1, 2, 0, 8)))
+        assert cache.offset == 0 and cache.keys is None

@@ -55,6 +55,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
     keys, values, positions, scores, n = (_slot(f) for f in FIELDS)
 
     def __init__(self, policy, layer: int = 0, window: Optional[int] = None) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be None or an int >= 1 (got {window!r})")
         self.policy: Policy = policy if isinstance(policy, Policy) else build_policy(policy)
         self.budget, self.layer, self.window = self.policy.budget, layer, window
         self._slots = SlotStore(self.step)

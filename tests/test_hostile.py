@@ -241,3 +241,11 @@ def test_zero_new_tokens_is_a_clear_error_not_a_part_failure():
         with pytest.raises(ValueError, match="S=0"):
             cache.update_and_fetch(mx.zeros((1, 2, 0, 8)), mx.zeros((1, 2, 0, 8)))
         assert cache.offset == 0 and cache.keys is None
+
+
+def test_the_same_field_twice_is_an_error_not_last_wins():
+    from kvpolicy_core import ConfigError, parse_config
+
+    for bad in ("cam:budget=8,cam_budget=9", {"method": "cam", "budget": 8, "cam_budget": 9}):
+        with pytest.raises(ConfigError, match="given twice"):
+            parse_config(bad)

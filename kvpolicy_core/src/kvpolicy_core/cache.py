@@ -29,7 +29,6 @@ import mlx.core as mx
 from . import interop
 from .cache_diagnostics import CacheDiagnostics
 from .cache_state import CacheState
-from .errors import ModelError
 from .parts.attention_scorer import causal_allowed
 from .policy import Policy, build_policy
 from .policy_step import PolicyStep
@@ -170,14 +169,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return losers
 
     def _check_observation(self) -> None:
-        needs_hook = self.policy.scorer.needs_attention or (self.window is not None and self.offset > self.window)
-        if needs_hook and not self._attended and self.offset > 0:
-            raise ModelError(
-                f"layer {self.layer}: this cache needs kvpolicy's attention hook "
-                f"({'observed signal' if self.policy.scorer.needs_attention else 'sliding-window mask'}), "
-                "but the model's attention did not call it; build caches with "
-                "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
-            )
+        windowed = self.window is not None and self.offset > self.window
+        self._step.check_observed(windowed, self._attended or self.offset == 0)
 
     @contextlib.contextmanager
     def _transaction(self):

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from .errors import KVPolicyError, PluginError
+from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, MergeUpdate, Selector, pick_lowest
 from .policy import Policy, step_key
 
@@ -46,6 +46,17 @@ class PolicyStep:
             if callable(stats):
                 names.update(stats())
         return names
+
+    def check_observed(self, windowed: bool, attended: bool) -> None:
+        """The previous step must have passed through the attention hook if this layer needs it."""
+        observed = self.policy.scorer.needs_attention
+        if (observed or windowed) and not attended:
+            raise ModelError(
+                f"layer {self.layer}: this cache needs kvpolicy's attention hook "
+                f"({'observed signal' if observed else 'sliding-window mask'}), "
+                "but the model's attention did not call it; build caches with "
+                "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
+            )
 
     def call(self, kind: str, fn, *args):
         try:

@@ -29,7 +29,6 @@ import mlx.core as mx
 from . import interop
 from .cache_diagnostics import CacheDiagnostics
 from .cache_state import CacheState
-from .errors import ModelError
 from .parts.attention_scorer import causal_allowed
 from .policy import Policy, build_policy
 from .policy_step import PolicyStep
@@ -61,6 +60,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
     def __init__(self, policy, layer: int = 0, window: Optional[int] = None,
                  head_shard: Tuple[int, int] = (0, 1)) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be None or an int >= 1 (got {window!r})")
         self.head_shard = check_head_shard(head_shard)
         self.policy: Policy = policy if isinstance(policy, Policy) else build_policy(policy)
         self.budget, self.layer, self.window = self.policy.budget, layer, window
@@ -69,6 +70,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
         self._attended, self._last_S, self._updates = True, 0, 0
+        self.attention_hook = None  # the attention hook install this cache keeps alive, if it needs one
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -110,6 +112,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return self.n == self.offset and self.n <= self.budget
 
     def trim(self, n: int) -> int:
+        if n < 0:
+            raise ValueError(f"layer {self.layer}: trim(n) needs n >= 0 (got {n})")
         if not self.is_trimmable():
             return 0
         n = min(self.n, n)
@@ -172,14 +176,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return losers
 
     def _check_observation(self) -> None:
-        needs_hook = self.policy.scorer.needs_attention or (self.window is not None and self.offset > self.window)
-        if needs_hook and not self._attended and self.offset > 0:
-            raise ModelError(
-                f"layer {self.layer}: this cache needs kvpolicy's attention hook "
-                f"({'observed signal' if self.policy.scorer.needs_attention else 'sliding-window mask'}), "
-                "but the model's attention did not call it; build caches with "
-                "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
-            )
+        windowed = self.window is not None and self.offset > self.window
+        self._step.check_observed(windowed, self._attended or self.offset == 0)
 
     @contextlib.contextmanager
     def _transaction(self):

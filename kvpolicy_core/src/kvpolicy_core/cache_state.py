@@ -29,20 +29,24 @@ class CacheState:
 
     @property
     def state(self):
-        """(keys, values, positions, scores, meta JSON) of the retained tokens, settled."""
+        """(keys, values, positions, scores, meta JSON) of the retained tokens, settled.
+
+        An empty cache gives ``(None, None, None, None, meta JSON)``, so that mlx-lm's
+        ``save_prompt_cache``/``load_prompt_cache`` keep one cache per layer.
+        """
         self.settle()
         if self.keys is None:
-            return []
+            return None, None, None, None, self._meta_json()
         n = self.n
         return self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n], self.scores, self._meta_json()
 
     @state.setter
     def state(self, v) -> None:
-        if not v:
+        if not v or v[0] is None:
             self._slots.restore((None, None, None, None, 0))
-            return
-        keys, values, positions, scores = v[:4]
-        self._slots.restore((keys, values, positions, scores, keys.shape[2]))
+        else:
+            keys, values, positions, scores = v[:4]
+            self._slots.restore((keys, values, positions, scores, keys.shape[2]))
         if len(v) > 4:
             meta = json.loads(v[4])
             self.offset = int(meta["offset"])

@@ -15,8 +15,11 @@ or world size (:mod:`kvpolicy_core.distributed`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -27,15 +30,19 @@ from .cache import PolicyCache
 from .distributed import check_shard, missing_rank_file, rank_path, resolve_shard
 from .errors import KVPolicyError
 
-FORMAT = "kvpolicy-caches/1"
+FORMAT = "kvpolicy-caches/2"  # /2: the checksum covers the header too (/1 files still load)
+_FORMATS = ("kvpolicy-caches/1", FORMAT)
 
 
 class CacheFileError(KVPolicyError):
     """A cache file that cannot be loaded: missing, truncated, modified or of another format."""
 
 
-def _digest(arrays: Dict[str, mx.array]) -> str:
+def _digest(arrays: Dict[str, mx.array], header: Optional[Dict[str, Any]] = None) -> str:
+    """SHA-256 over every array (name, dtype, shape, bytes) and the header JSON (without the digest)."""
     h = hashlib.sha256()
+    if header is not None:
+        h.update(json.dumps({k: v for k, v in header.items() if k != "sha256"}, sort_keys=True).encode())
     for name in sorted(arrays):
         a = arrays[name]
         h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
@@ -77,12 +84,44 @@ def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] 
         layers.append(entry)
     arrays = {k: mx.contiguous(v) for k, v in arrays.items()}
     mx.eval(arrays)
-    header = {"format": FORMAT, "layers": layers, "user": dict(metadata or {}), "sha256": _digest(arrays)}
+    header = {"format": FORMAT, "layers": layers, "user": dict(metadata or {})}
     if shard != (0, 1):
         header["shard"] = list(shard)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path), arrays, metadata={"kvpolicy": json.dumps(header)})
+    header["sha256"] = _digest(arrays, header)  # covers the header (shard included) too
+    _write_atomically(path, arrays, {"kvpolicy": json.dumps(header)})
     return path
+
+
+def _write_atomically(path: Path, arrays: Dict[str, mx.array], metadata: Dict[str, str]) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over ``path``.
+
+    A failed write (disk full, interrupted) leaves the previous file as it was.
+    """
+    if path.is_dir():
+        raise CacheFileError(f"{path}: is a directory; give a file name ending in .safetensors")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".safetensors")
+        os.close(fd)
+    except OSError as exc:
+        raise CacheFileError(f"{path}: cannot write there: {exc}") from None
+    try:
+        mx.save_safetensors(tmp, arrays, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, Exception):
+            raise CacheFileError(f"{path}: writing failed ({type(exc).__name__}: {exc}); the previous file is unchanged") from None
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 def load_caches(path, *, shard: Optional[Tuple[int, int]] = None) -> List[Any]:
@@ -103,9 +142,10 @@ def load_caches(path, *, shard: Optional[Tuple[int, int]] = None) -> List[Any]:
         header = json.loads(meta["kvpolicy"])
     except (KeyError, json.JSONDecodeError):
         raise CacheFileError(f"{path}: not a kvpolicy cache file (use kvpolicy_core.save_caches)") from None
-    if header.get("format") != FORMAT:
+    if header.get("format") not in _FORMATS:
         raise CacheFileError(f"{path}: format {header.get('format')!r}, expected {FORMAT!r}")
-    if _digest(arrays) != header.get("sha256"):
+    covered = header if header["format"] == FORMAT else None
+    if _digest(arrays, covered) != header.get("sha256"):
         raise CacheFileError(f"{path}: checksum mismatch: the file was modified or corrupted")
     check_shard(path, header.get("shard"), shard, CacheFileError)
     caches = []

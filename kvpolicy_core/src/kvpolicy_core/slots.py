@@ -41,6 +41,8 @@ class SlotStore:
                 f"layer {layer}: keys and values must be [B, H, S, D] with equal B, H, S "
                 f"(got keys {tuple(keys.shape)}, values {tuple(values.shape)})"
             )
+        if keys.shape[2] == 0:
+            raise ValueError(f"layer {layer}: update_and_fetch needs at least one new token (got S=0)")
         if self.keys is None:
             return
         have = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])

@@ -7,7 +7,7 @@ still produce the greedy tokens and log-probabilities of a single generation.
 
 import mlx.core as mx
 import pytest
-from conftest import tiny_gemma3, tiny_llama
+from helpers import tiny_gemma3, tiny_llama
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 
 from kvpolicy_core import KVCacheBuilder, PolicyCache, attach, detach
@@ -144,3 +144,27 @@ def test_rows_must_be_single_sequence_policy_caches():
     c.update_and_fetch(mx.zeros((2, 1, 3, 4)), mx.zeros((2, 1, 3, 4)))
     with pytest.raises(Exception, match="one sequence"):
         BatchPolicyCache([c])
+
+
+def test_merged_rows_keep_the_attention_hook_their_caches_hold():
+    """The caches that need the hook own it (issue 12): a batch merged from them keeps it installed
+    after the original caches are gone, and its rows still observe the model's attention."""
+    import gc
+    import weakref
+
+    model = tiny_llama(seed=5)
+    caches = [KVCacheBuilder.for_model(model, "h2o:budget=6,n_sink=1,signal=observed") for _ in range(2)]
+    hooks = [c[0].attention_hook for c in caches]  # one install per build, shared by its layers
+    assert all(h is not None and h.active for h in hooks)
+    batch = [PolicyCache.merge([c[i] for c in caches]) for i in range(len(model.layers))]
+    assert all([r.attention_hook for r in b.rows] == hooks for b in batch)  # copies share, not copy, it
+    hooks = [weakref.ref(h) for h in hooks]  # the test must not hold the installs itself
+    del caches
+    gc.collect()
+    assert all(h() is not None and h().active for h in hooks)  # the rows hold them
+    model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1]]), cache=batch)
+    row = batch[0].rows[0]
+    assert row.tokens_kept == 6 and float(row.scores[..., : row.n].sum()) > 0  # observed attention scored
+    del batch, row
+    gc.collect()
+    assert all(h() is None for h in hooks)  # the last holders gone: the installs are undone

@@ -33,13 +33,19 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import PolicyCache
+from .cache_state import CacheState
 from .errors import KVPolicyError
-from .parts.cumulative_attention import causal_allowed
+from .parts.attention_scorer import causal_allowed
+
+#: A row: a :class:`~kvpolicy_core.cache.PolicyCache`. ``cache`` imports this module (for
+#: ``PolicyCache.merge``), so rows are recognised by PolicyCache's state base class.
+Row = CacheState
 
 
-def copy_row(cache: PolicyCache) -> PolicyCache:
-    """An independent copy of a policy cache (its policy's parts are shared, they are stateless)."""
+def copy_row(cache: Row) -> Row:
+    """An independent copy of a policy cache. Its policy's parts are shared (they are stateless),
+    and so is its attention-hook install (:class:`~kvpolicy_core.attention.AttentionHook` copies
+    as itself): the copy keeps the hook alive as the original does."""
     return copy.deepcopy(cache, memo={id(cache.policy): cache.policy})
 
 
@@ -50,27 +56,27 @@ class BatchPolicyCache:
         rows: one :class:`PolicyCache` per sequence (batch 1 each, or empty); owned from now on.
     """
 
-    def __init__(self, rows: Sequence[PolicyCache]) -> None:
+    def __init__(self, rows: Sequence[Row]) -> None:
         for i, r in enumerate(rows):
-            if not isinstance(r, PolicyCache):
+            if not isinstance(r, Row):
                 raise KVPolicyError(f"BatchPolicyCache row {i}: expected a PolicyCache, got {type(r).__name__}")
             if r.keys is not None and r.keys.shape[0] != 1:
                 raise KVPolicyError(
                     f"BatchPolicyCache row {i}: a row holds one sequence, but this cache holds "
                     f"a batch of {r.keys.shape[0]}"
                 )
-        self.rows: List[PolicyCache] = list(rows)
+        self.rows: List[Row] = list(rows)
         self._skip = [0] * len(self.rows)  # left padding still to drop from the next input, per row
         self._real: Optional[List[int]] = None  # real tokens left in right-padded input, per row
         self._step: List[Tuple[int, int, int]] = []  # per row this call: (lo, S_b, L_b)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def merge(cls, caches: Sequence[PolicyCache]) -> "BatchPolicyCache":
+    def merge(cls, caches: Sequence[Row]) -> "BatchPolicyCache":
         """One batch from single-sequence caches; the inputs are copied, never modified."""
         return cls([copy_row(c) for c in caches])
 
-    def extract(self, idx: int) -> PolicyCache:
+    def extract(self, idx: int) -> Row:
         """Row ``idx`` as an independent single-sequence :class:`PolicyCache`."""
         return copy_row(self.rows[idx])
 
@@ -254,7 +260,7 @@ def _ints(x) -> List[int]:
     return x.tolist() if isinstance(x, mx.array) else [int(v) for v in x]
 
 
-def _needs_hook(row: PolicyCache) -> bool:
+def _needs_hook(row: Row) -> bool:
     """Does this row's attention step need the row's own queries or its own mask?"""
     return bool(row.policy.scorer.needs_attention) or (row.window is not None and row.offset > row.window)
 

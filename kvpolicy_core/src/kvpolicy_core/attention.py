@@ -18,6 +18,7 @@ import threading
 import weakref
 from typing import Dict, List
 
+from .batch_cache import BatchPolicyCache
 from .cache import PolicyCache
 from .errors import ModelError
 
@@ -28,7 +29,7 @@ ATTR = "scaled_dot_product_attention"
 
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
-        if isinstance(cache, PolicyCache):
+        if isinstance(cache, (PolicyCache, BatchPolicyCache)):
             mask = cache.before_attention(queries, scale, mask)
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
@@ -67,6 +68,12 @@ class AttentionHook:
     def remove(self) -> None:
         """Undo this install now (idempotent)."""
         self._finalizer()
+
+    def __copy__(self) -> "AttentionHook":
+        return self  # a copied cache holds the same install (a copied finalizer would be dead)
+
+    def __deepcopy__(self, memo) -> "AttentionHook":
+        return self
 
 
 def install(model) -> AttentionHook:

@@ -27,6 +27,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from . import interop
+from .batch_cache import BatchPolicyCache
 from .cache_diagnostics import CacheDiagnostics
 from .cache_state import CacheState
 from .parts.attention_scorer import causal_allowed
@@ -128,6 +129,11 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
     def empty(self) -> bool:
         return self.keys is None
+
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batching entry point: single-sequence caches -> one BatchPolicyCache (copies)."""
+        return BatchPolicyCache.merge(caches)
 
     def retained(self):
         """(keys, values, positions, scores) of the retained tokens in temporal order."""

@@ -1,4 +1,4 @@
-"""The ``kvpolicy`` command line: methods, generate, eval, convert.
+"""The ``kvpolicy`` command line: methods, generate, eval, convert, serve.
 
 Loads the optimised BLAS before mlx on Linux and runs models in fp32 there. Errors
 are one line (``kvpolicy: error: ...``, exit 2); ``KVPOLICY_DEBUG=1`` shows tracebacks.
@@ -394,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="output directory (with --gguf)")
     c.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     c.set_defaults(func=cmd_convert)
+
+    sub.add_parser("serve", add_help=False,
+                   help="mlx-lm's OpenAI-compatible server with policy caches (kvpolicy serve --help)")
     return p
 
 
@@ -407,6 +410,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         load_optimized_blas()
     for w in caught:
         print(f"kvpolicy: warning: {str(w.message).removeprefix('kvpolicy: ')}", file=sys.stderr)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # mlx-lm's server options pass through unparsed
+        from .serve import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "chunk", 1) is not None and getattr(args, "chunk", 1) < 1:
         print("kvpolicy: error: --chunk must be >= 1", file=sys.stderr)

@@ -66,12 +66,12 @@ def test_low_relative_score_loser_is_dropped_most_of_the_time():
 
 def test_gate_off_merges_every_loser_with_a_target():
     K, V = random_kv(B=2, H=3, S=40, D=8, seed=9)
-    cache = PolicyCache("cam:budget=8,n_sink=2,gate=false")
+    cache = PolicyCache("cam:budget=8,n_sink=2,gate=false,signal=proxy")
     for t in range(40):
         cache.update_and_fetch(K[:, :, t : t + 1], V[:, :, t : t + 1])
     cache.settle()
     assert cache.merges == 2 * 3 * 32 and cache.gate_draws == 0
-    gated = PolicyCache("cam:budget=8,n_sink=2")
+    gated = PolicyCache("cam:budget=8,n_sink=2,signal=proxy")
     for t in range(40):
         gated.update_and_fetch(K[:, :, t : t + 1], V[:, :, t : t + 1])
     gated.settle()
@@ -124,9 +124,9 @@ def stream(method, K, V, chunks):
 @pytest.mark.parametrize("chunks", [[1] * 50, [20, 1, 1, 1, 27]])
 def test_values_only_merge_leaves_kept_keys_identical_to_the_drop_path(chunks):
     K, V = random_kv(B=2, H=2, S=50, D=8, seed=21)
-    drop = stream("h2o:budget=12,n_sink=2", K, V, chunks).retained()
-    merged = stream("cam:budget=12,n_sink=2,gate=false", K, V, chunks).retained()
-    drop_cam = stream("cam:budget=12,n_sink=2,merge=drop", K, V, chunks).retained()
+    drop = stream("h2o:budget=12,n_sink=2,signal=proxy", K, V, chunks).retained()
+    merged = stream("cam:budget=12,n_sink=2,gate=false,signal=proxy", K, V, chunks).retained()
+    drop_cam = stream("cam:budget=12,n_sink=2,merge=drop,signal=proxy", K, V, chunks).retained()
     assert not mx.array_equal(drop[1], merged[1])  # values did merge
     for a, b in zip(drop, drop_cam):
         assert mx.array_equal(a, b)
@@ -138,7 +138,7 @@ def test_values_only_merge_leaves_kept_keys_identical_to_the_drop_path(chunks):
 
 def test_mass_is_conserved_by_a_merge():
     K, V = random_kv(B=2, H=3, S=30, D=8, seed=2)
-    cache = stream("cam:budget=10,n_sink=2,gate=false", K, V, [29])
+    cache = stream("cam:budget=10,n_sink=2,gate=false,signal=proxy", K, V, [29])
     before = np.array(cache.scores).sum(axis=-1)
     cache.update_and_fetch(K[:, :, 29:30], V[:, :, 29:30])  # settles 19 losers (all merge), adds one token
     cache.settle()
@@ -150,8 +150,8 @@ def test_mass_is_conserved_by_a_merge():
 @pytest.mark.parametrize("method", ["cam", "cam:merge=mean", "cam:gate=false,keys=true", "cam:merge=paper"])
 def test_eviction_is_deterministic_with_a_seed(method):
     K, V = random_kv(B=2, H=2, S=60, D=8, seed=8)
-    a = stream(with_fields(method, "budget=12,seed=4"), K, V, [20] + [1] * 40).retained()
-    b = stream(with_fields(method, "budget=12,seed=4"), K, V, [20] + [1] * 40).retained()
+    a = stream(with_fields(method, "budget=12,seed=4,signal=proxy"), K, V, [20] + [1] * 40).retained()
+    b = stream(with_fields(method, "budget=12,seed=4,signal=proxy"), K, V, [20] + [1] * 40).retained()
     for x, y in zip(a, b):
         assert mx.array_equal(x, y)
 

@@ -4,6 +4,7 @@ from .hookspecs import hookimpl
 from .parts.cumulative_attention import CumulativeAttentionScorer
 from .parts.drop import DropDisposition
 from .parts.lowest_score import LowestScoreSelector
+from .parts.observation_window import ObservationWindowScorer
 from .parts.random_score import RandomConfig, RandomScorer
 from .registry import MethodSpec
 
@@ -12,6 +13,7 @@ from .registry import MethodSpec
 def register_scorers(register):
     register("cumulative_attention", CumulativeAttentionScorer)
     register("random", RandomScorer)
+    register("observation_window", ObservationWindowScorer)
 
 
 @hookimpl

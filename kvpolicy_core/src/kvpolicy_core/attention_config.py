@@ -7,7 +7,7 @@ the specification's H2O-adapted, no hook).
 ``obs_window``/``pool``: a prompt chunk is scored by the attention of its last
 ``obs_window`` queries, max-pooled over ``pool`` neighbouring positions
 (:class:`~kvpolicy_core.parts.observation_window.ObservationWindowScorer`). ``None``
-means the signal's default: ``observed`` -> 32 and 7 (measured on the retrieval task,
+means the signal's default: ``observed`` -> 32 and 15 (measured on the retrieval task,
 docs/methods/h2o.md), ``proxy`` -> 0 (every query) and 1 (no pooling), which is exactly
 the specification's cumulative scorer, so ``signal=proxy`` is the v0.1 behaviour and
 ``signal=proxy,recent=0`` the specification's reproduction.
@@ -22,7 +22,7 @@ from pydantic import Field, model_validator
 from .config import PolicyConfig
 
 #: (obs_window, pool) used when the field is None, per signal.
-WINDOW_DEFAULTS = {"observed": (32, 7), "proxy": (0, 1)}
+WINDOW_DEFAULTS = {"observed": (32, 15), "proxy": (0, 1)}
 
 
 class AttentionPolicyConfig(PolicyConfig):
@@ -38,7 +38,7 @@ class AttentionPolicyConfig(PolicyConfig):
     )
     pool: Optional[int] = Field(
         None, ge=1,
-        description="Max-pool width over neighbouring positions for chunk scores (odd; 1: none; None: 7 observed, 1 proxy).",
+        description="Max-pool width over neighbouring positions for chunk scores (odd; 1: none; None: 15 observed, 1 proxy).",
     )
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ import functools
 import importlib
 import inspect
 import sys
+import warnings
 from pathlib import Path
 from typing import List
 
@@ -39,7 +40,9 @@ def stdlib_docstrings() -> str:
             if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
                 continue
             if inspect.isclass(obj) or inspect.isfunction(obj):
-                doc = inspect.getdoc(obj)
+                with warnings.catch_warnings():  # typing.io / typing.re warn when read
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    doc = inspect.getdoc(obj)
                 if doc and len(doc) > 80:
                     parts.append(doc)
     text = "\n\n".join(parts)

@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import mlx.core as mx
 
 from ..cache import PolicyCache
-from ..evaluation import kv_bytes, make_caches, spec_label
+from ..evaluation import kv_bytes, make_caches, parse_spec, spec_label
 from . import DEFAULT_DEPTHS
 from .haystack import haystack_text
 
@@ -179,10 +179,74 @@ def needle_kept(caches: List[Any], positions: Sequence[int]) -> Optional[float]:
     return sum(fracs) / len(fracs) if fracs else None
 
 
-def run_trial(model, tokenizer, trial: Trial, spec: Any, prefill_step: Optional[int]) -> Dict[str, Any]:
+def record_prefill(model, prompt: Sequence[int]) -> List[tuple]:
+    """Run ``prompt[:-1]`` once, in one chunk, through plain caches; record per layer what a cache sees.
+
+    Returns ``(keys [B, H, S, D], values, queries [B, Hq, S, D], scale, mask)`` per layer: the
+    arguments of ``update_and_fetch`` and of the attention call. In one-chunk prefill every cache starts
+    empty, so the chunk's attention does not depend on the policy: :func:`replay_prefill` gives a policy
+    cache exactly the calls it would get inside the model (tested against the real path).
+    """
+    import sys
+
+    from mlx_lm.models.cache import KVCache
+
+    from ..attention import ATTR, _model_modules
+
+    caches = [KVCache() for _ in model.layers]
+    seen: Dict[int, tuple] = {}
+    patched = []
+
+    def wrap(original):
+        def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
+            seen[id(cache)] = (queries, scale, mask)
+            return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
+
+        return scaled_dot_product_attention
+
+    try:
+        for name in _model_modules(model):
+            module = sys.modules[name]
+            patched.append((module, getattr(module, ATTR)))
+            setattr(module, ATTR, wrap(getattr(module, ATTR)))
+        model(mx.array(list(prompt[:-1]), dtype=mx.uint32)[None], cache=caches)
+    finally:
+        for module, original in reversed(patched):
+            setattr(module, ATTR, original)
+    record = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :], *seen[id(c)]) for c in caches]
+    mx.eval([r[:3] for r in record])
+    return record
+
+
+def replayable(spec: Any) -> bool:
+    """Whether a recorded prefill can stand in for ``spec``'s: full and policy caches attend to the whole
+    chunk; mlx-lm's ``RotatingKVCache`` masks a chunk with its own window, so it is always run for real."""
+    return parse_spec(spec)[0] != "rotating"
+
+
+def replay_prefill(model, spec: Any, record: List[tuple]) -> List[Any]:
+    """Fresh caches for ``spec`` that have received the recorded one-chunk prefill, settled."""
     caches = make_caches(model, spec)
+    for cache, (keys, values, queries, scale, mask) in zip(caches, record):
+        cache.update_and_fetch(keys, values)
+        if isinstance(cache, PolicyCache):
+            cache.before_attention(queries, scale, mask)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def run_trial(model, tokenizer, trial: Trial, spec: Any, prefill_step: Optional[int],
+              record: Optional[List[tuple]] = None) -> Dict[str, Any]:
+    """One trial; with ``record`` (one-chunk prefill only) the prefill is replayed, not recomputed."""
     start = time.perf_counter()
-    output = greedy_answer(model, tokenizer, trial.prompt, caches, prefill_step)
+    if record is not None:
+        if prefill_step is not None:
+            raise ValueError("a recorded prefill is one chunk: prefill_step must be None")
+        caches = replay_prefill(model, spec, record)
+        output = greedy_answer(model, tokenizer, trial.prompt[-1:], caches, None)
+    else:
+        caches = make_caches(model, spec)
+        output = greedy_answer(model, tokenizer, trial.prompt, caches, prefill_step)
     seconds = time.perf_counter() - start
     got = first_number(output)
     kept, full = kv_bytes(caches)
@@ -197,20 +261,28 @@ def run_trial(model, tokenizer, trial: Trial, spec: Any, prefill_step: Optional[
 
 def run_grid(model, tokenizer, specs: Sequence[Any], *, task: str = "needle", haystacks: Iterable[str] = ("pydoc",),
              lengths: Iterable[int] = (1000,), depths: Iterable[float] = DEFAULT_DEPTHS, seeds: Iterable[int] = (0,),
-             prefill_steps: Iterable[Optional[int]] = (None,), keys: int = 4, log=None) -> List[Dict[str, Any]]:
-    """Every (haystack, length, prefill step, seed, depth, spec) trial; rows as :func:`run_trial`."""
+             prefill_steps: Iterable[Optional[int]] = (None,), keys: int = 4, log=None,
+             share_prefill: bool = True) -> List[Dict[str, Any]]:
+    """Every (haystack, length, prefill step, seed, depth, spec) trial; rows as :func:`run_trial`.
+
+    ``share_prefill``: in one-chunk mode, compute each prompt's prefill once and replay it into every
+    spec's caches (:func:`record_prefill`); the results are the same, the prefill cost is paid once.
+    """
     rows = []
     for source in haystacks:
         for length in lengths:
             for seed in seeds:
                 trials = [build_trial(tokenizer, task, source, length, d, seed, keys) for d in depths]
                 for step in prefill_steps:
-                    for spec in specs:
-                        for trial in trials:
-                            r = run_trial(model, tokenizer, trial, spec, step)
+                    shared = share_prefill and step is None and len(specs) > 1
+                    for trial in trials:
+                        record = record_prefill(model, trial.prompt) if shared else None
+                        for spec in specs:
+                            r = run_trial(model, tokenizer, trial, spec, step, record if replayable(spec) else None)
                             rows.append(r)
                             if log:
                                 log(r)
+                        del record
     return rows
 
 

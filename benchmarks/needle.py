@@ -58,7 +58,7 @@ def load(model: str, smoke: bool):
     import mlx.core as mx
     import mlx_lm
 
-    from kvpolicy_core.model.default import resolve_model_path
+    from kvpolicy_core.model.resolve import resolve_model_path
 
     path = resolve_model_path(None if model == "gemma3" else model)
     m, tok = mlx_lm.load(str(path))

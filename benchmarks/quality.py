@@ -62,7 +62,7 @@ def load(smoke: bool, model: str = "gemma3"):
 
     import mlx.core as mx
 
-    from kvpolicy_core.model.default import resolve_model_path
+    from kvpolicy_core.model.resolve import resolve_model_path
 
     m, tok = mlx_lm.load(str(resolve_model_path(None if model == "gemma3" else model)))
     m.set_dtype(mx.float32)

@@ -6,14 +6,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
-from conftest import VOCAB, plain_caches, random_kv, run_chunks, tiny_gemma3, tiny_llama, with_fields
+from helpers import SHIPPED_METHODS, VOCAB, plain_caches, random_kv, run_chunks, tiny_gemma3, tiny_llama, with_fields
 from kvpolicy_core import ConfigError, KVCacheBuilder, ModelError, PolicyCache, attach, detach
 from kvpolicy_core import attention as attention_hook
 
-METHODS = ["h2o", "cam", "cam:merge=mean,gate=false,keys=true", "cam:merge=paper", "h2o:signal=observed"]
-
-
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", SHIPPED_METHODS)
 @pytest.mark.parametrize("chunks", [[40], [1] * 40, [13, 1, 1, 25], [7] * 5 + [1] * 5])
 def test_budget_above_length_reproduces_plain_cache_exactly(llama_model, tokens, method, chunks):
     ref = run_chunks(llama_model, plain_caches(llama_model), tokens, chunks)
@@ -76,8 +73,11 @@ def test_mlx_lm_generate_runs_with_attached_caches(tiny_model_dir):
         for response in mlx_lm.stream_generate(model, tokenizer, "hello there, a prompt longer than the budget", max_tokens=8):
             seen.append(response.token)
         assert len(seen) == 8
-        text = mlx_lm.generate(model, tokenizer, "hello again, also a prompt longer than sixteen", max_tokens=5)
-        assert isinstance(text, str)
+        prompt = "hello again, also a prompt longer than sixteen"
+        text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=5)
+        # fresh caches per call and greedy decoding: generate's text is exactly stream_generate's
+        streamed = "".join(r.text for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=5))
+        assert text == streamed and len(tokenizer.encode(text, add_special_tokens=False)) >= 1
     finally:
         detach(model)
 
@@ -101,7 +101,7 @@ def test_offsets_sizes_and_masks_after_evictions():
 
 def test_contract_surface(tmp_path):
     cache = PolicyCache("cam:budget=8,n_sink=2,signal=proxy")
-    assert cache.empty() and cache.nbytes == 0 and cache.state == [] and not hasattr(cache, "bits")
+    assert cache.empty() and cache.nbytes == 0 and cache.state[:4] == (None,) * 4 and not hasattr(cache, "bits")
     k, v = random_kv(S=6, dtype=mx.float16)
     cache.update_and_fetch(k, v)
     assert cache.is_trimmable() and cache.trim(2) == 2 and cache.offset == 4 and cache.size() == 4
@@ -184,9 +184,10 @@ def test_attention_hook_is_removable_and_ignores_foreign_caches():
 
 
 def test_observed_signal_without_the_hook_is_a_clear_error():
-    model = tiny_llama(seed=5)
-    caches = KVCacheBuilder.for_model(model, "h2o:budget=8,signal=observed")
-    detach(model)
+    from kvpolicy_core.tiny_models import tiny_model
+
+    model = tiny_model("qwen2", seed=5)  # caches built by hand: no hook installed for them
+    caches = [PolicyCache("h2o:budget=8,signal=observed", layer=i) for i in range(len(model.layers))]
     model(mx.zeros((1, 4), dtype=mx.int32), cache=caches)
     with pytest.raises(ModelError, match="attention hook"):
         model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)

@@ -19,7 +19,7 @@ def run(capsys, *argv, stdin=None, monkeypatch=None):
 def test_methods_lists_packages_parts_and_fields(capsys):
     code, out, _ = run(capsys, "methods")
     assert code == 0
-    assert "cam  (kvpolicy-cam 0.1.0)" in out and "h2o  (kvpolicy-h2o 0.1.0)" in out
+    assert "cam  (kvpolicy-cam 0.2.0)" in out and "h2o  (kvpolicy-h2o 0.2.0)" in out
     assert "disposition=gated_merge" in out and "disposition=drop" in out
     assert "budget = 512" in out and "merge = 'sim_weighted'" in out
     code, out, _ = run(capsys, "methods", "--json")

@@ -2,18 +2,10 @@
 
 import pytest
 
+from helpers import SHIPPED_METHODS, with_fields
 from kvpolicy_core.testing import PolicyConformance, run_conformance
 
-SHIPPED = [
-    "h2o:budget=16,n_sink=2",
-    "h2o:budget=16,n_sink=2,signal=observed,recent=0",
-    "cam:budget=16,n_sink=2",
-    "cam:budget=16,n_sink=2,merge=mean,gate=false,keys=true",
-    "cam:budget=16,n_sink=2,merge=drop",
-    "cam:budget=16,n_sink=2,merge=paper,m=4",
-    "cam:budget=16,n_sink=2,signal=observed",
-    "random:budget=16,n_sink=2,salt=3",
-]
+SHIPPED = [with_fields(m, "budget=16,n_sink=2") for m in SHIPPED_METHODS]
 
 
 @pytest.fixture(params=SHIPPED, ids=lambda m: m.replace(":", "-"))

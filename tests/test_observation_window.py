@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import random_kv
+from helpers import random_kv
 from kvpolicy_core import ConfigError, KVCacheBuilder, PolicyCache, parse_config
 from kvpolicy_core.parts.observation_window import ObservationWindowScorer, pool_by_position
 from kvpolicy_core.policy import build_policy

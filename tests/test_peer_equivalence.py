@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import RotatingKVCache
 
-from conftest import VOCAB, run_chunks, tiny_llama
+from helpers import VOCAB, run_chunks, tiny_llama
 from kvpolicy_core import KVCacheBuilder
 
 pytest.importorskip("kvpolicy_streaming", reason="examples/kvpolicy-streaming is not installed")

@@ -6,10 +6,11 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import SHIPPED_METHODS
 from kvpolicy_core import PolicyCache
 from kvpolicy_core.testing import feed, random_kv
 
-METHODS = ["h2o", "h2o:signal=observed", "cam", "cam:merge=mean,gate=false,keys=true", "cam:merge=paper", "cam:merge=drop"]
+METHODS = SHIPPED_METHODS
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -40,10 +41,9 @@ def test_cache_invariants(s, method):
     seen = 0
     for S in s["sizes"]:
         kept_before = cache.tokens_kept
-        out_k, out_v = cache.update_and_fetch(keys[:, :, seen : seen + S], values[:, :, seen : seen + S])
-        cache.before_attention(keys[:, :, seen : seen + S], 0.5, None if S == 1 else "causal")
+        (shape,) = feed(cache, keys[:, :, seen : seen + S], values[:, :, seen : seen + S], (S,), scale=0.5)
         seen += S
-        assert out_k.shape == (s["B"], s["H"], kept_before + S, s["D"]) == out_v.shape  # retained + new
+        assert shape == (s["B"], s["H"], kept_before + S, s["D"])  # retained + new
         assert cache.offset == seen  # offset = tokens seen
         assert cache.tokens_kept == min(seen, s["budget"]) <= s["budget"]  # never above budget
         pos = np.array(cache.retained()[2])

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import VOCAB, plain_caches, random_kv, run_chunks, tiny_llama
+from helpers import SHIPPED_METHODS, VOCAB, plain_caches, random_kv, run_chunks, tiny_llama, with_fields
 from kvpolicy_core import (
     CacheFileError, KVCacheBuilder, MethodSpec, PluginError, PolicyCache, PolicyConfig, hookimpl,
     load_caches, save_caches,
@@ -15,8 +15,7 @@ from kvpolicy_core.parts.cumulative_attention import CumulativeAttentionScorer
 from kvpolicy_core.plugins import register_plugin, unregister_plugin
 from kvpolicy_core.testing import feed
 
-MERGING = ["cam:budget=8,n_sink=2,gate=false", "cam:budget=8,n_sink=2,merge=mean,gate=false,keys=true",
-           "cam:budget=8,n_sink=2,merge=paper,gate=false,m=3", "h2o:budget=8,n_sink=2"]
+MERGING = [with_fields(m, "budget=8,n_sink=2") for m in SHIPPED_METHODS]
 
 
 # ----------------------------------------------------------------------------- tensors

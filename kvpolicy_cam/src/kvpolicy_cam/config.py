@@ -31,3 +31,8 @@ class CamConfig(AttentionPolicyConfig):
         validation_alias=AliasChoices("merge_window", "m"),
         description="m, the number of following tokens the paper's merge spreads a loser over.",
     )
+
+    @property
+    def merge_mode(self) -> str:
+        """The merge rule (``cache.merge_mode`` reads it)."""
+        return self.merge

@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
 
-from .gated_merge import bernoulli, finite_rows, gate_probability, loser_mask, take
+from .gated_merge import STATS, bernoulli, finite_rows, gate_probability, loser_mask, take
 
 _INT_MAX = 2**31 - 1
 
@@ -32,6 +32,9 @@ class PaperMergeDisposition(Disposition):
     def from_config(cls, config) -> "PaperMergeDisposition":
         return cls(m=config.merge_window, gate=config.merge_gate)
 
+    def stats(self):
+        return STATS
+
     def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> MergeUpdate:
         B, H, L = view.scores.shape
         E = losers.shape[-1]
@@ -52,7 +55,7 @@ class PaperMergeDisposition(Disposition):
         s_l = take(view.scores, losers)
         has = (count > 0) & finite_rows(view.values, losers)
         if self.gate:
-            merge = has & bernoulli(gate_probability(s_l, mean_next), key)
+            merge = has & bernoulli(gate_probability(s_l, mean_next), key, view.head_offset, view.heads_total)
             draws = has.sum()
         else:
             merge, draws = has, mx.array(0)
@@ -64,6 +67,5 @@ class PaperMergeDisposition(Disposition):
             d_keys=None,
             d_values=add.reshape(B, H, E * k, -1).astype(view.values.dtype),
             d_scores=None,
-            draws=draws,
-            merges=merge.sum(),
+            stats={"gate_draws": draws, "merges": merge.sum()},
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "hookimpl": "hookspecs",
@@ -34,6 +34,7 @@ _EXPORTS = {
     "attach": "builder",
     "detach": "builder",
     "load_optimized_blas": "blas",
+    "blas_info": "blas",
     "save_caches": "persistence",
     "load_caches": "persistence",
     "CacheFileError": "persistence",
@@ -42,10 +43,11 @@ _EXPORTS = {
     "Scorer": "parts.base",
     "Selector": "parts.base",
     "Disposition": "parts.base",
+    "AttentionScorer": "parts.attention_scorer",
     "observed_weights": "parts.cumulative_attention",
     "masked_softmax": "parts.cumulative_attention",
     "causal_allowed": "parts.cumulative_attention",
-    "pick_lowest": "parts.lowest_score",
+    "pick_lowest": "parts.base",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -19,7 +19,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
-from .config import PolicyConfig
+from .policy_config import PolicyConfig
 
 #: (obs_window, pool) used when the field is None, per signal.
 WINDOW_DEFAULTS = {"observed": (32, 15), "proxy": (0, 1)}

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
 from . import attention
 from .cache import PolicyCache
 from .config import KVCacheConfig, parse_config
 from .errors import ConfigError, ModelError
 from .policy import build_policy
+from .sharding import shard_layout
 
 _ORIGINAL = "_kvpolicy_original_make_cache"
 _HOOK = "_kvpolicy_attention_hook"
+_OWN = "_kvpolicy_own_make_cache"
 
 
 def native_caches(model) -> List[Any]:
@@ -31,6 +33,45 @@ def _layers(model):
             "take one KV cache"
         ) from None
     return layers
+
+
+#: Native cache types kvpolicy refuses, with the reason (a policy cache would be wrong for them).
+REFUSED = {
+    ArraysCache: "a recurrent/linear-attention state (hybrid model), not a KV cache of tokens",
+    CacheList: "a list of sub-caches (hybrid layer), not one KV cache of tokens",
+    ChunkedKVCache: "chunked attention (llama4): each chunk attends only within itself, which a policy cache cannot mask",
+}
+
+
+def check_supported(model, natives: List[Any], layers) -> None:
+    """Raise :class:`ModelError` naming the reason when ``model``'s caches cannot be policy caches."""
+    name = type(model).__name__
+    args = getattr(model, "args", None)
+    if getattr(args, "kv_lora_rank", None):
+        raise ModelError(
+            f"{name}: multi-head latent attention (kv_lora_rank={args.kv_lora_rank}, e.g. deepseek_v3, kimi) "
+            "caches compressed latents, not per-head keys; kvpolicy's scores and merges need per-head keys"
+        )
+    if len(natives) != len(layers):
+        raise ModelError(
+            f"{name}: the model makes {len(natives)} caches for {len(layers)} layers (layers share KV caches, "
+            "e.g. gemma3n); kvpolicy needs one cache per layer"
+        )
+    for i, native in enumerate(natives):
+        for cls, why in REFUSED.items():
+            if isinstance(native, cls):
+                raise ModelError(f"{name}: layer {i} uses {cls.__name__}: {why}; kvpolicy cannot replace it")
+        if type(native) not in (KVCache, RotatingKVCache):
+            raise ModelError(
+                f"{name}: layer {i} uses {type(native).__name__}, which kvpolicy cannot replace "
+                "(supported: mlx-lm KVCache and RotatingKVCache)"
+            )
+
+
+def needs_hook(caches: List[Any]) -> bool:
+    """The attention hook is needed for an observed signal or a sliding-window policy cache."""
+    return any(isinstance(c, PolicyCache) and (c.window is not None or c.policy.scorer.needs_attention)
+               for c in caches)
 
 
 def model_head_dim(model) -> int | None:
@@ -55,34 +96,35 @@ class KVCacheBuilder:
         ``config.layers == "all"`` replaces every layer's cache, a sliding-window layer's
         ``RotatingKVCache(W)`` by a policy cache with ``window=W``; ``"unbounded"`` only
         replaces layers whose native cache is an unbounded ``KVCache``. Installs the
-        attention hook on the model (idempotent).
+        attention hook on the model (idempotent) only where it is needed: an observed
+        signal or a sliding-window layer. Models kvpolicy cannot serve correctly (latent
+        attention, shared-KV layers, hybrid or chunked caches) raise :class:`ModelError`.
+        On a model split by mlx-lm's ``sharded_load`` each cache gets its global layer index
+        and KV-head slice (:mod:`kvpolicy_core.sharding`).
         """
         config = parse_config(config)
         layers = _layers(model)
         hd = model_head_dim(model)
         if config.head_dim is not None and hd is not None and config.head_dim != hd:
             raise ConfigError(f"head_dim: the config says {config.head_dim} but the model's head_dim is {hd}")
-        policy = build_policy(config)
         natives = native_caches(model)
-        if len(natives) != len(layers):
-            raise ModelError(f"the model made {len(natives)} caches for {len(layers)} layers")
+        check_supported(model, natives, layers)
+        policy = build_policy(config)
+        layout = shard_layout(model)
         caches = []
         for i, native in enumerate(natives):
-            if type(native) is KVCache:
-                caches.append(PolicyCache(policy, layer=i))
-            elif type(native) is RotatingKVCache:
-                if config.layers == "unbounded":
-                    caches.append(native)
-                else:
-                    caches.append(PolicyCache(policy, layer=i, window=native.max_size))
+            if type(native) is RotatingKVCache and config.layers == "unbounded":
+                caches.append(native)
             else:
-                raise ModelError(
-                    f"layer {i} uses {type(native).__name__}, which kvpolicy cannot replace "
-                    "(supported: mlx-lm KVCache and RotatingKVCache)"
-                )
-        hook = model.__dict__.get(_HOOK)
-        if hook is None or not hook.active:
-            object.__setattr__(model, _HOOK, attention.install(model))
+                window = native.max_size if type(native) is RotatingKVCache else None
+                # the model's global layer index (a pipeline rank holds layers from layer_offset on)
+                caches.append(PolicyCache(policy, layer=layout.layer_offset + i, window=window,
+                                          head_shard=layout.tensor))
+        if needs_hook(caches):  # the caches hold the install: it ends when the last of them is gone
+            hook = attention.install(model)
+            for c in caches:
+                if isinstance(c, PolicyCache):
+                    c.attention_hook = hook
         return caches
 
 
@@ -92,19 +134,26 @@ def attach(model, config: Any):
     Returns the validated config. Undo with :func:`detach`.
     """
     config: KVCacheConfig = parse_config(config)
-    KVCacheBuilder.for_model(model, config)  # validate now, install the hook
+    caches = KVCacheBuilder.for_model(model, config)  # validate now
+    hook = model.__dict__.get(_HOOK)
+    if needs_hook(caches) and (hook is None or not hook.active):  # keep the hook while attached
+        object.__setattr__(model, _HOOK, attention.install(model))
     if model.__dict__.get(_ORIGINAL) is None:
         original = getattr(model, "make_cache", None)
         object.__setattr__(model, _ORIGINAL, original or (lambda: [KVCache() for _ in _layers(model)]))
+        if "make_cache" in model.__dict__:  # the user's own, set on the instance: detach puts it back
+            object.__setattr__(model, _OWN, model.__dict__["make_cache"])
     object.__setattr__(model, "make_cache", lambda *_a, **_k: KVCacheBuilder.for_model(model, config))
     return config
 
 
 def detach(model) -> None:
-    """Undo :func:`attach` and remove the attention hook installed for ``model``."""
+    """Undo :func:`attach` and release its attention hook (caches that need the hook keep it alive)."""
     d = model.__dict__
     if d.pop(_ORIGINAL, None) is not None:
         d.pop("make_cache", None)
+        if _OWN in d:
+            object.__setattr__(model, "make_cache", d.pop(_OWN))
     hook = d.pop(_HOOK, None)
     if hook is not None:
         hook.remove()

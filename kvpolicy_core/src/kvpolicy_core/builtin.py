@@ -1,12 +1,24 @@
-"""The parts every method may share, registered by kvpolicy-core itself."""
+"""The parts every method may share, and the ``random`` method, registered by kvpolicy-core itself."""
+
+from typing import Optional
+
+from pydantic import Field
 
 from .hookspecs import hookimpl
 from .parts.cumulative_attention import CumulativeAttentionScorer
 from .parts.drop import DropDisposition
 from .parts.lowest_score import LowestScoreSelector
 from .parts.observation_window import ObservationWindowScorer
-from .parts.random_score import RandomConfig, RandomScorer
+from .parts.random_score import RandomScorer
+from .policy_config import PolicyConfig
 from .registry import MethodSpec
+
+
+class RandomConfig(PolicyConfig):
+    """``method="random"``: evict uniformly at random among unprotected tokens (a floor to beat)."""
+
+    recent: Optional[int] = Field(0, ge=0, description="Most recent tokens protected (default 0).")
+    salt: int = Field(0, description="Changes the random draw; same salt, same evictions.")
 
 
 @hookimpl
@@ -29,4 +41,5 @@ def register_dispositions(register):
 @hookimpl
 def register_methods(register):
     register(MethodSpec("random", RandomConfig, "random", "lowest_score", "drop",
-                        description="Random eviction among unprotected tokens: the floor any policy must beat."))
+                        description="Random eviction among unprotected tokens: the floor any policy must beat.",
+                        ignores=("signal",)))

@@ -18,72 +18,15 @@ same keys are accepted as well.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Dict, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
 
 from .errors import ConfigError
+from .plugins import get_registry
+from .policy_config import COMMON_FIELDS, PolicyConfig, format_errors
 
-COMMON_FIELDS = ("method", "head_dim", "seed", "layers")
-
-
-class PolicyConfig(BaseModel):
-    """Fields shared by every budgeted eviction method.
-
-    ``recent=None`` (the default) protects ``budget // 2`` of the most recent tokens (the
-    official H2O's half heavy hitters, half recent split); chosen from a measurement on the
-    default model, ``benchmarks/recent_window.py`` (docs/methods/h2o.md).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    budget: int = Field(512, ge=1, description="Maximum tokens kept per layer, sinks included.")
-    n_sink: int = Field(4, ge=0, description="First absolute positions that are never evicted.")
-    recent: Optional[int] = Field(
-        None, ge=0, description="Most recent tokens protected from eviction (None: budget // 2)."
-    )
-    signal: Literal["proxy", "observed"] = Field(
-        "proxy",
-        description="Score signal: 'proxy' uses each new key as the query; 'observed' the model's real queries.",
-    )
-
-    @property
-    def recent_tokens(self) -> int:
-        """The protected recent window actually used: ``recent``, or ``budget // 2`` capped at
-        ``budget - n_sink - 1`` so that a token stays evictable."""
-        if self.recent is None:
-            return max(0, min(self.budget // 2, self.budget - self.n_sink - 1))
-        return self.recent
-
-    @model_validator(mode="after")
-    def _leave_room_to_evict(self):
-        if self.budget <= self.n_sink + self.recent_tokens:
-            raise ValueError(
-                f"budget must be greater than n_sink + recent so that some token can be evicted; "
-                f"got budget={self.budget}, n_sink={self.n_sink}, recent={self.recent_tokens}"
-            )
-        return self
-
-
-def _format_errors(exc: ValidationError, prefix: str) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"]) if err["loc"] else ""
-        field = f"{prefix}{loc}" if loc else prefix.rstrip("_.") or "config"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] in ("extra_forbidden",):
-            parts.append(f"{field}: unknown field")
-            continue
-        shown = err.get("input")
-        parts.append(f"{field}: {msg} (got {shown!r})" if err["type"] != "value_error" else f"{field}: {msg}")
-    return "; ".join(parts)
-
-
-def _reject_non_finite(data: Mapping[str, Any], where: str) -> None:
-    for key, value in data.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{where}{key}: must be a finite number (got {value!r})")
+__all__ = ["KVCacheConfig", "PolicyConfig", "COMMON_FIELDS", "parse_config", "parse_config_string"]
 
 
 class KVCacheConfig(BaseModel):
@@ -109,9 +52,9 @@ class KVCacheConfig(BaseModel):
 
     def __init__(self, /, **data: Any) -> None:
         try:
-            super().__init__(**_split_fields(data))
+            super().__init__(**(data if _typed(data) else get_registry().resolve(data)))
         except ValidationError as exc:
-            raise ConfigError(_format_errors(exc, "")) from None
+            raise ConfigError(format_errors(exc, "")) from None
 
     def __getattr__(self, name: str):
         policy = self.__dict__.get("policy")
@@ -138,59 +81,13 @@ class KVCacheConfig(BaseModel):
         return f"{self.method}:{body}" if body else self.method
 
 
+def _typed(data: Mapping[str, Any]) -> bool:
+    """Already resolved: a policy config instance and nothing but common fields (no registry needed)."""
+    return isinstance(data.get("policy"), PolicyConfig) and set(data) <= set(COMMON_FIELDS) | {"policy"}
+
+
 def _fmt(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def policy_field_names(config_class) -> set:
-    """Field names of a policy config class, with their validation aliases."""
-    names = set(config_class.model_fields)
-    for field in config_class.model_fields.values():
-        alias = field.validation_alias
-        if isinstance(alias, str):
-            names.add(alias)
-        elif alias is not None:
-            names.update(a for a in getattr(alias, "choices", []) if isinstance(a, str))
-    return names
-
-
-def _split_fields(data: Dict[str, Any]) -> Dict[str, Any]:
-    """Resolve the method and validate its fields; raise :class:`ConfigError` on any problem."""
-    from .plugins import get_registry
-
-    data = dict(data)
-    method = data.get("method")
-    if not isinstance(method, str) or not method:
-        raise ConfigError(f"method: a method name is required (got {method!r})")
-    spec = get_registry().method(method)
-    policy = data.pop("policy", None)
-    if isinstance(policy, spec.config_class):
-        fields: Dict[str, Any] = policy.model_dump()
-    elif isinstance(policy, Mapping):
-        fields = dict(policy)
-    elif policy is None:
-        fields = {}
-    else:
-        raise ConfigError(f"policy: expected a {spec.config_class.__name__} or a dict (got {policy!r})")
-    prefix = method + "_"
-    known = policy_field_names(spec.config_class)
-    for key in list(data):
-        if key in COMMON_FIELDS:
-            continue
-        if key.startswith(prefix):
-            fields[key[len(prefix) :]] = data.pop(key)
-        elif key in known:
-            fields[key] = data.pop(key)
-        else:
-            allowed = ", ".join(list(COMMON_FIELDS) + sorted(prefix + f for f in spec.config_class.model_fields))
-            raise ConfigError(f"{key}: unknown field for method {method!r}; accepted fields: {allowed}")
-    _reject_non_finite(fields, prefix)
-    _reject_non_finite({k: v for k, v in data.items() if k != "method"}, "")
-    try:
-        data["policy"] = spec.config_class(**fields)
-    except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, prefix)) from None
-    return data
 
 
 def _validate_common(data: Dict[str, Any]) -> KVCacheConfig:

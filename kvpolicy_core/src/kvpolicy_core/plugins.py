@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import pluggy
 
-from . import hookspecs
+from . import builtin, hookspecs
 from .errors import PluginError
 from .registry import Registry, fill
 
@@ -61,8 +61,6 @@ def _report(message: str, exc: BaseException) -> None:
 
 def build_plugin_manager(registry: Registry) -> PluginManager:
     """Register the built-in parts, every entry point of the group, and extra plugins."""
-    from . import builtin
-
     pm = PluginManager()
     pm.register_from(builtin, "kvpolicy_core", "kvpolicy-core", _version("kvpolicy-core"))
     blocked = blocked_plugins()

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+from pydantic import BaseModel, ValidationError
 
 from .errors import ConfigError, PluginError, UnknownMethodError
+from .policy_config import COMMON_FIELDS, PolicyConfig, format_errors, policy_field_names, reject_non_finite
 
 PartName = Union[str, Callable[[Any], str]]
 
@@ -22,7 +25,8 @@ class MethodSpec:
 
     ``scorer``, ``selector`` and ``disposition`` are registered part names, or
     callables ``config -> name`` when the choice depends on the config (CaM picks
-    ``drop`` when ``merge="drop"``).
+    ``drop`` when ``merge="drop"``). ``ignores`` (since 0.2.0) names shared
+    :class:`PolicyConfig` fields the method's parts do not read (``kvpolicy methods`` says so).
     """
 
     name: str
@@ -31,6 +35,7 @@ class MethodSpec:
     selector: PartName
     disposition: PartName
     description: str = ""
+    ignores: tuple = ()
 
     def part_names(self, config) -> Dict[str, str]:
         """The part names this method composes for ``config``."""
@@ -92,6 +97,49 @@ class Registry:
             )
         return table[name].obj
 
+    def resolve(self, data: Mapping[str, Any]) -> Dict[str, Any]:
+        """Resolve ``data["method"]`` and validate its fields into the method's config class.
+
+        ``data`` holds the common fields and the method's fields, bare (``budget``) or
+        prefixed (``cam_budget``), or a ``policy`` (a config instance or a dict). Returns
+        the common fields plus ``policy``, an instance of the method's config class; any
+        problem is a :class:`ConfigError` naming the field and the accepted values.
+        """
+        data = dict(data)
+        method = data.get("method")
+        if not isinstance(method, str) or not method:
+            raise ConfigError(f"method: a method name is required (got {method!r})")
+        spec = self.method(method)
+        policy = data.pop("policy", None)
+        if isinstance(policy, spec.config_class):
+            fields: Dict[str, Any] = policy.model_dump()
+        elif isinstance(policy, Mapping):
+            fields = dict(policy)
+        elif policy is None:
+            fields = {}
+        else:
+            raise ConfigError(f"policy: expected a {spec.config_class.__name__} or a dict (got {policy!r})")
+        prefix = method + "_"
+        known = policy_field_names(spec.config_class)
+        for key in list(data):
+            if key in COMMON_FIELDS:
+                continue
+            name = key[len(prefix) :] if key.startswith(prefix) else key
+            if name in fields:
+                raise ConfigError(f"{key}: the field {name!r} is given twice (bare and as {prefix}{name}, or in policy)")
+            if key.startswith(prefix) or key in known:
+                fields[name] = data.pop(key)
+            else:
+                allowed = ", ".join(list(COMMON_FIELDS) + sorted(prefix + f for f in spec.config_class.model_fields))
+                raise ConfigError(f"{key}: unknown field for method {method!r}; accepted fields: {allowed}")
+        reject_non_finite(fields, prefix)
+        reject_non_finite({k: v for k, v in data.items() if k != "method"}, "")
+        try:
+            data["policy"] = spec.config_class(**fields)
+        except ValidationError as exc:
+            raise ConfigError(format_errors(exc, prefix)) from None
+        return data
+
     def part(self, kind: str, name: str):
         table = self.parts[kind]
         if name not in table:
@@ -105,10 +153,6 @@ class Registry:
 
 
 def _check_method(spec: Any, plugin: str) -> None:
-    from pydantic import BaseModel
-
-    from .config import PolicyConfig
-
     if not isinstance(spec, MethodSpec):
         raise PluginError(f"plugin {plugin!r} registered {spec!r}, which is not a MethodSpec")
     cls = spec.config_class

@@ -20,6 +20,7 @@ from typing import Iterable, List, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .builder import KVCacheBuilder, detach
 from .cache import PolicyCache
 from .config import parse_config
 from .errors import ConfigError
@@ -50,16 +51,18 @@ def random_kv(B: int = 2, H: int = 3, S: int = 40, D: int = 16, seed: int = 0, d
     return (mx.random.normal((B, H, S, D), key=k1).astype(dtype), mx.random.normal((B, H, S, D), key=k2).astype(dtype))
 
 
-def feed(cache: PolicyCache, keys: mx.array, values: mx.array, chunks: Iterable[int], queries=None):
-    """Feed K/V through ``cache`` in chunks, calling the attention hook like a model would.
+def feed(cache: PolicyCache, keys: mx.array, values: mx.array, chunks: Iterable[int], queries=None, scale=None):
+    """Feed K/V [B, H, T, D] through ``cache`` in chunks, calling the attention hook like a model would.
 
-    Returns the shapes of what each call returned. ``queries`` [B, Hq, S, D] defaults to the keys.
+    Returns the shapes of what each call returned. ``queries`` [B, Hq, T, D] defaults to the keys,
+    ``scale`` to ``D ** -0.5``; the mask is None for one token and "causal" for a chunk.
     """
     queries = keys if queries is None else queries
+    scale = keys.shape[-1] ** -0.5 if scale is None else scale
     shapes, t = [], 0
     for S in chunks:
         k, v = cache.update_and_fetch(keys[:, :, t : t + S], values[:, :, t : t + S])
-        cache.before_attention(queries[:, :, t : t + S], keys.shape[-1] ** -0.5, None if S == 1 else "causal")
+        cache.before_attention(queries[:, :, t : t + S], scale, None if S == 1 else "causal")
         shapes.append(tuple(k.shape))
         t += S
     return shapes
@@ -93,9 +96,8 @@ class PolicyConformance:
             cache = self.cache()
             t = 0
             for S in chunks:
-                out_k, _ = cache.update_and_fetch(keys[:, :, t : t + S], values[:, :, t : t + S])
-                cache.before_attention(keys[:, :, t : t + S], 0.25, None if S == 1 else "causal")
-                assert out_k.shape[2] == min(t, budget) + S, "update_and_fetch must return retained + new"
+                (shape,) = feed(cache, keys[:, :, t : t + S], values[:, :, t : t + S], (S,), scale=0.25)
+                assert shape[2] == min(t, budget) + S, "update_and_fetch must return retained + new"
                 t += S
                 assert cache.tokens_kept == min(t, budget) and cache.offset == t
             pos = np.array(cache.retained()[2])
@@ -138,8 +140,6 @@ class PolicyConformance:
     def test_mlx_lm_contract_on_a_tiny_model(self):
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import KVCache
-
-        from .builder import KVCacheBuilder, detach
 
         _, budget, _ = self.config()
         model = tiny_llama(seed=1)

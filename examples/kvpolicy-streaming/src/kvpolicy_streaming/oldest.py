@@ -4,13 +4,13 @@ import math
 
 import mlx.core as mx
 
-from kvpolicy_core import CacheView, Selector, pick_lowest
+from kvpolicy_core import CacheView, Scorer, Selector
 
 
 class OldestSelector(Selector):
-    """The non-sink tokens with the smallest positions lose::
+    """The non-sink tokens with the smallest positions lose (window-dead tokens go first: the cache)::
 
-        rank_j = -inf if dead_j else (+inf if pos_j < n_sink else pos_j);  losers = argmin_E(rank)
+        rank_j = +inf if pos_j < n_sink else pos_j
     """
 
     def __init__(self, n_sink: int = 4) -> None:
@@ -20,25 +20,10 @@ class OldestSelector(Selector):
     def from_config(cls, config) -> "OldestSelector":
         return cls(n_sink=config.n_sink)
 
-    def select(self, view: CacheView, n_evict: int) -> mx.array:
+    def rank(self, view: CacheView) -> mx.array:
         pos = view.positions.astype(mx.float32)
-        ranked = mx.where(view.positions < self.n_sink, mx.array(math.inf, mx.float32), pos)
-        if view.dead is not None:
-            ranked = mx.where(view.dead, mx.array(-math.inf, mx.float32), ranked)
-        return pick_lowest(ranked, n_evict)
+        return mx.where(view.positions < self.n_sink, mx.array(math.inf, mx.float32), pos)
 
 
-class ConstantScorer:
+class ConstantScorer(Scorer):
     """No scores: every token keeps 0 (the selector decides by position)."""
-
-    needs_attention = False
-
-    @classmethod
-    def from_config(cls, config) -> "ConstantScorer":
-        return cls()
-
-    def on_append(self, view, new_keys, new_positions):
-        return view.scores
-
-    def on_attention(self, view, queries, scale, mask):
-        return view.scores

@@ -108,11 +108,7 @@ def ensure_default_model(dtype: str = "float32", quiet: bool = False) -> Path:
 
 
 def resolve_model_path(model: Optional[str], dtype: str = "float32") -> Path:
-    """``model`` if given (a local mlx-lm directory, or ``"smollm2"``), else the default model."""
-    if model == "smollm2":
-        from .smollm2 import ensure_smollm2
-
-        return ensure_smollm2(dtype)
+    """``model`` if given (a local mlx-lm directory), else the default model."""
     if model:
         path = Path(model)
         if not (path / "config.json").is_file():

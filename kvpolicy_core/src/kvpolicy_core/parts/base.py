@@ -7,7 +7,8 @@ order; ``positions`` gives each slot's absolute position.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import math
+from typing import Dict, NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -22,22 +23,52 @@ class CacheView(NamedTuple):
     offset: int  #: tokens seen so far (the next token's absolute position)
     n_new: int  #: tokens added by the current call (0 when settling between calls)
     dead: Optional[mx.array]  #: [B, H, L] bool: outside a sliding window for every future query, or None
+    #: global index of head 0 of this view (> 0 on tensor-parallel ranks after the first)
+    head_offset: int = 0
+    #: the layer's KV heads over all tensor-parallel ranks (None: this view's H, unsharded)
+    heads_total: Optional[int] = None
 
 
 class MergeUpdate(NamedTuple):
     """Additive changes a disposition makes to surviving slots (scatter-added, duplicates sum).
 
-    ``targets`` [B, H, T] slot indices; ``d_keys`` [B, H, T, D] or None; ``d_values``
-    [B, H, T, Dv]; ``d_scores`` [B, H, T] or None; ``draws``/``merges``: scalar int
-    counts of gate draws and merges performed, for the cache's diagnostics.
+    =========== ================== ======== =========================================
+    field       shape              dtype    meaning
+    =========== ================== ======== =========================================
+    targets     [B, H, T]          int      surviving slot indices (may repeat)
+    d_keys      [B, H, T, D]       any      added to ``keys[targets]``, or None
+    d_values    [B, H, T, Dv]      any      added to ``values[targets]``, or None
+    d_scores    [B, H, T]          any      added to ``scores[targets]``, or None
+    stats       {name: scalar}     int      counters to add to the cache's ``stats()``
+    =========== ================== ======== =========================================
+
+    Deltas are cast to the buffer's dtype (float32 for scores) before the add. A plain
+    average of several losers into one target needs the number of losers per target:
+    :func:`kvpolicy_core.parts.merge.average_into` builds that update for you.
+
+    ``draws``/``merges`` (0.1.0) are deprecated since 0.2.0: return
+    ``stats={"gate_draws": ..., "merges": ...}`` instead (the cache maps the old fields
+    to those counters, with a :class:`DeprecationWarning`).
     """
 
     targets: mx.array
-    d_keys: Optional[mx.array]
-    d_values: mx.array
-    d_scores: Optional[mx.array]
-    draws: mx.array
-    merges: mx.array
+    d_keys: Optional[mx.array] = None
+    d_values: Optional[mx.array] = None
+    d_scores: Optional[mx.array] = None
+    draws: Optional[mx.array] = None
+    merges: Optional[mx.array] = None
+    stats: Optional[Dict[str, mx.array]] = None
+
+
+def pick_lowest(ranked: mx.array, n_evict: int) -> mx.array:
+    """Indices [B, H, n_evict] int32 of the ``n_evict`` smallest entries of ``ranked`` [B, H, L].
+
+    Ties go to the lower slot index for ``n_evict == 1`` (argmin); for more, the set is
+    deterministic (argpartition) but its order is unspecified.
+    """
+    if n_evict == 1:
+        return mx.argmin(ranked, axis=-1, keepdims=True).astype(mx.int32)
+    return mx.argpartition(ranked, n_evict - 1, axis=-1)[..., :n_evict].astype(mx.int32)
 
 
 class Scorer:
@@ -64,15 +95,27 @@ class Scorer:
 
 
 class Selector:
-    """Which ``n_evict`` slots lose when the cache is over budget."""
+    """Which ``n_evict`` slots lose when the cache is over budget.
+
+    Implement :meth:`rank` (since 0.2.0): the cache then evicts window-dead slots first and
+    the lowest-ranked of the rest. Selectors written for 0.1.0 implement :meth:`select`
+    instead; the cache still moves window-dead slots to the front of their choice.
+    """
 
     @classmethod
     def from_config(cls, config) -> "Selector":
         return cls()
 
+    def rank(self, view: CacheView) -> mx.array:
+        """float32 [B, H, L]: lower is evicted first; ``+inf`` is never evicted (protected)."""
+        raise NotImplementedError
+
     def select(self, view: CacheView, n_evict: int) -> mx.array:
         """Return loser slot indices [B, H, n_evict] int32, distinct per (batch, head)."""
-        raise NotImplementedError
+        ranked = self.rank(view)
+        if view.dead is not None:
+            ranked = mx.where(view.dead, mx.array(-math.inf, dtype=mx.float32), ranked)
+        return pick_lowest(ranked, n_evict)
 
 
 class Disposition:
@@ -85,6 +128,14 @@ class Disposition:
     def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> Optional[MergeUpdate]:
         """``losers`` [B, H, E] int32; ``key`` a PRNG key for this (seed, layer, step).
 
+        Random draws must be a function of (key, global head) so that they do not depend on
+        how heads are split across tensor-parallel ranks: draw over ``view.heads_total`` heads
+        and keep heads ``view.head_offset ..`` (see ``kvpolicy_cam.gated_merge.bernoulli``).
+
         Return a :class:`MergeUpdate` for the survivors, or None to leave them untouched.
         """
         return None
+
+    def stats(self) -> Dict[str, str]:
+        """Counters this part reports through ``MergeUpdate.stats``: name -> meaning (since 0.2.0)."""
+        return {}

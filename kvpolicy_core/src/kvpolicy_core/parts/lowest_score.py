@@ -6,7 +6,9 @@ import math
 
 import mlx.core as mx
 
-from .base import CacheView, Selector
+from .base import CacheView, Selector, pick_lowest
+
+__all__ = ["LowestScoreSelector", "protected_mask", "pick_lowest"]
 
 
 def protected_mask(positions: mx.array, offset: int, n_sink: int, recent: int) -> mx.array:
@@ -14,24 +16,13 @@ def protected_mask(positions: mx.array, offset: int, n_sink: int, recent: int) -
     return (positions < n_sink) | (positions >= offset - recent)
 
 
-def pick_lowest(ranked: mx.array, n_evict: int) -> mx.array:
-    """Indices [B, H, n_evict] int32 of the ``n_evict`` smallest entries of ``ranked`` [B, H, L].
-
-    Ties go to the lower slot index for ``n_evict == 1`` (argmin); for more, the set is
-    deterministic (argpartition) but its order is unspecified.
-    """
-    if n_evict == 1:
-        return mx.argmin(ranked, axis=-1, keepdims=True).astype(mx.int32)
-    return mx.argpartition(ranked, n_evict - 1, axis=-1)[..., :n_evict].astype(mx.int32)
-
-
 class LowestScoreSelector(Selector):
     """The unprotected tokens with the lowest scores lose.
 
     Protected (never chosen): positions < ``n_sink`` and positions >= offset - ``recent``.
-    Tokens outside a sliding window (``view.dead``) go first, sinks included::
+    The cache evicts tokens outside a sliding window first, sinks included::
 
-        rank_j = -inf if dead_j else (+inf if protected_j else s_j);  losers = argmin_E(rank)
+        rank_j = +inf if protected_j else s_j;   losers = argmin_E(-inf if dead_j else rank_j)
 
     With ``recent = 0`` this is exactly the specification's H2O, whose new token
     (score 0) is evicted at once and whose kept set freezes on the prompt.
@@ -44,9 +35,6 @@ class LowestScoreSelector(Selector):
     def from_config(cls, config) -> "LowestScoreSelector":
         return cls(n_sink=config.n_sink, recent=config.recent_tokens)
 
-    def select(self, view: CacheView, n_evict: int) -> mx.array:
+    def rank(self, view: CacheView) -> mx.array:
         protected = protected_mask(view.positions, view.offset, self.n_sink, self.recent)
-        ranked = mx.where(protected, mx.array(math.inf, dtype=mx.float32), view.scores)
-        if view.dead is not None:
-            ranked = mx.where(view.dead, mx.array(-math.inf, dtype=mx.float32), ranked)
-        return pick_lowest(ranked, n_evict)
+        return mx.where(protected, mx.array(math.inf, dtype=mx.float32), view.scores)

@@ -17,8 +17,8 @@ import math
 
 import mlx.core as mx
 
-from .base import CacheView, Scorer
-from .cumulative_attention import masked_softmax, observed_weights
+from .attention_scorer import AttentionScorer, observed_weights, proxy_weights
+from .base import CacheView
 
 
 def window_rows(mask, S: int, W: int):
@@ -59,18 +59,7 @@ def pool_by_position(x: mx.array, positions: mx.array, P: int) -> mx.array:
     return mx.put_along_axis(mx.zeros_like(x), order, pooled, axis=-1)
 
 
-def proxy_weights(new_keys: mx.array, keys: mx.array, positions: mx.array, new_positions: mx.array) -> mx.array:
-    """Key-as-query weights: new_keys [B, H, S, D] over keys [B, H, L, D] -> [B, H, S, L].
-
-    ``softmax_j(k_t . k_j / sqrt(D))`` over the retained ``j`` with ``pos_j < pos_t``.
-    """
-    D = new_keys.shape[-1]
-    logits = (new_keys.astype(mx.float32) @ keys.astype(mx.float32).swapaxes(-1, -2)) * (1.0 / math.sqrt(D))
-    allowed = positions[:, :, None, :] < new_positions[None, None, :, None]
-    return masked_softmax(logits, allowed)
-
-
-class ObservationWindowScorer(Scorer):
+class ObservationWindowScorer(AttentionScorer):
     """Scores from the last ``W`` queries of each step, max-pooled over ``P`` positions.
 
     For a step with S new tokens, queries ``q_{g,i}`` (G query heads per KV head h) and
@@ -89,15 +78,15 @@ class ObservationWindowScorer(Scorer):
     Shapes: queries [B, Hq, S, D], cached keys [B, H, L, D], scores [B, H, L].
     """
 
-    def __init__(self, signal: str = "observed", window: int = 32, pool: int = 7) -> None:
-        if signal not in ("proxy", "observed"):
-            raise ValueError(f"signal must be 'proxy' or 'observed' (got {signal!r})")
+    default_signal = "observed"
+
+    def __init__(self, signal: str = None, window: int = 32, pool: int = 7) -> None:
+        super().__init__(signal)
         if window < 0:
             raise ValueError(f"obs_window must be >= 0 (got {window})")
         if pool < 1 or pool % 2 == 0:
             raise ValueError(f"pool must be an odd integer >= 1 (got {pool})")
-        self.signal, self.window, self.pool = signal, window, pool
-        self.needs_attention = signal == "observed"
+        self.window, self.pool = window, pool
 
     @classmethod
     def from_config(cls, config) -> "ObservationWindowScorer":
@@ -106,18 +95,22 @@ class ObservationWindowScorer(Scorer):
     def _rows(self, S: int) -> int:
         return S if self.window == 0 else min(self.window, S)
 
-    def _add(self, view: CacheView, mass: mx.array, S: int) -> mx.array:
-        if S > 1:
-            mass = pool_by_position(mass, view.positions, self.pool)
-        return view.scores + mass
+    def combine(self, scores: mx.array, weights: mx.array) -> mx.array:
+        """Unpooled accumulation (a decode step): scores [B, H, L] + weights [B, H, G, S, L] summed."""
+        return scores + weights.sum(axis=(2, 3))
+
+    def _add(self, view: CacheView, weights: mx.array, S: int) -> mx.array:
+        if S == 1:
+            return self.combine(view.scores, weights)
+        return view.scores + pool_by_position(weights.sum(axis=(2, 3)), view.positions, self.pool)
 
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
         if self.signal != "proxy":
             return view.scores
         S = new_keys.shape[2]
         W = self._rows(S)
-        weights = proxy_weights(new_keys[:, :, S - W :], view.keys, view.positions, new_positions[S - W :])
-        return self._add(view, weights.sum(axis=2), S)
+        weights = proxy_weights(view.keys, view.positions, new_keys[:, :, S - W :], new_positions[S - W :])
+        return self._add(view, weights, S)
 
     def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:
         if self.signal != "observed":
@@ -125,4 +118,4 @@ class ObservationWindowScorer(Scorer):
         S = queries.shape[2]
         W = self._rows(S)
         weights = observed_weights(queries[:, :, S - W :], view.keys, scale, window_rows(mask, S, W))
-        return self._add(view, weights.sum(axis=(2, 3)), S)
+        return self._add(view, weights, S)

@@ -1,0 +1,88 @@
+"""Persistence of a policy cache: mlx-lm's ``state``/``meta_state`` protocol and rebuilding from it.
+
+The meta JSON carries the config, offset, layer, window, the parts' counters and (on a
+tensor-parallel rank) the head shard, so mlx-lm's own ``save_prompt_cache``/``load_prompt_cache``
+round-trip a kvpolicy cache (``state`` is settled first). :mod:`kvpolicy_core.persistence` saves the unsettled
+buffers for bit-exact resumption.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict
+
+import mlx.core as mx
+
+from .cache_diagnostics import LEGACY_COUNTERS
+from .errors import KVPolicyError
+
+
+def counters_from_meta(stats) -> Dict[str, mx.array]:
+    """The meta JSON's counters: {name: int} (0.2.0) or [gate_draws, merges] (0.1.0)."""
+    if isinstance(stats, list):
+        stats = dict(zip(LEGACY_COUNTERS, stats))
+    return {str(k): mx.array(int(v), dtype=mx.int32) for k, v in (stats or {}).items()}
+
+
+class CacheState:
+    """Mixin of :class:`~kvpolicy_core.cache.PolicyCache`: state, meta state and rebuilding."""
+
+    @property
+    def state(self):
+        """(keys, values, positions, scores, meta JSON) of the retained tokens, settled.
+
+        An empty cache gives ``(None, None, None, None, meta JSON)``, so that mlx-lm's
+        ``save_prompt_cache``/``load_prompt_cache`` keep one cache per layer.
+        """
+        self.settle()
+        if self.keys is None:
+            return None, None, None, None, self._meta_json()
+        n = self.n
+        return self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n], self.scores, self._meta_json()
+
+    @state.setter
+    def state(self, v) -> None:
+        if not v or v[0] is None:
+            self._slots.restore((None, None, None, None, 0))
+        else:
+            keys, values, positions, scores = v[:4]
+            self._slots.restore((keys, values, positions, scores, keys.shape[2]))
+        if len(v) > 4:
+            meta = json.loads(v[4])
+            self.offset = int(meta["offset"])
+            self._counters = {**self._counters, **counters_from_meta(meta.get("stats"))}
+
+    def _meta_json(self) -> str:
+        meta = {
+            "config": json.loads(self.policy.config.model_dump_json()),
+            "offset": self.offset,
+            "layer": self.layer,
+            "window": self.window,
+            "stats": self.stats(),
+        }
+        if self.head_shard != (0, 1):  # only when sharded: an unsharded cache's JSON is unchanged
+            meta["head_shard"] = list(self.head_shard)
+        return json.dumps(meta)
+
+    @property
+    def meta_state(self):
+        return (self._meta_json(),)
+
+    @classmethod
+    def from_state(cls, state, meta_state=None):
+        """Rebuild a cache from ``state`` (and optionally ``meta_state``); the config comes with them."""
+        meta_json = meta_state[0] if meta_state else (state[4] if len(state) > 4 else None)
+        if meta_json is None:
+            raise KVPolicyError("PolicyCache.from_state needs the meta JSON (state[4] or meta_state)")
+        obj = cls.from_meta(meta_json)
+        obj.state = (*state[:4], meta_json)
+        return obj
+
+    @classmethod
+    def from_meta(cls, meta_json: str):
+        """An empty cache with the config, layer, window and head shard recorded in ``meta_json``."""
+        meta = json.loads(meta_json)
+        data = dict(meta["config"])
+        data.update(data.pop("policy"))
+        return cls(data, layer=int(meta["layer"]), window=meta["window"],
+                   head_shard=tuple(meta.get("head_shard", (0, 1))))

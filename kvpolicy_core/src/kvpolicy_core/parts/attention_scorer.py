@@ -1,0 +1,120 @@
+"""The shared base of scorers built from attention weights (proxy or observed signal).
+
+Shapes: ``B`` batch, ``H`` KV heads, ``G`` query heads per KV head, ``S`` query rows,
+``L`` slots. Both signals produce weights ``[B, H, G, S, L]`` (``G = 1`` for the proxy),
+and a subclass only says how weights update the running scores (:meth:`AttentionScorer.combine`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from .base import CacheView, Scorer
+
+SIGNALS = ("proxy", "observed")
+
+
+def masked_softmax(logits: mx.array, allowed: mx.array) -> mx.array:
+    """Softmax over the last axis restricted to ``allowed`` and to finite logits; rows with nothing
+    allowed give 0. A non-finite key (NaN/Inf logits) so gets no weight and takes none from the others."""
+    allowed = allowed & mx.isfinite(logits)
+    neg = mx.array(-math.inf, dtype=logits.dtype)
+    probs = mx.softmax(mx.where(allowed, logits, neg), axis=-1, precise=True)
+    return mx.where(allowed, probs, mx.zeros_like(probs))
+
+
+def causal_allowed(n_queries: int, n_keys: int) -> mx.array:
+    """mlx-lm's "causal" mask for S queries at the end of L keys: bool [S, L]."""
+    q = mx.arange(n_keys - n_queries, n_keys)[:, None]
+    return q >= mx.arange(n_keys)[None]
+
+
+def last_row(mask):
+    """The mask of the last query row (None or "causal" -> None: the last row sees everything)."""
+    if mask is None or isinstance(mask, str):
+        return None
+    return mask[..., -1:, :]
+
+
+def observed_weights(queries: mx.array, keys: mx.array, scale: float, mask) -> mx.array:
+    """The model's attention weights grouped by KV head.
+
+    queries [B, Hq, S, D], keys [B, H, L, D] -> weights [B, H, Hq/H, S, L] float32,
+    softmax(scale * q k^T + mask) exactly as the model computes it (mask: None,
+    "causal", a bool array or an additive array broadcastable to [B, Hq, S, L]), except that
+    non-finite logits (from a NaN/Inf key or query) are excluded rather than poisoning the row.
+    """
+    B, Hq, S, D = queries.shape
+    H, L = keys.shape[1], keys.shape[2]
+    rep = Hq // H
+    q = queries.astype(mx.float32).reshape(B, H, rep, S, D)
+    k = keys.astype(mx.float32)[:, :, None]
+    logits = (q * scale) @ k.swapaxes(-1, -2)  # [B, H, rep, S, L]
+    if mask is None:
+        return masked_softmax(logits, mx.array(True))
+    if isinstance(mask, str):
+        return masked_softmax(logits, causal_allowed(S, L))
+    m = mask
+    if m.ndim == 4:
+        m = m.reshape(m.shape[0], H, rep, S, L) if m.shape[1] == Hq and Hq > 1 else m[:, :, None]
+        if m.shape[1] == 1 and H > 1:
+            m = mx.broadcast_to(m, (m.shape[0], H) + m.shape[2:])
+    if m.dtype == mx.bool_:
+        return masked_softmax(logits, m)
+    return masked_softmax(logits + m.astype(mx.float32), mx.array(True))  # -inf in the mask: excluded
+
+
+def proxy_weights(keys: mx.array, positions: mx.array, new_keys: mx.array, new_positions: mx.array) -> mx.array:
+    """Each new key used as a query over the slots before it: [B, H, 1, S, L] float32::
+
+        w_{t,j} = softmax_j( k_t . k_j / sqrt(D) )   over j with pos_j < pos_t (0 elsewhere)
+    """
+    D = new_keys.shape[-1]
+    q = new_keys.astype(mx.float32)
+    k = keys.astype(mx.float32)
+    logits = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(D))  # [B, H, S, L]
+    allowed = positions[:, :, None, :] < new_positions[None, None, :, None]
+    return masked_softmax(logits, allowed)[:, :, None]
+
+
+class AttentionScorer(Scorer):
+    """Scores from attention weights; a subclass implements :meth:`combine` (since 0.2.0).
+
+    ``signal="proxy"``: each appended key is the query (no hook needed); ``"observed"``: the
+    model's real queries, from the attention hook. ``last_query_only`` restricts both to the
+    newest query row.
+    """
+
+    last_query_only = False
+    default_signal = "proxy"
+
+    def __init__(self, signal: str = None) -> None:
+        signal = self.default_signal if signal is None else signal
+        if signal not in SIGNALS:
+            raise ValueError(f"signal must be 'proxy' or 'observed' (got {signal!r})")
+        self.signal = signal
+        self.needs_attention = signal == "observed"
+
+    @classmethod
+    def from_config(cls, config) -> "AttentionScorer":
+        return cls(signal=config.signal)
+
+    def combine(self, scores: mx.array, weights: mx.array) -> mx.array:
+        """scores [B, H, L], weights [B, H, G, S, L] -> new scores [B, H, L]."""
+        raise NotImplementedError
+
+    def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
+        if self.signal != "proxy":
+            return view.scores
+        if self.last_query_only:
+            new_keys, new_positions = new_keys[:, :, -1:], new_positions[-1:]
+        return self.combine(view.scores, proxy_weights(view.keys, view.positions, new_keys, new_positions))
+
+    def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:
+        if self.signal != "observed":
+            return view.scores
+        if self.last_query_only:
+            queries, mask = queries[:, :, -1:], last_row(mask)
+        return self.combine(view.scores, observed_weights(queries, view.keys, scale, mask))

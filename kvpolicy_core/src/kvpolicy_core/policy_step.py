@@ -1,0 +1,156 @@
+"""The policy step of one layer: call the parts, check what they return, evict window-dead slots first.
+
+The parts are plain objects shared by every layer (:class:`~kvpolicy_core.policy.Policy`);
+everything per layer (the layer index in error messages, the PRNG key of each eviction)
+is added here. A part that raises, or returns the wrong shape, becomes a
+:class:`~kvpolicy_core.errors.PluginError` naming the part and its plugin.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+
+from .errors import KVPolicyError, ModelError, PluginError
+from .parts.base import CacheView, MergeUpdate, Selector, pick_lowest
+from .policy import Policy, step_key
+
+Counters = Dict[str, mx.array]
+
+
+def dead_first(dead: mx.array, chosen: mx.array, n_evict: int) -> mx.array:
+    """Losers [B, H, E]: the window-dead slots (dead [B, H, L]) first, then the selector's ``chosen``."""
+    picked = mx.put_along_axis(mx.zeros(dead.shape, mx.float32), chosen, mx.array(1.0), axis=2)
+    ranked = mx.where(dead, -1.0, mx.where(picked > 0, 0.0, math.inf))
+    return pick_lowest(ranked, n_evict)
+
+
+class PolicyStep:
+    """Score, select and dispose for one layer, with the checks at the part boundary."""
+
+    def __init__(self, policy: Policy, layer: int) -> None:
+        self.policy, self.layer = policy, layer
+        sel = type(policy.selector)
+        # selectors on the 0.2.0 form rank; Selector.select then puts window-dead slots first
+        self.ranked_selection = getattr(sel, "select", None) is Selector.select
+        self._warned = False
+
+    def counter_names(self) -> Dict[str, str]:
+        """Counters the parts declare through ``stats()`` (name -> meaning)."""
+        names: Dict[str, str] = {}
+        for part in (self.policy.scorer, self.policy.selector, self.policy.disposition):
+            stats = getattr(part, "stats", None)
+            if callable(stats):
+                names.update(stats())
+        return names
+
+    def check_observed(self, windowed: bool, attended: bool) -> None:
+        """The previous step must have passed through the attention hook if this layer needs it."""
+        observed = self.policy.scorer.needs_attention
+        if (observed or windowed) and not attended:
+            raise ModelError(
+                f"layer {self.layer}: this cache needs kvpolicy's attention hook "
+                f"({'observed signal' if observed else 'sliding-window mask'}), "
+                "but the model's attention did not call it; build caches with "
+                "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
+            )
+
+    def call(self, kind: str, fn, *args):
+        try:
+            return fn(*args)
+        except KVPolicyError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"layer {self.layer}: {self.policy.owners[kind]} raised {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def scores(self, scores, shape: Tuple[int, int, int]) -> mx.array:
+        """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0 and +-inf as the largest finite
+        float32, so that no score can tie with the +-inf a selector's rank uses for protection."""
+        if not isinstance(scores, mx.array) or tuple(scores.shape) != tuple(shape):
+            raise PluginError(
+                f"layer {self.layer}: {self.policy.owners['scorer']} returned scores of shape "
+                f"{getattr(scores, 'shape', type(scores).__name__)}, expected {tuple(shape)}"
+            )
+        return mx.nan_to_num(scores.astype(mx.float32), nan=0.0)
+
+    def on_append(self, view: CacheView, keys: mx.array, new_positions: mx.array) -> mx.array:
+        return self.scores(self.call("scorer", self.policy.scorer.on_append, view, keys, new_positions),
+                           view.scores.shape)
+
+    def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:
+        return self.scores(self.call("scorer", self.policy.scorer.on_attention, view, queries, scale, mask),
+                           view.scores.shape)
+
+    def _indices(self, kind: str, what: str, idx, shape: Tuple[int, ...], L: int, distinct: bool) -> mx.array:
+        """Check slot indices a part returned before anything gathers or scatters with them.
+
+        MLX does not bounds-check gathers and scatters, so an index outside [0, L) would corrupt
+        memory. Checked: an integer mx.array of ``shape``, every entry in [0, L), and (``distinct``)
+        no repeats per (batch, head) row; one host sync on a few vectorised reductions.
+        """
+        owner = f"layer {self.layer}: {self.policy.owners[kind]}"
+        if not isinstance(idx, mx.array) or tuple(idx.shape) != tuple(shape):
+            raise PluginError(f"{owner} returned {what} of shape {getattr(idx, 'shape', type(idx).__name__)}, "
+                              f"expected {tuple(shape)}")
+        if not mx.issubdtype(idx.dtype, mx.integer):
+            dtype = str(idx.dtype).removeprefix("mlx.core.")
+            raise PluginError(f"{owner} returned {what} of dtype {dtype}, expected an integer dtype")
+        idx = idx.astype(mx.int32)
+        bad = mx.any((idx < 0) | (idx >= L))
+        if distinct and shape[-1] > 1:
+            ordered = mx.sort(idx, axis=-1)
+            bad = bad | mx.any(ordered[..., 1:] == ordered[..., :-1])
+        if bad.item():
+            rule = "in [0, L) and distinct per (batch, head)" if distinct else "in [0, L)"
+            raise PluginError(f"{owner} returned {what} outside the cache: each must be {rule}, with L = {L}")
+        return idx
+
+    def losers(self, view: CacheView, n_evict: int) -> mx.array:
+        """[B, H, n_evict] int32: window-dead slots first, then the selector's choice."""
+        losers = self.call("selector", self.policy.selector.select, view, n_evict)
+        L = view.scores.shape[-1]
+        losers = self._indices("selector", "losers", losers, (*view.scores.shape[:2], n_evict), L, distinct=True)
+        if view.dead is not None and not self.ranked_selection:
+            losers = dead_first(view.dead, losers, n_evict)
+        return losers
+
+    def dispose(self, view: CacheView, losers: mx.array, offset: int) -> Tuple[Optional[MergeUpdate], Counters]:
+        """The disposition's update for the survivors (or None) and the counters it reports."""
+        key = step_key(self.policy.config.seed, self.layer, offset)
+        update = self.call("disposition", self.policy.disposition.dispose, view, losers, key)
+        if update is None:
+            return None, {}
+        update = self._checked_update(view, update)
+        counts = dict(update.stats or {})
+        if update.draws is not None or update.merges is not None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"{self.policy.owners['disposition']}: MergeUpdate.draws/merges are deprecated since "
+                    "kvpolicy 0.2.0; return MergeUpdate(..., stats={'gate_draws': ..., 'merges': ...})",
+                    DeprecationWarning, stacklevel=2,
+                )
+            for name, value in (("gate_draws", update.draws), ("merges", update.merges)):
+                if value is not None:
+                    counts.setdefault(name, value)
+        return update, counts
+
+    def _checked_update(self, view: CacheView, u) -> MergeUpdate:
+        """A disposition's MergeUpdate checked: targets in range, deltas shaped like their rows."""
+        owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
+        if not isinstance(u, MergeUpdate):
+            raise PluginError(f"{owner} returned {type(u).__name__}, expected a MergeUpdate or None")
+        B, H, L = view.scores.shape
+        T = getattr(u.targets, "shape", (0, 0, 0))[-1] if getattr(u.targets, "ndim", 0) == 3 else -1
+        for name, x, row in (("d_keys", u.d_keys, (view.keys.shape[-1],)), ("d_values", u.d_values, (view.values.shape[-1],)),
+                             ("d_scores", u.d_scores, ())):
+            if x is not None and (not isinstance(x, mx.array) or tuple(x.shape) != (B, H, T, *row)):
+                raise PluginError(f"{owner} returned {name} of shape {getattr(x, 'shape', type(x).__name__)}, "
+                                  f"expected {(B, H, max(T, 0), *row)}")
+        targets = self._indices("disposition", "merge targets", u.targets, (B, H, max(T, 0)), L, distinct=False)
+        return u._replace(targets=targets)

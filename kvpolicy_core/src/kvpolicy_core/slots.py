@@ -1,0 +1,152 @@
+"""The slot store of one layer: preallocated K/V buffers, positions and scores, and their edits.
+
+Layout: ``keys`` [B, H, cap, D], ``values`` [B, H, cap, Dv], ``positions`` [B, H, cap] int32
+(absolute position of each slot) and ``scores`` [B, H, n] float32; the first ``n`` slots are
+valid. Slots are not in temporal order after an in-place decode write; :meth:`compact`
+restores temporal order. Every edit is functional (MLX arrays are values), so a tuple of
+references (:meth:`snapshot`) is a complete, cheap snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from .parts.base import CacheView, MergeUpdate
+
+_INT_MAX = 2**31 - 1
+FIELDS = ("keys", "values", "positions", "scores", "n")
+
+
+class SlotStore:
+    """Buffers of one layer's retained tokens; knows nothing about policies."""
+
+    def __init__(self, step: int = 256) -> None:
+        self.step = step
+        self.keys = self.values = self.positions = self.scores = None
+        self.n = 0
+
+    def snapshot(self) -> Tuple:
+        return tuple(getattr(self, f) for f in FIELDS)
+
+    def restore(self, snap: Tuple) -> None:
+        for f, v in zip(FIELDS, snap):
+            setattr(self, f, v)
+
+    def check_input(self, keys: mx.array, values: mx.array, layer: int) -> None:
+        """Raise ValueError unless keys/values [B, H, S, D(v)] fit these buffers (same B, H, D, Dv, dtype)."""
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                f"layer {layer}: keys and values must be [B, H, S, D] with equal B, H, S "
+                f"(got keys {tuple(keys.shape)}, values {tuple(values.shape)})"
+            )
+        if keys.shape[2] == 0:
+            raise ValueError(f"layer {layer}: update_and_fetch needs at least one new token (got S=0)")
+        if self.keys is None:
+            return
+        have = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
+        got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+        if have != got:
+            raise ValueError(
+                f"layer {layer}: (batch, kv_heads, key_dim, value_dim) changed from {have} to {got}; "
+                "a cache serves one batch with fixed heads and head dims: build fresh caches"
+            )
+        if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
+            raise ValueError(
+                f"layer {layer}: dtype changed from {self.keys.dtype} to {keys.dtype}; "
+                "a cache keeps the dtype it was first given: build fresh caches"
+            )
+
+    def view(self, offset: int, n_new: int, dead: Optional[mx.array],
+             head_shard: Tuple[int, int] = (0, 1)) -> CacheView:
+        """The parts' view of the n valid slots; ``head_shard`` = (rank, size) of a tensor-parallel
+        split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``."""
+        n, H, (rank, size) = self.n, self.keys.shape[1], head_shard
+        return CacheView(self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n],
+                         self.scores, offset, n_new, dead, rank * H, size * H)
+
+    def append(self, keys: mx.array, values: mx.array, offset: int, budget: int) -> None:
+        """Write S new tokens (positions ``offset .. offset+S-1``, score 0) after the n valid slots.
+
+        Capacity grows in multiples of ``step`` up to ``budget + 1`` (decode's steady state),
+        or exactly to ``n + S`` for a larger chunk.
+        """
+        B, H, S, D = keys.shape
+        need = self.n + S
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if need > cap:
+            new_cap = min(-(-need // self.step) * self.step, budget + 1) if need <= budget + 1 else need
+            grow = new_cap - self.n
+            k_new = mx.zeros((B, H, grow, D), keys.dtype)
+            v_new = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            p_new = mx.zeros((B, H, grow), mx.int32)
+            if self.keys is None:
+                self.keys, self.values, self.positions = k_new, v_new, p_new
+                self.scores = mx.zeros((B, H, 0), mx.float32)
+            else:
+                n = self.n
+                self.keys = mx.concatenate([self.keys[..., :n, :], k_new], axis=2)
+                self.values = mx.concatenate([self.values[..., :n, :], v_new], axis=2)
+                self.positions = mx.concatenate([self.positions[..., :n], p_new], axis=2)
+        n = self.n
+        at = mx.array([0, 0, n, 0])
+        self.keys = mx.slice_update(self.keys, keys, at, axes=(0, 1, 2, 3))
+        self.values = mx.slice_update(self.values, values, at, axes=(0, 1, 2, 3))
+        new_pos = mx.broadcast_to(mx.arange(offset, offset + S, dtype=mx.int32), (B, H, S))
+        self.positions = mx.slice_update(self.positions, new_pos, at[:3], axes=(0, 1, 2))
+        self.scores = mx.concatenate([self.scores[..., :n], mx.zeros((B, H, S), mx.float32)], axis=2)
+        self.n = need
+
+    def write_into(self, slots: mx.array, keys: mx.array, values: mx.array, offset: int) -> None:
+        """Decode: the new token [B, H, 1, D] (position ``offset``, score 0) takes the slots [B, H, 1]."""
+        idx = slots[..., None]  # [B, H, 1, 1]
+        self.keys = mx.put_along_axis(self.keys, idx, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, idx, values, axis=2)
+        pos = mx.full(slots.shape, offset, dtype=mx.int32)
+        self.positions = mx.put_along_axis(self.positions, slots, pos, axis=2)
+        self.scores = mx.put_along_axis(self.scores, slots, mx.zeros(slots.shape, mx.float32), axis=2)
+
+    def compact(self, losers: mx.array) -> None:
+        """Remove the slots ``losers`` [B, H, E]; survivors move, in temporal order, to [0, n - E)."""
+        n, keep_n = self.n, self.n - losers.shape[-1]
+        pos = self.positions[..., :n]
+        gone = mx.put_along_axis(mx.zeros(pos.shape, mx.bool_), losers, mx.array(True), axis=2)
+        order = mx.argsort(mx.where(gone, _INT_MAX, pos), axis=-1)[..., :keep_n]
+        take = lambda x: mx.take_along_axis(x[..., :n, :], order[..., None], axis=2)  # noqa: E731
+        self.keys, self.values = take(self.keys), take(self.values)
+        self.positions = mx.take_along_axis(pos, order, axis=-1)
+        self.scores = mx.take_along_axis(self.scores, order, axis=-1)
+        self.n = keep_n
+
+    def add(self, u: MergeUpdate) -> None:
+        """Scatter-add a disposition's deltas at ``u.targets`` [B, H, T] (duplicate targets sum)."""
+        B, H = self.keys.shape[:2]
+        bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
+        t = u.targets.astype(mx.int32)
+        self.values = self.values.at[bi, hi, t].add(u.d_values.astype(self.values.dtype))
+        if u.d_keys is not None:
+            self.keys = self.keys.at[bi, hi, t].add(u.d_keys.astype(self.keys.dtype))
+        if u.d_scores is not None:
+            self.scores = self.scores.at[bi, hi, t].add(u.d_scores.astype(mx.float32))
+
+    def in_temporal_order(self):
+        """(keys, values, positions, scores) of the n valid slots sorted by position."""
+        n = self.n
+        order = mx.argsort(self.positions[..., :n], axis=-1)
+        take = lambda x: mx.take_along_axis(x, order[..., None], axis=2)  # noqa: E731
+        return (take(self.keys[..., :n, :]), take(self.values[..., :n, :]),
+                mx.take_along_axis(self.positions[..., :n], order, axis=-1),
+                mx.take_along_axis(self.scores, order, axis=-1))
+
+    def bytes_per_token(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H, _, D = self.keys.shape
+        return B * H * (D * self.keys.itemsize + self.values.shape[-1] * self.values.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + self.scores.nbytes

@@ -1,0 +1,83 @@
+"""Helpers shared by the tests (imported as ``from helpers import ...``; conftest.py holds only fixtures).
+
+:data:`SHIPPED_METHODS` is the one matrix of methods this repository ships: every test that runs
+"all methods" uses it (with its own budget fields appended by ``with_fields``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from kvpolicy_core import testing as kit
+from kvpolicy_core.testing import feed, tiny_llama, with_fields  # noqa: F401  (re-exported to the tests)
+from kvpolicy_core.tiny_models import tiny_model
+
+#: Every shipped method variant, without budget fields (tests append theirs with ``with_fields``).
+SHIPPED_METHODS = [
+    "h2o:signal=proxy",
+    "h2o",  # the default: observed signal, observation window 32, pool 15 (needs the attention hook)
+    "cam:signal=proxy",
+    "cam:merge=mean,gate=false,keys=true,signal=proxy",
+    "cam:merge=drop,signal=proxy",
+    "cam:merge=paper,m=4,signal=proxy",
+    "cam",  # the default: observed signal with the observation window
+    "random:salt=3",
+]
+#: CaM's variants (merge rules, gate, keys).
+CAM_METHODS = [m for m in SHIPPED_METHODS if m.startswith("cam")]
+
+VOCAB = 97
+
+
+def tiny_gemma3(window: int = 8, seed: int = 0):
+    """Tiny Gemma 3: 6 layers, every third global, the others sliding-window layers of ``window``."""
+    return tiny_model("gemma3_text", seed=seed, num_hidden_layers=6, sliding_window=window, sliding_window_pattern=3)
+
+
+def run_chunks(model, caches, tokens, chunks):
+    """Feed ``tokens`` [B, T] in chunks of the given sizes; returns logits [B, T, V]."""
+    outs, i = [], 0
+    for c in chunks:
+        outs.append(model(tokens[:, i : i + c], cache=caches))
+        i += c
+    out = mx.concatenate(outs, axis=1)
+    mx.eval(out)
+    return out
+
+
+def plain_caches(model):
+    return [KVCache() for _ in model.layers]
+
+
+def random_kv(B=2, H=3, S=10, D=8, seed=0, dtype=mx.float32):
+    """The test kit's random K/V with smaller defaults."""
+    return kit.random_kv(B=B, H=H, S=S, D=D, seed=seed, dtype=dtype)
+
+
+def write_tiny_model_dir(path, seed: int = 0):
+    """A loadable mlx-lm model directory: tiny llama weights, config and a char-level tokenizer."""
+    import json
+
+    from mlx.utils import tree_flatten
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    path.mkdir(parents=True, exist_ok=True)
+    model = tiny_llama(seed=seed)
+    config = {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": VOCAB,
+        "tie_word_embeddings": True,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    chars = [chr(c) for c in range(32, 32 + VOCAB - 3)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{ch: i + 3 for i, ch in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+    }))
+    return path

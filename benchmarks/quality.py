@@ -23,18 +23,20 @@ from _common import RESULTS, write_json
 
 from kvpolicy_core.evaluation import perplexity
 
-METHODS = {
+METHODS = {  # names keep their v0.1 meaning; "h2o" and "cam" are the current defaults
     "full": "full",
     "streamingllm (mlx-lm rotating)": "rotating",
     "random": "random",
-    "h2o proxy": "h2o",
-    "h2o observed": "h2o:signal=observed",
-    "cam sim_weighted gated": "cam",
-    "cam sim_weighted ungated": "cam:gate=false",
-    "cam mean gated": "cam:merge=mean",
-    "cam paper": "cam:merge=paper",
+    "h2o proxy": "h2o:signal=proxy",
+    "h2o observed": "h2o:signal=observed,obs_window=0,pool=1",
+    "h2o": "h2o",
+    "cam sim_weighted gated": "cam:signal=proxy",
+    "cam sim_weighted ungated": "cam:signal=proxy,gate=false",
+    "cam mean gated": "cam:signal=proxy,merge=mean",
+    "cam paper": "cam:signal=proxy,merge=paper",
+    "cam": "cam",
 }
-GATED = {"cam sim_weighted gated", "cam mean gated", "cam paper"}
+GATED = {"cam sim_weighted gated", "cam mean gated", "cam paper", "cam"}
 
 
 def spec_for(base: str, budget: int, seed: int) -> str:
@@ -47,7 +49,7 @@ def spec_for(base: str, budget: int, seed: int) -> str:
     return f"{base}{sep}budget={budget}{extra}"
 
 
-def load(smoke: bool):
+def load(smoke: bool, model: str = "gemma3"):
     if smoke:
         from kvpolicy_core.testing import tiny_llama
 
@@ -58,9 +60,13 @@ def load(smoke: bool):
         return tiny_llama(), Tok()
     import mlx_lm
 
-    from kvpolicy_core.model.default import ensure_default_model
+    import mlx.core as mx
 
-    return mlx_lm.load(str(ensure_default_model()))
+    from kvpolicy_core.model.resolve import resolve_model_path
+
+    m, tok = mlx_lm.load(str(resolve_model_path(None if model == "gemma3" else model)))
+    m.set_dtype(mx.float32)
+    return m, tok
 
 
 def main():
@@ -71,20 +77,23 @@ def main():
     p.add_argument("--budgets", default="256")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from: " + ", ".join(METHODS))
     p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
+    p.add_argument("--text", default="pydoc", help="pydoc (default corpus), stdlib, license, or a file")
+    p.add_argument("--tag", default="", help="suffix of the result files")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.smoke:
         args.tokens, args.budgets, args.seeds = 80, "16,32", 2
-    from kvpolicy_core.model.corpus import default_corpus
+    from kvpolicy_core.tasks.haystack import haystack_text
 
-    model, tok = load(args.smoke)
-    ids = tok.encode(default_corpus())[: args.tokens]
+    model, tok = load(args.smoke, args.model)
+    ids = tok.encode(haystack_text(args.text))[: args.tokens]
     chunk = 1 if args.mode == "token" else args.chunk
     budgets = [int(b) for b in args.budgets.split(",")]
     names = [m.strip() for m in args.methods.split(",")]
     out = Path(args.out)
-    tag = f"quality_{args.mode}" + ("_smoke" if args.smoke else "")
+    tag = f"quality_{args.mode}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
     rows, curves = [], {}
     base = perplexity(model, ids, "full", chunk=chunk, progress=False)
     rows.append(row("full", None, 0, base, base))
@@ -129,7 +138,7 @@ def summary(rows):
 
 
 def save(out, tag, args, ids, rows):
-    write_json(tag, {"mode": args.mode, "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
+    write_json(tag, {"model": args.model, "text": args.text, "mode": args.mode, "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
                      "rows": rows, "summary": summary(rows)}, out)
     with open(out / f"{tag}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -15,13 +15,13 @@ from kvpolicy_core.tiny_models import tiny_model
 
 #: Every shipped method variant, without budget fields (tests append theirs with ``with_fields``).
 SHIPPED_METHODS = [
-    "h2o",
-    "h2o:signal=observed",
-    "cam",
-    "cam:merge=mean,gate=false,keys=true",
-    "cam:merge=drop",
-    "cam:merge=paper,m=4",
-    "cam:signal=observed",
+    "h2o:signal=proxy",
+    "h2o",  # the default: observed signal, observation window 32, pool 15 (needs the attention hook)
+    "cam:signal=proxy",
+    "cam:merge=mean,gate=false,keys=true,signal=proxy",
+    "cam:merge=drop,signal=proxy",
+    "cam:merge=paper,m=4,signal=proxy",
+    "cam",  # the default: observed signal with the observation window
     "random:salt=3",
 ]
 #: CaM's variants (merge rules, gate, keys).

@@ -11,9 +11,9 @@ GATES = ["gate=true", "gate=false"]
 
 @pytest.mark.parametrize("gate", GATES)
 def test_primitive_level(gate):
-    h2o = build_policy("h2o:budget=12,n_sink=2")
-    cam = build_policy(f"cam:budget=12,n_sink=2,merge=drop,{gate}")
-    merged = build_policy(f"cam:budget=12,n_sink=2,merge=mean,{gate}")
+    h2o = build_policy("h2o:budget=12,n_sink=2,signal=proxy")
+    cam = build_policy(f"cam:budget=12,n_sink=2,merge=drop,{gate},signal=proxy")
+    merged = build_policy(f"cam:budget=12,n_sink=2,merge=mean,{gate},signal=proxy")
     assert type(cam.disposition) is type(h2o.disposition)  # swapping one hook is the whole difference
     K, V = random_kv(B=2, H=3, S=20, D=8, seed=1)
     caches = [PolicyCache(p) for p in (h2o, cam, merged)]

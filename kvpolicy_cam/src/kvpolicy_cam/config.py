@@ -4,10 +4,10 @@ from typing import Literal
 
 from pydantic import AliasChoices, Field
 
-from kvpolicy_core.config import PolicyConfig
+from kvpolicy_core.attention_config import AttentionPolicyConfig
 
 
-class CamConfig(PolicyConfig):
+class CamConfig(AttentionPolicyConfig):
     """``method="cam"``; the specification's ``cam_*`` fields without the prefix.
 
     ``merge``: ``"sim_weighted"`` (cosine-weighted blend into the most similar

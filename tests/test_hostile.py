@@ -249,3 +249,108 @@ def test_the_same_field_twice_is_an_error_not_last_wins():
     for bad in ("cam:budget=8,cam_budget=9", {"method": "cam", "budget": 8, "cam_budget": 9}):
         with pytest.raises(ConfigError, match="given twice"):
             parse_config(bad)
+
+
+def test_a_bool_is_not_an_integer_field():
+    from kvpolicy_core import ConfigError, parse_config
+
+    for bad, field in (({"method": "h2o", "budget": True}, "budget"), ({"method": "h2o", "n_sink": False}, "n_sink"),
+                       ({"method": "h2o", "seed": True}, "seed"), ({"method": "cam", "cam_m": True}, "cam_m")):
+        with pytest.raises(ConfigError, match=f"{field}.*bool"):
+            parse_config(bad)
+
+
+def test_seeds_outside_64_bits_are_rejected_naming_the_range():
+    from kvpolicy_core import ConfigError, parse_config
+
+    assert parse_config({"method": "h2o", "seed": 2**64 - 1}).seed == 2**64 - 1
+    for bad in (2**64, 2**70, -1, "h2o:seed=18446744073709551616"):
+        spec = bad if isinstance(bad, str) else {"method": "h2o", "seed": bad}
+        with pytest.raises(ConfigError, match=r"seed: .*(18446744073709551615|0)"):
+            parse_config(spec)
+
+
+def test_alias_mixing_names_the_fields_the_user_wrote():
+    from kvpolicy_core import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"^merge_gate: the field 'merge_gate' is given twice \(as 'gate'"):
+        parse_config("cam:gate=false,merge_gate=true")
+    with pytest.raises(ConfigError, match=r"^gate: .*given twice"):
+        parse_config({"method": "cam", "merge_gate": False, "gate": True})
+    with pytest.raises(ConfigError, match=r"^cam_gate: Input should be a valid boolean"):
+        parse_config("cam:gate=maybe")
+
+
+def test_a_huge_integer_is_a_range_error_not_inf():
+    from kvpolicy_core import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"budget: .*5000 digits\) is out of range") as e:
+        parse_config("h2o:budget=" + "9" * 5000)
+    assert "inf" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"h2o_budget: must be an integer in \[") as e:
+        parse_config({"method": "h2o", "budget": 10**5000})
+    assert "inf" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- plugin name clash
+class Intruder:
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("mine", PolicyConfig, "cumulative_attention", "lowest_score", "drop"))
+        register(MethodSpec(Intruder.name, PolicyConfig, "cumulative_attention", "lowest_score", "drop"))
+
+
+@pytest.mark.parametrize("taken, owner", [("h2o", "h2o"), ("random", "kvpolicy_core")])
+def test_a_plugin_taking_a_shipped_name_is_the_one_reported_and_rolled_back(taken, owner):
+    import importlib
+
+    from kvpolicy_core import builtin
+    from kvpolicy_core.plugins import PluginManager
+    from kvpolicy_core.registry import Registry, fill
+
+    Intruder.name = taken
+    pm = PluginManager()  # the intruder's entry point is loaded before the shipped h2o plugin
+    pm.register_from(builtin, "kvpolicy_core", "kvpolicy-core")
+    pm.register_from(Intruder(), "intruder", "kvpolicy-intruder")
+    pm.register_from(importlib.import_module("kvpolicy_h2o.plugin"), "h2o", "kvpolicy-h2o")
+    registry = Registry()
+    with pytest.warns(RuntimeWarning, match=f"'{taken}' is registered twice: plugin 'intruder'") as w:
+        fill(registry, pm, strict=False)
+    assert "'intruder'" in str(w[0].message) and f"plugin {owner!r}" in str(w[0].message)
+    methods = registry.methods()
+    assert methods[taken].plugin == owner and methods["h2o"].plugin == "h2o"  # the rightful owners
+    assert "mine" not in methods  # only the intruder's registrations are rolled back
+    assert registry.method(taken) is methods[taken].obj
+
+
+def test_kvpolicy_methods_lists_the_rightful_owner(capsys):
+    from kvpolicy_core.cli import main
+
+    Intruder.name = "h2o"
+    register_plugin(Intruder(), "intruder")
+    try:
+        with pytest.warns(RuntimeWarning, match="plugin 'intruder' tried to take the name"):
+            main(["methods"])
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.split() and x.split()[0] == "h2o")
+        assert "intruder" not in line and "kvpolicy-h2o" in out
+        from kvpolicy_core.plugins import get_registry
+        assert get_registry().methods()["h2o"].plugin == "h2o"
+        assert PolicyCache("h2o:budget=8").budget == 8
+    finally:
+        unregister_plugin("intruder")
+
+
+def test_strict_mode_does_not_say_skipping_while_it_raises(tmp_path, monkeypatch):
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from kvpolicy_core.plugins import get_registry\nget_registry()\n") % str(tmp_path)
+    dist = tmp_path / "kvp_broken-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-broken\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[kvpolicy]\nbroken = kvp_broken_mod\n")
+    (tmp_path / "kvp_broken_mod.py").write_text("raise ImportError('boom')\n")
+    env = {"KVPOLICY_STRICT_PLUGINS": "1", "PYTHONPATH": str(tmp_path)}
+    import os
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+    assert r.returncode != 0 and "PluginError" in r.stderr and "boom" in r.stderr
+    assert "skipping" not in r.stderr

@@ -354,3 +354,91 @@ def test_strict_mode_does_not_say_skipping_while_it_raises(tmp_path, monkeypatch
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
     assert r.returncode != 0 and "PluginError" in r.stderr and "boom" in r.stderr
     assert "skipping" not in r.stderr
+
+
+# ----------------------------------------------------------------------------- part outputs, round 2
+class OddMerge:
+    """A disposition that misbehaves once (``mode``), then merges properly."""
+
+    mode = None
+
+    @classmethod
+    def from_config(cls, config):
+        return cls()
+
+    def dispose(self, view, losers, key):
+        B, H, E = losers.shape
+        t = mx.zeros((B, H, E), mx.int32) + 1
+        dv = mx.ones((B, H, E, view.values.shape[-1]))
+        mode, OddMerge.mode = OddMerge.mode, None
+        if mode == "nan":
+            dv = dv * math.nan
+        elif mode == "inf_scores":
+            return MergeUpdate(t, None, dv, mx.full((B, H, E), math.inf))
+        elif mode in ("bool", "complex"):
+            dv = dv.astype(mx.bool_ if mode == "bool" else mx.complex64)
+        elif mode == "draws_str":
+            return MergeUpdate(t, None, dv, None, draws="three")
+        elif mode == "stats_float_list":
+            return MergeUpdate(t, None, dv, None, stats={"merges": [1.5]})
+        return MergeUpdate(t, None, dv, None)
+
+
+class SinkSelector(Selector):
+    def select(self, view, n_evict):
+        B, H, L = view.scores.shape
+        return mx.broadcast_to(mx.arange(n_evict, dtype=mx.int32), (B, H, n_evict))  # slot 0: position 0, a sink
+
+
+class OddPlugin:
+    @hookimpl
+    def register_selectors(self, register):
+        register("sink_sel", SinkSelector)
+
+    @hookimpl
+    def register_dispositions(self, register):
+        register("odd_merge", OddMerge)
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("oddmerge", PolicyConfig, "cumulative_attention", "lowest_score", "odd_merge"))
+        register(MethodSpec("sinksel", PolicyConfig, "cumulative_attention", "sink_sel", "drop"))
+
+
+@pytest.fixture
+def odd_plugin():
+    register_plugin(OddPlugin(), "odd")
+    yield
+    unregister_plugin("odd")
+
+
+@pytest.mark.parametrize("mode, needle", [("nan", "d_values with non-finite values"),
+                                          ("inf_scores", "d_scores with non-finite values"),
+                                          ("bool", "d_values of dtype"), ("complex", "d_values of dtype"),
+                                          ("draws_str", "counter 'gate_draws'"),
+                                          ("stats_float_list", "counter 'merges'")])
+@pytest.mark.parametrize("chunks", [(1,), (3,)])  # the decode write and the chunked compaction
+def test_a_bad_merge_is_a_plugin_error_rolled_back_and_the_next_call_works(odd_plugin, mode, needle, chunks):
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("oddmerge:budget=8,n_sink=1,recent=1")
+    feed(cache, keys[:, :, :12], values[:, :, :12], (12,))
+    before = [mx.array(x) for x in (cache.keys, cache.values, cache.scores)]
+    OddMerge.mode = mode
+    with pytest.raises(PluginError, match=needle):
+        feed(cache, keys[:, :, 12:12 + chunks[0]], values[:, :, 12:12 + chunks[0]], chunks)
+    assert cache.offset == 12 and all(mx.array_equal(a, b) for a, b in zip(before, (cache.keys, cache.values, cache.scores)))
+    feed(cache, keys[:, :, 12:], values[:, :, 12:], (1,) * 8)  # the next calls work: nothing lazy was left behind
+    mx.eval(cache.keys, cache.values, cache.scores, cache.stats())
+    assert cache.offset == 20 and mx.all(mx.isfinite(cache.values[..., : cache.n, :])).item()
+
+
+def test_a_selector_evicting_a_sink_is_a_plugin_error(odd_plugin):
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("sinksel:budget=8,n_sink=2,recent=1")
+    feed(cache, keys[:, :, :12], values[:, :, :12], (12,))
+    with pytest.raises(PluginError, match="sink"):
+        feed(cache, keys[:, :, 12:13], values[:, :, 12:13], (1,))
+    assert cache.offset == 12 and cache.n == 12
+    ok = PolicyCache("sinksel:budget=8,n_sink=0,recent=1")  # without sinks, slot 0 is a fair choice
+    feed(ok, keys, values, (12,) + (1,) * 8)
+    assert ok.offset == 20

@@ -442,3 +442,17 @@ def test_a_selector_evicting_a_sink_is_a_plugin_error(odd_plugin):
     ok = PolicyCache("sinksel:budget=8,n_sink=0,recent=1")  # without sinks, slot 0 is a fair choice
     feed(ok, keys, values, (12,) + (1,) * 8)
     assert ok.offset == 20
+
+
+def test_update_and_fetch_accepts_only_floating_mx_arrays():
+    cache = PolicyCache("h2o:budget=8")
+    k = np.zeros((1, 2, 3, 8), np.float32)
+    with pytest.raises(TypeError, match=r"keys must be an mlx.core.array \(got numpy.ndarray\)"):
+        cache.update_and_fetch(k, k)
+    with pytest.raises(TypeError, match=r"keys must have a floating dtype .*got int32"):
+        cache.update_and_fetch(mx.zeros((1, 2, 3, 8), mx.int32), mx.zeros((1, 2, 3, 8)))
+    with pytest.raises(TypeError, match=r"values must have a floating dtype"):
+        cache.update_and_fetch(mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 3, 8), mx.bool_))
+    assert cache.offset == 0 and cache.keys is None
+    cache.update_and_fetch(mx.array(k), mx.array(k))
+    assert cache.offset == 3

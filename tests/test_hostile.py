@@ -456,3 +456,21 @@ def test_update_and_fetch_accepts_only_floating_mx_arrays():
     assert cache.offset == 0 and cache.keys is None
     cache.update_and_fetch(mx.array(k), mx.array(k))
     assert cache.offset == 3
+
+
+def test_from_state_with_bad_meta_is_a_clear_error():
+    import json
+
+    from kvpolicy_core import KVPolicyError
+
+    cache = PolicyCache("h2o:budget=8")
+    feed(cache, *random_kv(S=5), (5,))
+    state = list(cache.state)
+    for garbage in ("{garbage", "[1, 2]", "{}", json.dumps({**json.loads(state[4]), "offset": "x"})):
+        with pytest.raises(KVPolicyError, match="meta state"):
+            PolicyCache.from_state((*state[:4], garbage))
+    meta = json.loads(state[4])
+    meta["offset"] = 2
+    with pytest.raises(KVPolicyError, match="offset 2 is below the 5 tokens held"):
+        PolicyCache.from_state((*state[:4], json.dumps(meta)))
+    assert PolicyCache.from_state(tuple(state)).offset == 5

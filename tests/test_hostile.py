@@ -474,3 +474,15 @@ def test_from_state_with_bad_meta_is_a_clear_error():
     with pytest.raises(KVPolicyError, match="offset 2 is below the 5 tokens held"):
         PolicyCache.from_state((*state[:4], json.dumps(meta)))
     assert PolicyCache.from_state(tuple(state)).offset == 5
+
+
+def test_a_cache_file_for_another_model_is_refused(tmp_path):
+    two, three = tiny_llama(layers=2), tiny_llama(layers=3)
+    caches = KVCacheBuilder.for_model(two, "h2o:budget=8")
+    two(mx.array([[1, 2, 3, 4]]), cache=caches)
+    save_caches(tmp_path / "c.safetensors", caches)
+    with pytest.raises(CacheFileError, match="2 layers, but the model has 3"):
+        load_caches(tmp_path / "c.safetensors", model=three)
+    with pytest.raises(CacheFileError, match="2 layers, but the model has 3"):
+        load_caches(tmp_path / "c.safetensors", expect_layers=3)
+    assert [c.offset for c in load_caches(tmp_path / "c.safetensors", model=two)] == [4, 4]

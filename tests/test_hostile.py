@@ -486,3 +486,15 @@ def test_a_cache_file_for_another_model_is_refused(tmp_path):
     with pytest.raises(CacheFileError, match="2 layers, but the model has 3"):
         load_caches(tmp_path / "c.safetensors", expect_layers=3)
     assert [c.offset for c in load_caches(tmp_path / "c.safetensors", model=two)] == [4, 4]
+
+
+def test_kv_bits_with_policy_caches_warns_instead_of_being_ignored_silently():
+    from mlx_lm.generate import generate_step
+
+    model = tiny_llama()
+    caches = KVCacheBuilder.for_model(model, "h2o:budget=8")
+    with pytest.warns(RuntimeWarning, match="kv_bits=4 is ignored"):
+        for _, (token, _) in zip(range(3), generate_step(mx.array([1, 2, 3, 4, 5]), model, prompt_cache=caches,
+                                                         kv_bits=4, quantized_kv_start=0)):
+            pass
+    assert all(isinstance(c, PolicyCache) for c in caches) and caches[0].offset >= 6

@@ -498,3 +498,36 @@ def test_kv_bits_with_policy_caches_warns_instead_of_being_ignored_silently():
                                                          kv_bits=4, quantized_kv_start=0)):
             pass
     assert all(isinstance(c, PolicyCache) for c in caches) and caches[0].offset >= 6
+
+
+class LazyFailScorer(Scorer):
+    """Scores of the right shape whose graph fails only when MLX evaluates it (a float-index gather)."""
+
+    def on_append(self, view, new_keys, new_positions):
+        idx = mx.zeros(view.scores.shape, mx.float32)
+        return mx.take_along_axis(view.scores, idx, axis=2)
+
+
+class LazyPlugin:
+    @hookimpl
+    def register_scorers(self, register):
+        register("lazy_fail", LazyFailScorer)
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("lazyfail", PolicyConfig, "lazy_fail", "lowest_score", "drop"))
+
+
+def test_a_lazy_error_in_a_part_is_caught_in_the_transaction_and_does_not_poison_the_cache():
+    register_plugin(LazyPlugin(), "lazy")
+    try:
+        cache = PolicyCache("lazyfail:budget=8,n_sink=1,recent=1")
+        keys, values = random_kv(S=4)
+        with pytest.raises(PluginError, match="scorer 'lazy_fail' .* cannot evaluate"):
+            cache.update_and_fetch(keys, values)
+        assert cache.offset == 0 and cache.keys is None  # rolled back, nothing lazy kept
+        good = PolicyCache("h2o:budget=8")
+        feed(good, keys, values, (4,))
+        mx.eval(good.scores)
+    finally:
+        unregister_plugin("lazy")

@@ -37,6 +37,10 @@ class PolicyStep:
         # selectors on the 0.2.0 form rank; Selector.select then puts window-dead slots first
         self.ranked_selection = getattr(sel, "select", None) is Selector.select
         self._warned = False
+        #: the first score updates are evaluated on the spot, so that a scorer whose output only fails when
+        #: MLX evaluates it (e.g. a gather with float indices) is caught inside the transaction (prefill and
+        #: the first decode steps, where a sync costs nothing noticeable); later steps add no host sync
+        self.eager_checks = 4
 
     def counter_names(self) -> Dict[str, str]:
         """Counters the parts declare through ``stats()`` (name -> meaning)."""
@@ -76,7 +80,19 @@ class PolicyStep:
                 f"layer {self.layer}: {self.policy.owners['scorer']} returned scores of shape "
                 f"{getattr(scores, 'shape', type(scores).__name__)}, expected {tuple(shape)}"
             )
-        return mx.nan_to_num(scores.astype(mx.float32), nan=0.0)
+        scores = mx.nan_to_num(scores.astype(mx.float32), nan=0.0)
+        if self.eager_checks > 0:
+            self.eager_checks -= 1
+            self.evaluated("scorer", "scores", scores)
+        return scores
+
+    def evaluated(self, kind: str, what: str, *arrays) -> None:
+        """Evaluate ``arrays`` now; an error MLX raises only at evaluation becomes a PluginError naming the part."""
+        try:
+            mx.eval(*arrays)
+        except Exception as exc:
+            raise PluginError(f"layer {self.layer}: {self.policy.owners[kind]} returned {what} that MLX cannot "
+                              f"evaluate: {type(exc).__name__}: {exc}") from exc
 
     def on_append(self, view: CacheView, keys: mx.array, new_positions: mx.array) -> mx.array:
         return self.scores(self.call("scorer", self.policy.scorer.on_append, view, keys, new_positions),
@@ -111,6 +127,7 @@ class PolicyStep:
         in_range = bad
         for flag, _ in checks:
             bad = bad | flag
+        self.evaluated(kind, what, bad)
         if bad.item():
             if in_range.item():  # the error path: find which rule was broken
                 rule = "in [0, L) and distinct per (batch, head)" if distinct else "in [0, L)"

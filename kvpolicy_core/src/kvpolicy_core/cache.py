@@ -38,6 +38,7 @@ from . import interop
 from .batch_cache import BatchPolicyCache
 from .cache_diagnostics import CacheDiagnostics
 from .cache_state import CacheState
+from .errors import KVPolicyError
 from .parts.attention_scorer import causal_allowed
 from .policy import Policy, build_policy
 from .policy_step import PolicyStep
@@ -121,20 +122,37 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return "causal"
 
     def is_trimmable(self) -> bool:
-        """Trimmable only while nothing was ever evicted (then it is a plain cache)."""
-        return self.n == self.offset and self.n <= self.budget
+        """Whether :meth:`trim` is exact: nothing was ever evicted and the scorer's scores are
+        per token (``Scorer.trim_exact``; not so for attention-accumulating scorers such as
+        H2O's and CaM's, whose survivors' scores keep the attention of the trimmed tokens).
+
+        mlx-lm asks this before it trims: its prompt cache then reuses an untrimmable cache only
+        as a prefix, and speculative decoding refuses the cache up front.
+        """
+        return self.n == self.offset and self.n <= self.budget and bool(getattr(self.policy.scorer, "trim_exact", False))
 
     def trim(self, n: int) -> int:
+        """Drop the newest ``min(n, tokens)`` tokens, exactly: slots, positions and scores are those
+        of a cache that never saw them (the run of prompt chunks ends). Returns the number dropped.
+
+        Raises :class:`~kvpolicy_core.errors.KVPolicyError` (nothing changed) when the cache is not
+        :meth:`is_trimmable` and ``n > 0``, rather than leaving stale scores behind.
+        """
         if n < 0:
             raise ValueError(f"layer {self.layer}: trim(n) needs n >= 0 (got {n})")
-        if not self.is_trimmable():
-            return 0
         n = min(self.n, n)
+        if n == 0:
+            return 0
+        if not self.is_trimmable():
+            why = ("it has evicted tokens, which cannot come back" if self.n != self.offset or self.n > self.budget
+                   else f"its scorer ({self.policy.owners['scorer']}) accumulates attention, so the survivors' "
+                        "scores would keep the trimmed tokens' attention")
+            raise KVPolicyError(f"layer {self.layer}: cannot trim this policy cache: {why}; check is_trimmable() "
+                                "first, or rebuild the cache from the shorter prompt")
         self.n -= n
         self.offset -= n
         self._run, self._run_open = {}, False
-        if self.scores is not None:
-            self.scores = self.scores[..., : self.n]
+        self.scores = self.scores[..., : self.n]
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PolicyCache":

@@ -85,6 +85,11 @@ class Scorer:
     """
 
     needs_attention: bool = False
+    #: True when a token's score depends on that token alone, never on later tokens or queries
+    #: (since 0.3.0). Only then can the cache drop its newest tokens exactly (``PolicyCache.trim``):
+    #: with scores accumulated from attention, the survivors' scores would keep the trimmed
+    #: tokens' attention. Default False (safe for any scorer).
+    trim_exact: bool = False
 
     @classmethod
     def from_config(cls, config) -> "Scorer":

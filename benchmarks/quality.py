@@ -3,6 +3,10 @@
     python benchmarks/quality.py --mode token --tokens 2048 --budgets 256
     python benchmarks/quality.py --mode chunked --chunk 256 --tokens 2048 --budgets 128,256,512,1024 --seeds 3
     python benchmarks/quality.py --smoke          # tiny random model (the test suite runs this)
+    python benchmarks/quality.py --text /usr/share/common-licenses/GPL-3 --tag gpl --methods "h2o observed;cam:merge=mass,signal=observed"
+
+``--methods`` takes names from METHODS or raw config strings (then separate them with ``;``); ``--text`` a text file instead of the
+default corpus (pydoc topics); ``--tag`` a suffix for the result files.
 
 ``token`` mode is the StreamingLLM recipe: one token at a time, each token's NLL read before the
 cache is reduced. ``chunked`` mode feeds ``--chunk`` tokens per step (prefill-style, faster; each
@@ -33,8 +37,19 @@ METHODS = {
     "cam sim_weighted ungated": "cam:gate=false",
     "cam mean gated": "cam:merge=mean",
     "cam paper": "cam:merge=paper",
+    "cam mass observed": "cam:merge=mass,signal=observed,gate=false",
+    "cam mass_blend observed": "cam:merge=mass_blend,signal=observed,gate=false",
+    "cam sim_weighted observed": "cam:signal=observed",
 }
-GATED = {"cam sim_weighted gated", "cam mean gated", "cam paper"}
+GATED = {"cam sim_weighted gated", "cam mean gated", "cam paper", "cam sim_weighted observed"}
+
+
+def is_gated(name: str) -> bool:
+    """Named gated methods, and raw ``cam`` specs whose merge draws the gate."""
+    if name in GATED:
+        return True
+    spec = METHODS.get(name, name)
+    return spec.startswith("cam") and "gate=false" not in spec and "merge=drop" not in spec
 
 
 def spec_for(base: str, budget: int, seed: int) -> str:
@@ -73,18 +88,20 @@ def main():
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--text", default=None, help="a text file to evaluate on (default: the pydoc corpus)")
+    p.add_argument("--tag", default="", help="suffix of the result file names")
     args = p.parse_args()
     if args.smoke:
         args.tokens, args.budgets, args.seeds = 80, "16,32", 2
-    from kvpolicy_core.model.corpus import default_corpus
+    from kvpolicy_core.model.corpus import load_corpus
 
     model, tok = load(args.smoke)
-    ids = tok.encode(default_corpus())[: args.tokens]
+    ids = tok.encode(load_corpus([args.text] if args.text else None))[: args.tokens]
     chunk = 1 if args.mode == "token" else args.chunk
     budgets = [int(b) for b in args.budgets.split(",")]
-    names = [m.strip() for m in args.methods.split(",")]
+    names = [m.strip() for m in args.methods.split(";" if ";" in args.methods else ",")]
     out = Path(args.out)
-    tag = f"quality_{args.mode}" + ("_smoke" if args.smoke else "")
+    tag = f"quality_{args.mode}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
     rows, curves = [], {}
     base = perplexity(model, ids, "full", chunk=chunk, progress=False)
     rows.append(row("full", None, 0, base, base))
@@ -94,9 +111,10 @@ def main():
         for name in names:
             if name == "full":
                 continue
-            seeds = range(args.seeds) if name in GATED else [0]
+            seeds = range(args.seeds) if is_gated(name) else [0]
             for seed in seeds:
-                r = perplexity(model, ids, spec_for(METHODS[name], budget, seed), chunk=chunk, progress=False)
+                r = perplexity(model, ids, spec_for(METHODS.get(name, name), budget, seed), chunk=chunk,
+                               progress=False)
                 rows.append(row(name, budget, seed, r, base))
                 if seed == 0 and budget == budgets[0]:
                     curves[name] = r["nll"]
@@ -130,6 +148,7 @@ def summary(rows):
 
 def save(out, tag, args, ids, rows):
     write_json(tag, {"mode": args.mode, "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
+                     "text": args.text or "pydoc_data.topics (default corpus)",
                      "rows": rows, "summary": summary(rows)}, out)
     with open(out / f"{tag}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

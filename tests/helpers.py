@@ -22,6 +22,8 @@ SHIPPED_METHODS = [
     "cam:merge=drop",
     "cam:merge=paper,m=4",
     "cam:signal=observed",
+    "cam:merge=mass,signal=observed,gate=false",
+    "cam:merge=mass_blend",
     "random:salt=3",
 ]
 #: CaM's variants (merge rules, gate, keys).

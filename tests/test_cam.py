@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import CAM_METHODS, feed, random_kv, run_chunks, tiny_llama, with_fields
+from kvpolicy_cam import CamConfig
 from kvpolicy_cam.gated_merge import GatedMergeDisposition, bernoulli, gate_probability, merge_targets
 from kvpolicy_cam.paper_merge import PaperMergeDisposition
 from kvpolicy_core import KVCacheBuilder, PolicyCache
@@ -168,7 +169,8 @@ def test_cache_on_tiny_models_across_batch_and_heads(method, n_kv_heads, batch):
     assert out.shape == (batch, 40, 97) and not mx.isnan(out).any().item()
     for c in caches:
         assert c.tokens_kept == 16 and c.keys.shape[:2] == (batch, n_kv_heads)
-        assert c.merge_mode == ("paper" if "paper" in method else "mean" if "mean" in method else "drop" if "drop" in method else "sim_weighted")
+        named = [m for m in ("paper", "mean", "drop", "mass_blend", "mass") if f"merge={m}" in method]
+        assert c.merge_mode == (named[0] if named else CamConfig().merge)
 
 
 # ---------------------------------------------------------------- the paper's merge

@@ -13,10 +13,12 @@ class CamConfig(PolicyConfig):
     ``merge``: ``"sim_weighted"`` (cosine-weighted blend into the most similar
     survivor, default), ``"mean"`` (weight 1/2), ``"drop"`` (no merge: exactly H2O),
     ``"paper"`` (the CaM paper's rule: the loser's value / m added to the next m
-    retained tokens). Config strings may say ``gate``, ``keys`` and ``m``.
+    retained tokens), ``"mass"`` (attention-rate-weighted blend plus the merged slot's
+    attention log-weight, mass preserving), ``"mass_blend"`` (cumulative-mass-weighted blend,
+    no log-weight). Config strings may say ``gate``, ``keys`` and ``m``.
     """
 
-    merge: Literal["sim_weighted", "mean", "drop", "paper"] = Field("sim_weighted", description="Merge rule.")
+    merge: Literal["sim_weighted", "mean", "drop", "paper", "mass", "mass_blend"] = Field("sim_weighted", description="Merge rule.")
     merge_gate: bool = Field(
         True,
         validation_alias=AliasChoices("merge_gate", "gate"),

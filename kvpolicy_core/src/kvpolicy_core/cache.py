@@ -34,6 +34,7 @@ from .parts.attention_scorer import causal_allowed
 from .policy import Policy, build_policy
 from .policy_step import PolicyStep
 from .slots import FIELDS, SlotStore
+from .attention_bias import with_log_weights
 from .window import outside_window, window_mask
 
 
@@ -57,7 +58,9 @@ class PolicyCache(CacheState, CacheDiagnostics):
     def __init__(self, policy, layer: int = 0, window: Optional[int] = None) -> None:
         self.policy: Policy = policy if isinstance(policy, Policy) else build_policy(policy)
         self.budget, self.layer, self.window = self.policy.budget, layer, window
-        self._slots = SlotStore(self.step)
+        #: the disposition keeps per-slot attention log-weights (added to the logits by the hook)
+        self.uses_log_weights = bool(getattr(self.policy.disposition, "uses_log_weights", False))
+        self._slots = SlotStore(self.step, track_log_weights=self.uses_log_weights)
         self._step = PolicyStep(self.policy, layer)
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
@@ -110,6 +113,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self.offset -= n
         if self.scores is not None:
             self.scores = self.scores[..., : self.n]
+        if self._slots.log_weights is not None:
+            self._slots.log_weights = self._slots.log_weights[..., : self.n]
         return n
 
     def size(self) -> int:
@@ -129,15 +134,23 @@ class PolicyCache(CacheState, CacheDiagnostics):
             with self._transaction():
                 self._slots.compact(self._evict(self.n - self.budget))
 
+    @property
+    def log_weights(self) -> Optional[mx.array]:
+        """Per-slot attention log-weights [B, H, n] float32 (slot order), or None when not used."""
+        return self._slots.log_weights
+
     # ------------------------------------------------------------------ attention hook
     def before_attention(self, queries: mx.array, scale: float, mask):
         """Called by the attention hook with the real queries [B, Hq, S, D]; returns the mask to use.
 
         Sliding-window layers get a mask built from this layer's own positions:
         query at position p may attend to key at position q iff ``p - W < q <= p``.
+        A policy with log-weights gets them added to the logits (:func:`.attention_bias.with_log_weights`).
         """
         if self.window is not None and self.offset > self.window:
             mask = window_mask(self.positions[..., : self.n], self.offset, self._last_S, self.window, queries.shape[1])
+        if self.uses_log_weights:
+            mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
         if self.policy.scorer.needs_attention:
             self.scores = self._step.on_attention(self._view(queries.shape[2]), queries, scale, mask)
             self._bound_graph()
@@ -165,11 +178,13 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return losers
 
     def _check_observation(self) -> None:
-        needs_hook = self.policy.scorer.needs_attention or (self.window is not None and self.offset > self.window)
+        needs_hook = (self.policy.scorer.needs_attention or self.uses_log_weights
+                      or (self.window is not None and self.offset > self.window))
         if needs_hook and not self._attended and self.offset > 0:
+            why = ("observed signal" if self.policy.scorer.needs_attention else
+                   "attention log-weights" if self.uses_log_weights else "sliding-window mask")
             raise ModelError(
-                f"layer {self.layer}: this cache needs kvpolicy's attention hook "
-                f"({'observed signal' if self.policy.scorer.needs_attention else 'sliding-window mask'}), "
+                f"layer {self.layer}: this cache needs kvpolicy's attention hook ({why}), "
                 "but the model's attention did not call it; build caches with "
                 "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
             )

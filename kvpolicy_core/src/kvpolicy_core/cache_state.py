@@ -29,12 +29,17 @@ class CacheState:
 
     @property
     def state(self):
-        """(keys, values, positions, scores, meta JSON) of the retained tokens, settled."""
+        """(keys, values, positions, scores, meta JSON) of the retained tokens, settled.
+
+        A policy with attention log-weights appends them: (..., meta JSON, log_weights [B, H, n]).
+        """
         self.settle()
         if self.keys is None:
             return []
         n = self.n
-        return self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n], self.scores, self._meta_json()
+        state = (self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n], self.scores,
+                 self._meta_json())
+        return state + (self._slots.log_weights,) if self._slots.log_weights is not None else state
 
     @state.setter
     def state(self, v) -> None:
@@ -42,7 +47,16 @@ class CacheState:
             self._slots.restore((None, None, None, None, 0))
             return
         keys, values, positions, scores = v[:4]
-        self._slots.restore((keys, values, positions, scores, keys.shape[2]))
+        log_weights = v[5] if len(v) > 5 and isinstance(v[5], mx.array) else None
+        if log_weights is not None and not self._slots.track_log_weights:
+            raise KVPolicyError("state carries attention log-weights, but this cache's policy does not use them")
+        if log_weights is not None and tuple(log_weights.shape) != tuple(scores.shape):
+            raise KVPolicyError(f"state: log_weights shape {tuple(log_weights.shape)} != scores shape "
+                                f"{tuple(scores.shape)}")
+        if log_weights is None:
+            self._slots.restore((keys, values, positions, scores, keys.shape[2]))
+        else:
+            self._slots.restore((keys, values, positions, scores, keys.shape[2], log_weights.astype(mx.float32)))
         if len(v) > 4:
             meta = json.loads(v[4])
             self.offset = int(meta["offset"])
@@ -68,7 +82,7 @@ class CacheState:
         if meta_json is None:
             raise KVPolicyError("PolicyCache.from_state needs the meta JSON (state[4] or meta_state)")
         obj = cls.from_meta(meta_json)
-        obj.state = (*state[:4], meta_json)
+        obj.state = (*state[:4], meta_json, *state[5:6])
         return obj
 
     @classmethod

@@ -51,6 +51,8 @@ def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] 
                 n = c.n
                 arrays.update({f"{i}.keys": c.keys[..., :n, :], f"{i}.values": c.values[..., :n, :],
                                f"{i}.positions": c.positions[..., :n], f"{i}.scores": c.scores})
+                if c.log_weights is not None:
+                    arrays[f"{i}.log_weights"] = c.log_weights
         elif type(c) is KVCache:
             entry = {"class": "KVCache", "offset": c.offset}
             if c.keys is not None:
@@ -95,7 +97,9 @@ def load_caches(path) -> List[Any]:
             if get("keys") is None:
                 caches.append(PolicyCache.from_meta(entry["meta"]))
             else:
-                state = (get("keys"), get("values"), get("positions"), get("scores"))
+                state = (get("keys"), get("values"), get("positions"), get("scores"), entry["meta"])
+                if get("log_weights") is not None:
+                    state += (get("log_weights"),)
                 caches.append(PolicyCache.from_state(state, (entry["meta"],)))
         elif kind == "KVCache":
             c = KVCache()

@@ -6,7 +6,7 @@ from kvpolicy_core import ConfigError, KVCacheConfig, UnknownMethodError, parse_
 
 
 def test_spec_api_works_as_written():
-    c = KVCacheConfig(method="cam", head_dim=128, cam_budget=512, cam_n_sink=4)
+    c = KVCacheConfig(method="cam", head_dim=128, cam_budget=512, cam_n_sink=4, cam_merge="sim_weighted")
     assert (c.cam_budget, c.cam_n_sink, c.cam_merge, c.cam_merge_gate, c.cam_merge_keys) == (
         512, 4, "sim_weighted", True, False)
     h = KVCacheConfig(method="h2o", h2o_budget=256, h2o_n_sink=2)
@@ -28,11 +28,14 @@ def test_all_forms_give_the_same_config():
     assert parse_config(want.to_string()) == want
 
 
-def test_defaults_match_the_specification():
-    c = parse_config("cam")
-    p = c.policy
-    assert (p.budget, p.n_sink, p.merge, p.merge_gate, p.merge_keys) == (512, 4, "sim_weighted", True, False)
-    assert p.signal == "proxy" and p.recent_tokens == 256
+def test_defaults_match_the_specification_except_cams_measured_merge():
+    p = parse_config("cam").policy
+    assert (p.budget, p.n_sink, p.merge, p.merge_gate, p.merge_keys) == (512, 4, "mass", False, False)
+    assert p.signal == "observed" and p.recent_tokens == 256  # issue 15: the measured default
+    spec = parse_config("cam:merge=sim_weighted,signal=proxy").policy  # the specification's, gate on
+    assert (spec.merge, spec.merge_gate, spec.merge_keys) == ("sim_weighted", True, False)
+    assert parse_config("cam:merge=mass,gate=true").policy.merge_gate
+    assert parse_config("h2o").policy.signal == "proxy"
 
 
 def test_unknown_method_lists_installed_and_names_package():

@@ -12,8 +12,8 @@ GATES = ["gate=true", "gate=false"]
 @pytest.mark.parametrize("gate", GATES)
 def test_primitive_level(gate):
     h2o = build_policy("h2o:budget=12,n_sink=2")
-    cam = build_policy(f"cam:budget=12,n_sink=2,merge=drop,{gate}")
-    merged = build_policy(f"cam:budget=12,n_sink=2,merge=mean,{gate}")
+    cam = build_policy(f"cam:budget=12,n_sink=2,merge=drop,{gate},signal=proxy")
+    merged = build_policy(f"cam:budget=12,n_sink=2,merge=mean,{gate},signal=proxy")
     assert type(cam.disposition) is type(h2o.disposition)  # swapping one hook is the whole difference
     K, V = random_kv(B=2, H=3, S=20, D=8, seed=1)
     caches = [PolicyCache(p) for p in (h2o, cam, merged)]
@@ -53,12 +53,12 @@ def test_generated_tokens_are_identical(tiny_model_dir, gate):
     model, tokenizer = mlx_lm.load(str(tiny_model_dir))
     prompt = "a prompt that is quite a bit longer than the budget of sixteen tokens"
     outputs = []
-    for method in ("h2o:budget=16,n_sink=2", f"cam:budget=16,n_sink=2,merge=drop,{gate}"):
+    for method in ("h2o:budget=16,n_sink=2,signal=observed", f"cam:budget=16,n_sink=2,merge=drop,{gate}"):
         attach(model, method)
         outputs.append([r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24)])
         detach(model)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 24
-    attach(model, "cam:budget=16,n_sink=2,gate=false")
+    attach(model, "cam:budget=16,n_sink=2")  # the default merge
     merged = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24)]
     detach(model)
     assert merged != outputs[0]  # the comparison can tell policies apart

@@ -2,27 +2,40 @@
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 
 from kvpolicy_core.config import PolicyConfig
+
+
+#: Merges weighted by attention mass: ungated unless ``merge_gate`` is given.
+MASS_MERGES = ("mass", "mass_blend")
 
 
 class CamConfig(PolicyConfig):
     """``method="cam"``; the specification's ``cam_*`` fields without the prefix.
 
+    Defaults (issue 15, measured in docs/methods/cam.md): ``merge="mass"``, ``signal="observed"``,
+    no gate. The specification's configuration is ``merge="sim_weighted", signal="proxy"`` (its
+    gate is on by default for that merge).
+
     ``merge``: ``"sim_weighted"`` (cosine-weighted blend into the most similar
-    survivor, default), ``"mean"`` (weight 1/2), ``"drop"`` (no merge: exactly H2O),
+    survivor), ``"mean"`` (weight 1/2), ``"drop"`` (no merge: exactly H2O),
     ``"paper"`` (the CaM paper's rule: the loser's value / m added to the next m
     retained tokens), ``"mass"`` (attention-rate-weighted blend plus the merged slot's
     attention log-weight, mass preserving), ``"mass_blend"`` (cumulative-mass-weighted blend,
     no log-weight). Config strings may say ``gate``, ``keys`` and ``m``.
     """
 
-    merge: Literal["sim_weighted", "mean", "drop", "paper", "mass", "mass_blend"] = Field("sim_weighted", description="Merge rule.")
+    merge: Literal["sim_weighted", "mean", "drop", "paper", "mass", "mass_blend"] = Field("mass", description="Merge rule.")
+    signal: Literal["proxy", "observed"] = Field(
+        "observed",
+        description="Score signal: 'observed' the model's real queries (CaM's default); 'proxy' each new key as the query.",
+    )
     merge_gate: bool = Field(
         True,
         validation_alias=AliasChoices("merge_gate", "gate"),
-        description="Bernoulli gate p = clamp(score(loser) / score(target), 0, 1) (paper's Eq. 14).",
+        description="Bernoulli gate p = clamp(score(loser) / score(target), 0, 1) (paper's Eq. 14); "
+        "when not given: on for sim_weighted, mean and paper, off for mass and mass_blend.",
     )
     merge_keys: bool = Field(
         False, validation_alias=AliasChoices("merge_keys", "keys"), description="Blend keys as well as values."
@@ -33,6 +46,15 @@ class CamConfig(PolicyConfig):
         validation_alias=AliasChoices("merge_window", "m"),
         description="m, the number of following tokens the paper's merge spreads a loser over.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gate_default(cls, data):
+        """The gate's default depends on the merge: off for the mass merges, on for the others."""
+        if isinstance(data, dict) and not ({"merge_gate", "gate"} & set(data)):
+            merge = data.get("merge", cls.model_fields["merge"].default)
+            data = {**data, "merge_gate": merge not in MASS_MERGES}
+        return data
 
     @property
     def merge_mode(self) -> str:

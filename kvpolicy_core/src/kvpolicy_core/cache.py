@@ -128,6 +128,14 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self.settle()
         return None if self.keys is None else self._slots.in_temporal_order()
 
+    def retained_log_weights(self) -> Optional[mx.array]:
+        """Attention log-weights [B, H, n] of the retained tokens in :meth:`retained`'s order, or None."""
+        self.settle()
+        if self._slots.log_weights is None:
+            return None
+        order = mx.argsort(self.positions[..., : self.n], axis=-1)
+        return mx.take_along_axis(self._slots.log_weights, order, axis=-1)
+
     def settle(self) -> None:
         """Apply a pending eviction now (after a step), so exactly ``budget`` tokens remain."""
         if self.n > self.budget:

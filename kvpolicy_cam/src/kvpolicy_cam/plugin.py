@@ -29,6 +29,6 @@ def register_methods(register):
             scorer="cumulative_attention",
             selector="lowest_score",
             disposition=_disposition,
-            description="CaM: H2O's loser merged into its most similar survivor behind a Bernoulli gate.",
+            description="CaM: H2O's loser merged into its most similar survivor, weighted by attention mass.",
         )
     )

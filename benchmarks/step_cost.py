@@ -38,6 +38,8 @@ def step_time(kind, budget, D, H, steps, q_heads):
     cache = make(kind, budget)
     pre = mx.random.normal((B, H, budget, D), key=key)
     cache.update_and_fetch(pre, pre)
+    if isinstance(cache, PolicyCache):
+        cache.before_attention(mx.repeat(pre, q_heads // H, axis=1), D**-0.5, "causal")
     toks = mx.random.normal((steps + 1, B, H, 1, D), key=mx.random.key(1))
     q = mx.random.normal((B, q_heads, 1, D), key=mx.random.key(2))
     mx.eval(toks, q, *[x for x in (getattr(cache, "keys", None),) if x is not None])

@@ -82,7 +82,8 @@ class MassMergeDisposition(Disposition):
         m_l = mx.where(merge, take(mass, losers), 0.0)  # [B, H, E]
         m_t = take(mass, target)
         L = view.keys.shape[2]
-        absorbed = take(per_target_sum(m_l, target, L), target)  # sum_{l'->t} m_l' per loser
+        one = losers.shape[-1] == 1  # decode: one loser, no other loser shares its target
+        absorbed = m_l if one else take(per_target_sum(m_l, target, L), target)  # sum_{l'->t} m_l' per loser
         denom = m_t + absorbed
         coef = mx.where(denom > 0, m_l / mx.where(denom > 0, denom, 1.0), 0.0)[..., None]
 
@@ -94,7 +95,7 @@ class MassMergeDisposition(Disposition):
         if self.with_log_weights:
             ratio = mx.where(m_t > 0, absorbed / mx.where(m_t > 0, m_t, 1.0), 0.0)
             step = mx.log1p(mx.minimum(ratio, _MAX_RATIO))  # the target's whole log-weight step
-            n_merged = take(per_target_sum(merge.astype(mx.float32), target, L), target)
+            n_merged = 1.0 if one else take(per_target_sum(merge.astype(mx.float32), target, L), target)
             d_lw = mx.where(merge, step / mx.maximum(n_merged, 1.0), 0.0)  # shared by its losers
         return MergeUpdate(
             targets=target,

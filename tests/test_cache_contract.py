@@ -32,7 +32,7 @@ class RetainedReference:
         return None if N == 1 else "causal"
 
 
-@pytest.mark.parametrize("method", ["h2o:budget=12,n_sink=2", "cam:budget=12,n_sink=2,keys=true"])
+@pytest.mark.parametrize("method", ["h2o:budget=12,n_sink=2", "cam:budget=12,n_sink=2,keys=true,merge=sim_weighted"])
 def test_after_evictions_queries_rotate_at_the_absolute_position(llama_model, tokens, method):
     caches = KVCacheBuilder.for_model(llama_model, method)
     run_chunks(llama_model, caches, tokens[:, :30], [20] + [1] * 10)

@@ -100,7 +100,7 @@ def test_offsets_sizes_and_masks_after_evictions():
 
 
 def test_contract_surface(tmp_path):
-    cache = PolicyCache("cam:budget=8,n_sink=2")
+    cache = PolicyCache("cam:budget=8,n_sink=2,merge=sim_weighted,signal=proxy")
     assert cache.empty() and cache.nbytes == 0 and cache.state == [] and not hasattr(cache, "bits")
     k, v = random_kv(S=6, dtype=mx.float16)
     cache.update_and_fetch(k, v)

@@ -67,9 +67,9 @@ def test_low_relative_score_loser_is_dropped_most_of_the_time():
 
 def test_gate_off_merges_every_loser_with_a_target():
     K, V = random_kv(B=2, H=3, S=40, D=8, seed=9)
-    cache = stream("cam:budget=8,n_sink=2,gate=false", K, V, (1,) * 40)
+    cache = stream("cam:merge=sim_weighted,signal=proxy,budget=8,n_sink=2,gate=false", K, V, (1,) * 40)
     assert cache.merges == 2 * 3 * 32 and cache.gate_draws == 0
-    gated = stream("cam:budget=8,n_sink=2", K, V, (1,) * 40)
+    gated = stream("cam:merge=sim_weighted,signal=proxy,budget=8,n_sink=2", K, V, (1,) * 40)
     assert gated.gate_draws == 2 * 3 * 32 and 0 < gated.merges < gated.gate_draws
 
 
@@ -117,8 +117,8 @@ def stream(method, K, V, chunks):
 def test_values_only_merge_leaves_kept_keys_identical_to_the_drop_path(chunks):
     K, V = random_kv(B=2, H=2, S=50, D=8, seed=21)
     drop = stream("h2o:budget=12,n_sink=2", K, V, chunks).retained()
-    merged = stream("cam:budget=12,n_sink=2,gate=false", K, V, chunks).retained()
-    drop_cam = stream("cam:budget=12,n_sink=2,merge=drop", K, V, chunks).retained()
+    merged = stream("cam:merge=sim_weighted,signal=proxy,budget=12,n_sink=2,gate=false", K, V, chunks).retained()
+    drop_cam = stream("cam:signal=proxy,budget=12,n_sink=2,merge=drop", K, V, chunks).retained()
     assert not mx.array_equal(drop[1], merged[1])  # values did merge
     for a, b in zip(drop, drop_cam):
         assert mx.array_equal(a, b)
@@ -130,7 +130,7 @@ def test_values_only_merge_leaves_kept_keys_identical_to_the_drop_path(chunks):
 
 def test_mass_is_conserved_by_a_merge_and_the_new_token_adds_its_attention():
     K, V = random_kv(B=2, H=3, S=30, D=8, seed=2)
-    cache = PolicyCache("cam:budget=10,n_sink=2,gate=false")
+    cache = PolicyCache("cam:merge=sim_weighted,signal=proxy,budget=10,n_sink=2,gate=false")
     feed(cache, K[:, :, :29], V[:, :, :29], [29])
     before = np.array(cache.scores).sum(axis=-1)
     cache.settle()  # 19 losers, all merged: their score mass moves to the survivors

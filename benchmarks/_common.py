@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvpolicy_core.blas import load_optimized_blas
+from kvpolicy_core.blas import blas_info, load_optimized_blas
 
 BLAS = load_optimized_blas(quiet=True)
 
@@ -24,7 +24,8 @@ def versions() -> dict:
 
     return {
         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "kvpolicy_core": kvpolicy_core.__version__,
-        "python": platform.python_version(), "machine": platform.machine(), "blas": BLAS,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "blas": {k: blas_info().get(k) for k in ("path", "source", "config", "coretype_forced", "threads")},
     }
 
 

@@ -101,7 +101,7 @@ def test_offsets_sizes_and_masks_after_evictions():
 
 def test_contract_surface(tmp_path):
     cache = PolicyCache("cam:budget=8,n_sink=2,merge=sim_weighted,signal=proxy")
-    assert cache.empty() and cache.nbytes == 0 and cache.state == [] and not hasattr(cache, "bits")
+    assert cache.empty() and cache.nbytes == 0 and cache.state[:4] == (None,) * 4 and not hasattr(cache, "bits")
     k, v = random_kv(S=6, dtype=mx.float16)
     cache.update_and_fetch(k, v)
     assert cache.is_trimmable() and cache.trim(2) == 2 and cache.offset == 4 and cache.size() == 4
@@ -184,9 +184,10 @@ def test_attention_hook_is_removable_and_ignores_foreign_caches():
 
 
 def test_observed_signal_without_the_hook_is_a_clear_error():
-    model = tiny_llama(seed=5)
-    caches = KVCacheBuilder.for_model(model, "h2o:budget=8,signal=observed")
-    detach(model)
+    from kvpolicy_core.tiny_models import tiny_model
+
+    model = tiny_model("qwen2", seed=5)  # caches built by hand: no hook installed for them
+    caches = [PolicyCache("h2o:budget=8,signal=observed", layer=i) for i in range(len(model.layers))]
     model(mx.zeros((1, 4), dtype=mx.int32), cache=caches)
     with pytest.raises(ModelError, match="attention hook"):
         model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)

@@ -24,7 +24,7 @@ def random_view(seed, B=2, H=2, L=12, D=6, log_weights=True):
     lw = rng.uniform(0.0, 1.0, size=(B, H, L)).astype(np.float32) if log_weights else None
     offset = L + 3
     view = CacheView(mx.array(K), mx.array(V), mx.array(pos), mx.array(s), offset, 0, None,
-                     None if lw is None else mx.array(lw))
+                     log_weights=None if lw is None else mx.array(lw))
     return view, (K, V, pos, s, lw, offset)
 
 
@@ -111,7 +111,7 @@ def test_mass_merge_keeps_the_attention_output_of_a_query_whose_shares_match_the
     offset = 12
     s = (p * (offset - pos)).astype(np.float32)  # rate = share
     view = CacheView(mx.array(K)[None, None], mx.array(V)[None, None], mx.array(pos)[None, None],
-                     mx.array(s)[None, None], offset, 0, None, mx.zeros((1, 1, 3)))
+                     mx.array(s)[None, None], offset, 0, None, log_weights=mx.zeros((1, 1, 3)))
     d = MassMergeDisposition(n_sink=0, log_weights=True, gate=False)
     u = d.dispose(view, mx.array([[[2]]], mx.int32), mx.random.key(0))
     assert u.targets.item() == 1
@@ -133,7 +133,7 @@ def test_mass_blend_barely_moves_a_heavy_survivor():
     V = np.array([[0, 0], [1, 1], [9, 9], [5, 5]], np.float32)
     s = np.array([1, 10.0, 0.1, 1], np.float32)
     view = CacheView(mx.array(K)[None, None], mx.array(V)[None, None], mx.arange(4, dtype=mx.int32)[None, None],
-                     mx.array(s)[None, None], 4, 0, None, None)
+                     mx.array(s)[None, None], 4, 0, None, log_weights=None)
     u = MassMergeDisposition(n_sink=1, log_weights=False).dispose(view, mx.array([[[2]]], mx.int32), mx.random.key(0))
     store = apply(view, u)
     assert u.targets.item() == 1 and u.d_log_weights is None

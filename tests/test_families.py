@@ -53,14 +53,17 @@ def test_the_attention_hook_is_installed_only_when_needed():
     before = refs("mlx_lm.models.llama")
     KVCacheBuilder.for_model(model, "h2o:budget=16")  # proxy signal, global layers: no hook
     assert "_kvpolicy_attention_hook" not in model.__dict__ and refs("mlx_lm.models.llama") == before
-    KVCacheBuilder.for_model(model, "h2o:budget=16,signal=observed")  # the observed signal needs the queries
-    assert refs("mlx_lm.models.llama") == before + 1
-    detach(model)
+    caches = KVCacheBuilder.for_model(model, "h2o:budget=16,signal=observed")  # needs the real queries
+    assert refs("mlx_lm.models.llama") == before + 1 and caches[0].attention_hook.active
+    del caches  # the install lives as long as the caches that need it
+    assert refs("mlx_lm.models.llama") == before
     gemma = tiny_model("gemma3_text")
     before = refs("mlx_lm.models.gemma3_text")
-    KVCacheBuilder.for_model(gemma, "h2o:budget=16")  # sliding-window layers need the per-layer mask
-    assert gemma.__dict__["_kvpolicy_attention_hook"].active and refs("mlx_lm.models.gemma3_text") == before + 1
-    detach(gemma)
+    caches = KVCacheBuilder.for_model(gemma, "h2o:budget=16")  # sliding-window layers need the per-layer mask
+    assert refs("mlx_lm.models.gemma3_text") == before + 1
+    detach(gemma)  # nothing attached: the caches keep their hook
+    assert refs("mlx_lm.models.gemma3_text") == before + 1
+    del caches
     assert refs("mlx_lm.models.gemma3_text") == before
 
 

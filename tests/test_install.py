@@ -46,9 +46,9 @@ def test_each_distribution_installs_alone_and_registers_through_entry_points(tmp
     sh(*pip, "kvpolicy-h2o")  # brings kvpolicy-core (and mlx, mlx-lm, pluggy, pydantic) with it
     assert methods_in(py) == "h2o,random"  # random: the floor, shipped by core
     sh(*pip, "kvpolicy-streaming", "pytest")
-    assert methods_in(py) == "h2o,random,streamingllm,tova"
+    assert methods_in(py) == "h2o,random,streamingllm,streamingmerge,tova"
     tests = ROOT / "examples" / "kvpolicy-streaming" / "tests"
     out = sh(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests, cwd=tmp_path)
     assert "passed" in out and "failed" not in out
     sh(*pip, "kvpolicy-cam")
-    assert methods_in(py) == "cam,h2o,random,streamingllm,tova"
+    assert methods_in(py) == "cam,h2o,random,streamingllm,streamingmerge,tova"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import mlx.core as mx
 
@@ -66,9 +67,20 @@ def gate_probability(s_loser: mx.array, s_target: mx.array) -> mx.array:
     return mx.where(s_target > 0, ratio, fallback)
 
 
-def bernoulli(p: mx.array, key: mx.array) -> mx.array:
-    """One independent draw per element: u ~ U[0, 1), merge iff u < p (p=1 always, p=0 never)."""
-    return mx.random.uniform(shape=p.shape, key=key) < p
+def bernoulli(p: mx.array, key: mx.array, head_offset: int = 0, heads_total: Optional[int] = None) -> mx.array:
+    """One independent draw per element: u ~ U[0, 1), merge iff u < p (p=1 always, p=0 never).
+
+    For p [B, H, E] holding global heads ``head_offset .. head_offset + H - 1`` of ``heads_total``
+    (a tensor-parallel rank's slice), u is the same slice of the draw over all heads,
+    ``uniform(key, [B, heads_total, E])[:, head_offset : head_offset + H]``: a head's draw is a
+    function of (key, global head), the same whichever rank holds it, and unsharded draws are
+    unchanged.
+    """
+    if heads_total is None or (head_offset == 0 and heads_total == p.shape[1]):
+        return mx.random.uniform(shape=p.shape, key=key) < p
+    B, H, E = p.shape
+    u = mx.random.uniform(shape=(B, heads_total, E), key=key)[:, head_offset : head_offset + H]
+    return u < p
 
 
 class GatedMergeDisposition(Disposition):
@@ -107,7 +119,7 @@ class GatedMergeDisposition(Disposition):
         if view.dead is not None:
             has_target = has_target & ~take(view.dead, losers)
         if self.gate:
-            merge = has_target & bernoulli(gate_probability(s_l, s_t), key)
+            merge = has_target & bernoulli(gate_probability(s_l, s_t), key, view.head_offset, view.heads_total)
             draws = has_target.sum()
         else:
             merge, draws = has_target, mx.array(0)

@@ -55,7 +55,7 @@ class PaperMergeDisposition(Disposition):
         s_l = take(view.scores, losers)
         has = (count > 0) & finite_rows(view.values, losers)
         if self.gate:
-            merge = has & bernoulli(gate_probability(s_l, mean_next), key)
+            merge = has & bernoulli(gate_probability(s_l, mean_next), key, view.head_offset, view.heads_total)
             draws = has.sum()
         else:
             merge, draws = has, mx.array(0)

@@ -33,6 +33,7 @@ _EXPORTS = {
     "attach": "builder",
     "detach": "builder",
     "load_optimized_blas": "blas",
+    "blas_info": "blas",
     "save_caches": "persistence",
     "load_caches": "persistence",
     "CacheFileError": "persistence",

@@ -6,26 +6,30 @@ the mask meet. :func:`install` replaces the name in the modules a given model us
 with a wrapper that, for kvpolicy caches only, lets the cache see the queries (for
 ``signal="observed"``) and substitute a per-layer sliding-window mask; for any other
 cache it calls the original unchanged. Installs are reference counted per module and
-undone by :meth:`AttentionHook.remove`.
+undone by :meth:`AttentionHook.remove`, or when the handle is garbage: the caches that need
+the hook hold its handle, so the hook lives exactly as long as they do (one user's
+``detach`` cannot break another user's caches).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Dict, List
 
+from .batch_cache import BatchPolicyCache
 from .cache import PolicyCache
 from .errors import ModelError
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a handle may be collected while the lock is held
 _patched: Dict[str, tuple] = {}  # module name -> (original fn, refcount)
 ATTR = "scaled_dot_product_attention"
 
 
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
-        if isinstance(cache, PolicyCache):
+        if isinstance(cache, (PolicyCache, BatchPolicyCache)):
             mask = cache.before_attention(queries, scale, mask)
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
@@ -39,25 +43,37 @@ def _model_modules(model) -> List[str]:
     return sorted(n for n in names if hasattr(sys.modules.get(n), ATTR))
 
 
+def _release(modules: List[str]) -> None:
+    with _lock:
+        for name in modules:
+            original, count = _patched[name]
+            if count == 1:
+                setattr(sys.modules[name], ATTR, original)
+                del _patched[name]
+            else:
+                _patched[name] = (original, count - 1)
+
+
 class AttentionHook:
-    """A handle on one install; :meth:`remove` undoes it (idempotent)."""
+    """A handle on one install; :meth:`remove` (or the handle being garbage-collected) undoes it."""
 
     def __init__(self, modules: List[str]) -> None:
         self.modules = modules
-        self.active = True
+        self._finalizer = weakref.finalize(self, _release, modules)
+
+    @property
+    def active(self) -> bool:
+        return self._finalizer.alive
 
     def remove(self) -> None:
-        with _lock:
-            if not self.active:
-                return
-            self.active = False
-            for name in self.modules:
-                original, count = _patched[name]
-                if count == 1:
-                    setattr(sys.modules[name], ATTR, original)
-                    del _patched[name]
-                else:
-                    _patched[name] = (original, count - 1)
+        """Undo this install now (idempotent)."""
+        self._finalizer()
+
+    def __copy__(self) -> "AttentionHook":
+        return self  # a copied cache holds the same install (a copied finalizer would be dead)
+
+    def __deepcopy__(self, memo) -> "AttentionHook":
+        return self
 
 
 def install(model) -> AttentionHook:

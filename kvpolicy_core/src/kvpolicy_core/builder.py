@@ -11,9 +11,11 @@ from .cache import PolicyCache
 from .config import KVCacheConfig, parse_config
 from .errors import ConfigError, ModelError
 from .policy import build_policy
+from .sharding import shard_layout
 
 _ORIGINAL = "_kvpolicy_original_make_cache"
 _HOOK = "_kvpolicy_attention_hook"
+_OWN = "_kvpolicy_own_make_cache"
 
 
 def native_caches(model) -> List[Any]:
@@ -98,6 +100,8 @@ class KVCacheBuilder:
         attention hook on the model (idempotent) only where it is needed: an observed
         signal or a sliding-window layer. Models kvpolicy cannot serve correctly (latent
         attention, shared-KV layers, hybrid or chunked caches) raise :class:`ModelError`.
+        On a model split by mlx-lm's ``sharded_load`` each cache gets its global layer index
+        and KV-head slice (:mod:`kvpolicy_core.sharding`).
         """
         config = parse_config(config)
         layers = _layers(model)
@@ -107,16 +111,21 @@ class KVCacheBuilder:
         natives = native_caches(model)
         check_supported(model, natives, layers)
         policy = build_policy(config)
+        layout = shard_layout(model)
         caches = []
         for i, native in enumerate(natives):
             if type(native) is RotatingKVCache and config.layers == "unbounded":
                 caches.append(native)
             else:
                 window = native.max_size if type(native) is RotatingKVCache else None
-                caches.append(PolicyCache(policy, layer=i, window=window))
-        hook = model.__dict__.get(_HOOK)
-        if needs_hook(caches) and (hook is None or not hook.active):
-            object.__setattr__(model, _HOOK, attention.install(model))
+                # the model's global layer index (a pipeline rank holds layers from layer_offset on)
+                caches.append(PolicyCache(policy, layer=layout.layer_offset + i, window=window,
+                                          head_shard=layout.tensor))
+        if needs_hook(caches):  # the caches hold the install: it ends when the last of them is gone
+            hook = attention.install(model)
+            for c in caches:
+                if isinstance(c, PolicyCache):
+                    c.attention_hook = hook
         return caches
 
 
@@ -126,19 +135,26 @@ def attach(model, config: Any):
     Returns the validated config. Undo with :func:`detach`.
     """
     config: KVCacheConfig = parse_config(config)
-    KVCacheBuilder.for_model(model, config)  # validate now, install the hook
+    caches = KVCacheBuilder.for_model(model, config)  # validate now
+    hook = model.__dict__.get(_HOOK)
+    if needs_hook(caches) and (hook is None or not hook.active):  # keep the hook while attached
+        object.__setattr__(model, _HOOK, attention.install(model))
     if model.__dict__.get(_ORIGINAL) is None:
         original = getattr(model, "make_cache", None)
         object.__setattr__(model, _ORIGINAL, original or (lambda: [KVCache() for _ in _layers(model)]))
+        if "make_cache" in model.__dict__:  # the user's own, set on the instance: detach puts it back
+            object.__setattr__(model, _OWN, model.__dict__["make_cache"])
     object.__setattr__(model, "make_cache", lambda *_a, **_k: KVCacheBuilder.for_model(model, config))
     return config
 
 
 def detach(model) -> None:
-    """Undo :func:`attach` and remove the attention hook installed for ``model``."""
+    """Undo :func:`attach` and release its attention hook (caches that need the hook keep it alive)."""
     d = model.__dict__
     if d.pop(_ORIGINAL, None) is not None:
         d.pop("make_cache", None)
+        if _OWN in d:
+            object.__setattr__(model, "make_cache", d.pop(_OWN))
     hook = d.pop(_HOOK, None)
     if hook is not None:
         hook.remove()

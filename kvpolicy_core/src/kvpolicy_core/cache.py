@@ -27,12 +27,13 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from . import interop
+from .batch_cache import BatchPolicyCache
 from .cache_diagnostics import CacheDiagnostics
 from .cache_state import CacheState
-from .errors import ModelError
 from .parts.attention_scorer import causal_allowed
 from .policy import Policy, build_policy
 from .policy_step import PolicyStep
+from .sharding import check_head_shard
 from .slots import FIELDS, SlotStore
 from .attention_bias import with_log_weights
 from .window import outside_window, window_mask
@@ -50,12 +51,20 @@ class PolicyCache(CacheState, CacheDiagnostics):
         layer: the layer index (decorrelates random draws between layers).
         window: the sliding window of the layer, or None for global attention. Tokens
             outside the window of every future query are evicted first and masked out.
+        head_shard: ``(rank, size)`` of the tensor-parallel group that splits this layer's KV
+            heads evenly (mlx-lm's ``model.shard``): this cache holds global heads
+            ``rank * H .. rank * H + H - 1`` of ``size * H``; ``(0, 1)`` when unsharded.
+            Random draws are keyed by global head, so they do not depend on the split.
     """
 
     step = 256
     keys, values, positions, scores, n = (_slot(f) for f in FIELDS)
 
-    def __init__(self, policy, layer: int = 0, window: Optional[int] = None) -> None:
+    def __init__(self, policy, layer: int = 0, window: Optional[int] = None,
+                 head_shard: Tuple[int, int] = (0, 1)) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be None or an int >= 1 (got {window!r})")
+        self.head_shard = check_head_shard(head_shard)
         self.policy: Policy = policy if isinstance(policy, Policy) else build_policy(policy)
         self.budget, self.layer, self.window = self.policy.budget, layer, window
         #: the disposition keeps per-slot attention log-weights (added to the logits by the hook)
@@ -65,6 +74,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
         self._attended, self._last_S, self._updates = True, 0, 0
+        self.attention_hook = None  # the attention hook install this cache keeps alive, if it needs one
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -106,6 +116,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return self.n == self.offset and self.n <= self.budget
 
     def trim(self, n: int) -> int:
+        if n < 0:
+            raise ValueError(f"layer {self.layer}: trim(n) needs n >= 0 (got {n})")
         if not self.is_trimmable():
             return 0
         n = min(self.n, n)
@@ -122,6 +134,11 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
     def empty(self) -> bool:
         return self.keys is None
+
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batching entry point: single-sequence caches -> one BatchPolicyCache (copies)."""
+        return BatchPolicyCache.merge(caches)
 
     def retained(self):
         """(keys, values, positions, scores) of the retained tokens in temporal order."""
@@ -170,7 +187,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         dead = None
         if self.window is not None and self.offset > self.window and n_new == 0:
             dead = outside_window(self.positions[..., : self.n], self.offset, self.window)
-        return self._slots.view(self.offset, n_new, dead)
+        return self._slots.view(self.offset, n_new, dead, self.head_shard)
 
     def _evict(self, n_evict: int) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors."""
@@ -186,16 +203,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return losers
 
     def _check_observation(self) -> None:
-        needs_hook = (self.policy.scorer.needs_attention or self.uses_log_weights
-                      or (self.window is not None and self.offset > self.window))
-        if needs_hook and not self._attended and self.offset > 0:
-            why = ("observed signal" if self.policy.scorer.needs_attention else
-                   "attention log-weights" if self.uses_log_weights else "sliding-window mask")
-            raise ModelError(
-                f"layer {self.layer}: this cache needs kvpolicy's attention hook ({why}), "
-                "but the model's attention did not call it; build caches with "
-                "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
-            )
+        windowed = self.window is not None and self.offset > self.window
+        self._step.check_observed(windowed, self._attended or self.offset == 0)
 
     @contextlib.contextmanager
     def _transaction(self):

@@ -1,8 +1,8 @@
 """Persistence of a policy cache: mlx-lm's ``state``/``meta_state`` protocol and rebuilding from it.
 
-The meta JSON carries the config, offset, layer, window and the parts' counters, so
-mlx-lm's own ``save_prompt_cache``/``load_prompt_cache`` round-trip a kvpolicy cache
-(``state`` is settled first). :mod:`kvpolicy_core.persistence` saves the unsettled
+The meta JSON carries the config, offset, layer, window, the parts' counters and (on a
+tensor-parallel rank) the head shard, so mlx-lm's own ``save_prompt_cache``/``load_prompt_cache``
+round-trip a kvpolicy cache (``state`` is settled first). :mod:`kvpolicy_core.persistence` saves the unsettled
 buffers for bit-exact resumption.
 """
 
@@ -32,10 +32,12 @@ class CacheState:
         """(keys, values, positions, scores, meta JSON) of the retained tokens, settled.
 
         A policy with attention log-weights appends them: (..., meta JSON, log_weights [B, H, n]).
+        An empty cache gives ``(None, None, None, None, meta JSON)``, so that mlx-lm's
+        ``save_prompt_cache``/``load_prompt_cache`` keep one cache per layer.
         """
         self.settle()
         if self.keys is None:
-            return []
+            return None, None, None, None, self._meta_json()
         n = self.n
         state = (self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n], self.scores,
                  self._meta_json())
@@ -43,33 +45,37 @@ class CacheState:
 
     @state.setter
     def state(self, v) -> None:
-        if not v:
+        if not v or v[0] is None:
             self._slots.restore((None, None, None, None, 0))
-            return
-        keys, values, positions, scores = v[:4]
-        log_weights = v[5] if len(v) > 5 and isinstance(v[5], mx.array) else None
-        if log_weights is not None and not self._slots.track_log_weights:
-            raise KVPolicyError("state carries attention log-weights, but this cache's policy does not use them")
-        if log_weights is not None and tuple(log_weights.shape) != tuple(scores.shape):
-            raise KVPolicyError(f"state: log_weights shape {tuple(log_weights.shape)} != scores shape "
-                                f"{tuple(scores.shape)}")
-        if log_weights is None:
-            self._slots.restore((keys, values, positions, scores, keys.shape[2]))
         else:
-            self._slots.restore((keys, values, positions, scores, keys.shape[2], log_weights.astype(mx.float32)))
+            keys, values, positions, scores = v[:4]
+            log_weights = v[5] if len(v) > 5 and isinstance(v[5], mx.array) else None
+            if log_weights is not None and not self._slots.track_log_weights:
+                raise KVPolicyError("state carries attention log-weights, but this cache's policy does not use them")
+            if log_weights is not None and tuple(log_weights.shape) != tuple(scores.shape):
+                raise KVPolicyError(f"state: log_weights shape {tuple(log_weights.shape)} != scores shape "
+                                    f"{tuple(scores.shape)}")
+            if log_weights is None:
+                self._slots.restore((keys, values, positions, scores, keys.shape[2]))
+            else:
+                self._slots.restore((keys, values, positions, scores, keys.shape[2],
+                                     log_weights.astype(mx.float32)))
         if len(v) > 4:
             meta = json.loads(v[4])
             self.offset = int(meta["offset"])
             self._counters = {**self._counters, **counters_from_meta(meta.get("stats"))}
 
     def _meta_json(self) -> str:
-        return json.dumps({
+        meta = {
             "config": json.loads(self.policy.config.model_dump_json()),
             "offset": self.offset,
             "layer": self.layer,
             "window": self.window,
             "stats": self.stats(),
-        })
+        }
+        if self.head_shard != (0, 1):  # only when sharded: an unsharded cache's JSON is unchanged
+            meta["head_shard"] = list(self.head_shard)
+        return json.dumps(meta)
 
     @property
     def meta_state(self):
@@ -87,8 +93,9 @@ class CacheState:
 
     @classmethod
     def from_meta(cls, meta_json: str):
-        """An empty cache with the config, layer and window recorded in ``meta_json``."""
+        """An empty cache with the config, layer, window and head shard recorded in ``meta_json``."""
         meta = json.loads(meta_json)
         data = dict(meta["config"])
         data.update(data.pop("policy"))
-        return cls(data, layer=int(meta["layer"]), window=meta["window"])
+        return cls(data, layer=int(meta["layer"]), window=meta["window"],
+                   head_shard=tuple(meta.get("head_shard", (0, 1))))

@@ -1,4 +1,4 @@
-"""The ``kvpolicy`` command line: methods, generate, eval, convert.
+"""The ``kvpolicy`` command line: methods, generate, eval, convert, serve.
 
 Loads the optimised BLAS before mlx on Linux and runs models in fp32 there. Errors
 are one line (``kvpolicy: error: ...``, exit 2); ``KVPOLICY_DEBUG=1`` shows tracebacks.
@@ -54,20 +54,34 @@ def _with_budget(spec: Any, budget: Optional[int]) -> Any:
     return parse_config(value, budget=budget)
 
 
-def _load_model(path_arg: Optional[str], dtype: str):
+def _load_model(path_arg: Optional[str], dtype: str, parallel: str = "auto"):
     import mlx.core as mx
     import mlx_lm
 
+    from .distributed import describe, load_sharded, world
     from .model.default import resolve_model_path
 
     want = "float32" if dtype == "auto" else dtype
     path = resolve_model_path(path_arg, "float32" if path_arg is None and want == "float32" else want)
-    model, tokenizer = mlx_lm.load(str(path))
+    size = world()[1]
+    if size > 1:  # under mlx.launch: split the model with mlx-lm's sharded_load
+        model, tokenizer, mode = load_sharded(path, parallel)
+        mx.random.seed(0)  # every rank must sample the same tokens
+        print(f"kvpolicy: {describe(model, mode, size)}", file=sys.stderr)
+    else:
+        model, tokenizer = mlx_lm.load(str(path))
     if dtype == "auto" and sys.platform.startswith("linux"):
         model.set_dtype(mx.float32)
     elif dtype != "auto":
         model.set_dtype(getattr(mx, dtype))
     return model, tokenizer, path
+
+
+def _world():
+    """(rank, size) under mlx.launch; (0, 1) in one process."""
+    from .distributed import world
+
+    return world()
 
 
 def _human(n: float) -> str:
@@ -159,7 +173,7 @@ def cmd_generate(args) -> int:
 
     spec = _with_budget(_spec_from_args(args), args.budget)
     prompt = _read_prompt(args)
-    model, tokenizer, _ = _load_model(args.model, args.dtype)
+    model, tokenizer, _ = _load_model(args.model, args.dtype, args.parallel)
     caches = make_caches(model, spec)
     last = None
     for response in mlx_lm.stream_generate(
@@ -180,7 +194,15 @@ def cmd_generate(args) -> int:
         "kv_bytes_full": full,
         "compression_ratio": round(full / kept, 3) if kept else 1.0,
         "peak_memory_gb": round(last.peak_memory, 3),
+        "blas": _blas_summary(),
     }
+    size = _world()[1]
+    if size > 1:
+        summary["world_size"] = size  # KV bytes above: rank 0's share
+    if args.save_caches:
+        from .persistence import save_caches
+
+        summary["caches_file"] = str(save_caches(args.save_caches, caches))
     if args.json:
         print(json.dumps(summary), file=sys.stderr)
     else:
@@ -188,7 +210,8 @@ def cmd_generate(args) -> int:
             f"[{summary['method']}] prompt: {summary['prompt_tokens']} tok, {summary['prompt_tps']} tok/s | "
             f"generation: {summary['generation_tokens']} tok, {summary['generation_tps']} tok/s | "
             f"KV kept {_human(kept)} of {_human(full)} (x{summary['compression_ratio']}) | "
-            f"peak memory {summary['peak_memory_gb']} GB",
+            f"peak memory {summary['peak_memory_gb']} GB"
+            + (f" | rank 0 of {size}: KV bytes are its share" if size > 1 else ""),
             file=sys.stderr,
         )
     return 0
@@ -231,7 +254,7 @@ def cmd_eval(args) -> int:
         text = load_corpus(args.file)
     except FileNotFoundError as exc:
         raise CLIError(str(exc)) from None
-    model, tokenizer, path = _load_model(args.model, args.dtype)
+    model, tokenizer, path = _load_model(args.model, args.dtype, args.parallel)
     ids = tokenizer.encode(text)[: args.tokens]
     if len(ids) < 2:
         raise CLIError("the text has fewer than 2 tokens")
@@ -250,14 +273,56 @@ def cmd_eval(args) -> int:
             "model": str(path),
             "tokens": len(ids),
             "chunk": args.chunk,
+            "blas": _blas_summary(),
             "results": [{k: v for k, v in r.items() if k != "nll"} | {"nll": r["nll"].tolist()} for r in results],
         }
         if args.json == "-":
             print(json.dumps(payload))
-        else:
+        elif _world()[0] == 0:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(payload, indent=1))
             print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _blas_summary() -> dict:
+    from .blas import blas_info
+
+    info = blas_info()
+    return {k: info.get(k) for k in ("path", "source", "config", "corename", "coretype_forced", "threads")}
+
+
+def cmd_doctor(args) -> int:
+    """What this machine gives MLX: the BLAS chosen (and why others were not), CPU, speed."""
+    import platform
+
+    import mlx.core as mx
+
+    from .blas import blas_info
+    from .blas_check import cpu_flags, cpu_model
+
+    info = blas_info(measure=not args.no_measure)
+    flags = cpu_flags()
+    isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile")
+           if f in flags]
+    report = {"python": platform.python_version(), "machine": platform.machine(), "cpu": cpu_model(),
+              "cpu_count": os.cpu_count(), "isa": isa, "mlx": mx.__version__, "blas": info}
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+        return 0
+    print(f"CPU      {report['cpu']} ({report['cpu_count']} cores; {' '.join(isa) or 'no SIMD flags read'})")
+    print(f"MLX      {report['mlx']} on Python {report['python']} ({report['machine']})")
+    if info.get("path"):
+        forced = f", OPENBLAS_CORETYPE={info['coretype_forced']} (the library's own pick was generic)" \
+            if info.get("coretype_forced") else ""
+        print(f"BLAS     {info['path']} ({info.get('source')}; {info.get('config') or 'no build string'}; "
+              f"core {info.get('corename') or '?'}; threads {info.get('threads') or '?'}{forced})")
+    else:
+        print(f"BLAS     MLX's reference BLAS: {info.get('reason', 'none loaded')}")
+    for s in info.get("skipped", []):
+        print(f"skipped  {s['path']} ({s['source']}): {s['reason']}")
+    if "mlx_matmul_gflops" in info:
+        print(f"speed    fp32 matmul 1024^3: {info['mlx_matmul_gflops']:.1f} GFLOP/s")
     return 0
 
 
@@ -288,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", help="local mlx-lm model directory (default: the embedded Gemma 3 270M)")
         sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="model dtype (auto: float32 on Linux CPU)")
+        sp.add_argument("--parallel", default="auto", choices=["auto", "tensor", "pipeline"],
+                        help="under mlx.launch: how to split the model (auto: tensor if the model supports it)")
 
     g = sub.add_parser("generate", help="generate text with a bounded cache")
     g.add_argument("prompt", nargs="?", help="the prompt ('-' or omitted: stdin)")
@@ -298,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=100)
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     g.add_argument("--json", action="store_true", help="print the summary as JSON (stderr)")
+    g.add_argument("--save-caches", metavar="FILE.safetensors",
+                   help="save the caches after generating (under mlx.launch: one file per rank)")
     model_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -315,23 +384,47 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(e)
     e.set_defaults(func=cmd_eval)
 
+    d = sub.add_parser("doctor", help="which BLAS MLX uses here (and why), the CPU, measured matmul speed")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--no-measure", action="store_true", help="skip the matmul measurement")
+    d.set_defaults(func=cmd_doctor)
+
     c = sub.add_parser("convert", help="convert the embedded default model (or a Gemma 3 GGUF) once")
     c.add_argument("--gguf", help="a Gemma 3 GGUF file to convert instead of the default model")
     c.add_argument("--out", help="output directory (with --gguf)")
     c.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     c.set_defaults(func=cmd_convert)
+
+    sub.add_parser("serve", add_help=False,
+                   help="mlx-lm's OpenAI-compatible server with policy caches (kvpolicy serve --help)")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    import warnings
+
     from .blas import load_optimized_blas
 
-    load_optimized_blas(quiet=True)
+    with warnings.catch_warnings(record=True) as caught:  # one clean line each, not a warning trace
+        warnings.simplefilter("always")
+        load_optimized_blas()
+    for w in caught:
+        print(f"kvpolicy: warning: {str(w.message).removeprefix('kvpolicy: ')}", file=sys.stderr)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # mlx-lm's server options pass through unparsed
+        from .serve import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "chunk", 1) is not None and getattr(args, "chunk", 1) < 1:
         print("kvpolicy: error: --chunk must be >= 1", file=sys.stderr)
         return 2
     try:
+        if args.command in ("generate", "eval"):
+            from .distributed import rank_zero_output
+
+            with rank_zero_output():  # under mlx.launch, only rank 0 prints
+                return args.func(args)
         return args.func(args)
     except KeyboardInterrupt:
         return 130

@@ -6,30 +6,43 @@ generation bit for bit, and a truncated or modified file is rejected, never half
 
 mlx-lm's ``save_prompt_cache``/``load_prompt_cache`` also work with kvpolicy caches (their
 ``state`` carries the config), but they save the settled state; use these for exact resumption.
+
+Under ``mlx.launch`` each rank holds only its own heads or layers: ``save_caches("run.safetensors")``
+on rank r of N writes ``run.rank<r>-of-<N>.safetensors`` (the header records (r, N)), and
+``load_caches("run.safetensors")`` reads back this rank's file, refusing a file from another rank
+or world size (:mod:`kvpolicy_core.distributed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .cache import PolicyCache
+from .distributed import check_shard, missing_rank_file, rank_path, resolve_shard
 from .errors import KVPolicyError
 
-FORMAT = "kvpolicy-caches/1"
+FORMAT = "kvpolicy-caches/2"  # /2: the checksum covers the header too (/1 files still load)
+_FORMATS = ("kvpolicy-caches/1", FORMAT)
 
 
 class CacheFileError(KVPolicyError):
     """A cache file that cannot be loaded: missing, truncated, modified or of another format."""
 
 
-def _digest(arrays: Dict[str, mx.array]) -> str:
+def _digest(arrays: Dict[str, mx.array], header: Optional[Dict[str, Any]] = None) -> str:
+    """SHA-256 over every array (name, dtype, shape, bytes) and the header JSON (without the digest)."""
     h = hashlib.sha256()
+    if header is not None:
+        h.update(json.dumps({k: v for k, v in header.items() if k != "sha256"}, sort_keys=True).encode())
     for name in sorted(arrays):
         a = arrays[name]
         h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
@@ -37,11 +50,18 @@ def _digest(arrays: Dict[str, mx.array]) -> str:
     return h.hexdigest()
 
 
-def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] = None) -> Path:
-    """Write ``caches`` (one per layer) to ``path`` (a ``.safetensors`` file); returns the path."""
+def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] = None, *,
+                shard: Optional[Tuple[int, int]] = None) -> Path:
+    """Write ``caches`` (one per layer) to ``path`` (a ``.safetensors`` file); returns the path written.
+
+    ``shard`` = (rank, world size), default this process's: with a world size > 1 the file is
+    ``path``'s rank file (``run.rank0-of-2.safetensors``).
+    """
     path = Path(path)
     if path.suffix != ".safetensors":
         raise CacheFileError(f"{path}: cache files must end in .safetensors")
+    shard = resolve_shard(shard)
+    path = rank_path(path, shard)
     arrays: Dict[str, mx.array] = {}
     layers: List[Dict[str, Any]] = []
     for i, c in enumerate(caches):
@@ -66,17 +86,56 @@ def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] 
         layers.append(entry)
     arrays = {k: mx.contiguous(v) for k, v in arrays.items()}
     mx.eval(arrays)
-    header = {"format": FORMAT, "layers": layers, "user": dict(metadata or {}), "sha256": _digest(arrays)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path), arrays, metadata={"kvpolicy": json.dumps(header)})
+    header = {"format": FORMAT, "layers": layers, "user": dict(metadata or {})}
+    if shard != (0, 1):
+        header["shard"] = list(shard)
+    header["sha256"] = _digest(arrays, header)  # covers the header (shard included) too
+    _write_atomically(path, arrays, {"kvpolicy": json.dumps(header)})
     return path
 
 
-def load_caches(path) -> List[Any]:
-    """Read caches written by :func:`save_caches`; raises :class:`CacheFileError` on any damage."""
-    path = Path(path)
+def _write_atomically(path: Path, arrays: Dict[str, mx.array], metadata: Dict[str, str]) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over ``path``.
+
+    A failed write (disk full, interrupted) leaves the previous file as it was.
+    """
+    if path.is_dir():
+        raise CacheFileError(f"{path}: is a directory; give a file name ending in .safetensors")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".safetensors")
+        os.close(fd)
+    except OSError as exc:
+        raise CacheFileError(f"{path}: cannot write there: {exc}") from None
+    try:
+        mx.save_safetensors(tmp, arrays, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, Exception):
+            raise CacheFileError(f"{path}: writing failed ({type(exc).__name__}: {exc}); the previous file is unchanged") from None
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def load_caches(path, *, shard: Optional[Tuple[int, int]] = None) -> List[Any]:
+    """Read caches written by :func:`save_caches`; raises :class:`CacheFileError` on any damage.
+
+    ``shard`` = (rank, world size), default this process's: the file read is ``path``'s rank
+    file, and a file saved by another rank or world size is refused.
+    """
+    base, shard = Path(path), resolve_shard(shard)
+    path = rank_path(base, shard)
     if not path.is_file():
-        raise CacheFileError(f"{path}: no such cache file")
+        raise CacheFileError(missing_rank_file(base, path, shard))
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
     except Exception as exc:
@@ -85,10 +144,12 @@ def load_caches(path) -> List[Any]:
         header = json.loads(meta["kvpolicy"])
     except (KeyError, json.JSONDecodeError):
         raise CacheFileError(f"{path}: not a kvpolicy cache file (use kvpolicy_core.save_caches)") from None
-    if header.get("format") != FORMAT:
+    if header.get("format") not in _FORMATS:
         raise CacheFileError(f"{path}: format {header.get('format')!r}, expected {FORMAT!r}")
-    if _digest(arrays) != header.get("sha256"):
+    covered = header if header["format"] == FORMAT else None
+    if _digest(arrays, covered) != header.get("sha256"):
         raise CacheFileError(f"{path}: checksum mismatch: the file was modified or corrupted")
+    check_shard(path, header.get("shard"), shard, CacheFileError)
     caches = []
     for i, entry in enumerate(header["layers"]):
         get = lambda name: arrays.get(f"{i}.{name}")  # noqa: E731

@@ -14,9 +14,10 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from .errors import KVPolicyError, PluginError
+from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, MergeUpdate, Selector, pick_lowest
 from .policy import Policy, step_key
+from .slots import LOG_WEIGHT_BOUND
 
 Counters = Dict[str, mx.array]
 
@@ -47,6 +48,19 @@ class PolicyStep:
                 names.update(stats())
         return names
 
+    def check_observed(self, windowed: bool, attended: bool) -> None:
+        """The previous step must have passed through the attention hook if this layer needs it."""
+        observed = self.policy.scorer.needs_attention
+        log_weights = bool(getattr(self.policy.disposition, "uses_log_weights", False))
+        if (observed or log_weights or windowed) and not attended:
+            why = ("observed signal" if observed else "attention log-weights" if log_weights
+                   else "sliding-window mask")
+            raise ModelError(
+                f"layer {self.layer}: this cache needs kvpolicy's attention hook ({why}), "
+                "but the model's attention did not call it; build caches with "
+                "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
+            )
+
     def call(self, kind: str, fn, *args):
         try:
             return fn(*args)
@@ -58,14 +72,14 @@ class PolicyStep:
             ) from exc
 
     def scores(self, scores, shape: Tuple[int, int, int]) -> mx.array:
-        """A scorer's result checked to be [B, H, n]; float32, NaN (from non-finite keys) counts as 0."""
+        """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0 and +-inf as the largest finite
+        float32, so that no score can tie with the +-inf a selector's rank uses for protection."""
         if not isinstance(scores, mx.array) or tuple(scores.shape) != tuple(shape):
             raise PluginError(
                 f"layer {self.layer}: {self.policy.owners['scorer']} returned scores of shape "
                 f"{getattr(scores, 'shape', type(scores).__name__)}, expected {tuple(shape)}"
             )
-        scores = scores.astype(mx.float32)
-        return mx.where(mx.isnan(scores), mx.zeros_like(scores), scores)
+        return mx.nan_to_num(scores.astype(mx.float32), nan=0.0)
 
     def on_append(self, view: CacheView, keys: mx.array, new_positions: mx.array) -> mx.array:
         return self.scores(self.call("scorer", self.policy.scorer.on_append, view, keys, new_positions),
@@ -75,16 +89,35 @@ class PolicyStep:
         return self.scores(self.call("scorer", self.policy.scorer.on_attention, view, queries, scale, mask),
                            view.scores.shape)
 
+    def _indices(self, kind: str, what: str, idx, shape: Tuple[int, ...], L: int, distinct: bool) -> mx.array:
+        """Check slot indices a part returned before anything gathers or scatters with them.
+
+        MLX does not bounds-check gathers and scatters, so an index outside [0, L) would corrupt
+        memory. Checked: an integer mx.array of ``shape``, every entry in [0, L), and (``distinct``)
+        no repeats per (batch, head) row; one host sync on a few vectorised reductions.
+        """
+        owner = f"layer {self.layer}: {self.policy.owners[kind]}"
+        if not isinstance(idx, mx.array) or tuple(idx.shape) != tuple(shape):
+            raise PluginError(f"{owner} returned {what} of shape {getattr(idx, 'shape', type(idx).__name__)}, "
+                              f"expected {tuple(shape)}")
+        if not mx.issubdtype(idx.dtype, mx.integer):
+            dtype = str(idx.dtype).removeprefix("mlx.core.")
+            raise PluginError(f"{owner} returned {what} of dtype {dtype}, expected an integer dtype")
+        idx = idx.astype(mx.int32)
+        bad = mx.any((idx < 0) | (idx >= L))
+        if distinct and shape[-1] > 1:
+            ordered = mx.sort(idx, axis=-1)
+            bad = bad | mx.any(ordered[..., 1:] == ordered[..., :-1])
+        if bad.item():
+            rule = "in [0, L) and distinct per (batch, head)" if distinct else "in [0, L)"
+            raise PluginError(f"{owner} returned {what} outside the cache: each must be {rule}, with L = {L}")
+        return idx
+
     def losers(self, view: CacheView, n_evict: int) -> mx.array:
         """[B, H, n_evict] int32: window-dead slots first, then the selector's choice."""
         losers = self.call("selector", self.policy.selector.select, view, n_evict)
-        expected = (*view.scores.shape[:2], n_evict)
-        if not isinstance(losers, mx.array) or tuple(losers.shape) != expected:
-            raise PluginError(
-                f"layer {self.layer}: {self.policy.owners['selector']} returned losers of shape "
-                f"{getattr(losers, 'shape', type(losers).__name__)}, expected {expected}"
-            )
-        losers = losers.astype(mx.int32)
+        L = view.scores.shape[-1]
+        losers = self._indices("selector", "losers", losers, (*view.scores.shape[:2], n_evict), L, distinct=True)
         if view.dead is not None and not self.ranked_selection:
             losers = dead_first(view.dead, losers, n_evict)
         return losers
@@ -95,6 +128,7 @@ class PolicyStep:
         update = self.call("disposition", self.policy.disposition.dispose, view, losers, key)
         if update is None:
             return None, {}
+        update = self._checked_update(view, update)
         counts = dict(update.stats or {})
         if update.draws is not None or update.merges is not None:
             if not self._warned:
@@ -108,3 +142,25 @@ class PolicyStep:
                 if value is not None:
                     counts.setdefault(name, value)
         return update, counts
+
+    def _checked_update(self, view: CacheView, u) -> MergeUpdate:
+        """A disposition's MergeUpdate checked: targets in range, deltas shaped like their rows."""
+        owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
+        if not isinstance(u, MergeUpdate):
+            raise PluginError(f"{owner} returned {type(u).__name__}, expected a MergeUpdate or None")
+        B, H, L = view.scores.shape
+        T = getattr(u.targets, "shape", (0, 0, 0))[-1] if getattr(u.targets, "ndim", 0) == 3 else -1
+        for name, x, row in (("d_keys", u.d_keys, (view.keys.shape[-1],)), ("d_values", u.d_values, (view.values.shape[-1],)),
+                             ("d_scores", u.d_scores, ()), ("d_log_weights", u.d_log_weights, ())):
+            if x is not None and (not isinstance(x, mx.array) or tuple(x.shape) != (B, H, T, *row)):
+                raise PluginError(f"{owner} returned {name} of shape {getattr(x, 'shape', type(x).__name__)}, "
+                                  f"expected {(B, H, max(T, 0), *row)}")
+        if u.d_log_weights is not None and view.log_weights is None:
+            raise PluginError(f"{owner} returned d_log_weights, but its uses_log_weights is False "
+                              "(the cache keeps no log-weights)")
+        targets = self._indices("disposition", "merge targets", u.targets, (B, H, max(T, 0)), L, distinct=False)
+        if u.d_log_weights is not None:
+            # finite without a host sync: NaN adds 0, +-inf and huge values are clipped (see LOG_WEIGHT_BOUND)
+            d = mx.nan_to_num(u.d_log_weights.astype(mx.float32), nan=0.0)
+            u = u._replace(d_log_weights=mx.clip(d, -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND))
+        return u._replace(targets=targets)

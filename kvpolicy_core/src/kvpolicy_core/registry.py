@@ -124,10 +124,11 @@ class Registry:
         for key in list(data):
             if key in COMMON_FIELDS:
                 continue
-            if key.startswith(prefix):
-                fields[key[len(prefix) :]] = data.pop(key)
-            elif key in known:
-                fields[key] = data.pop(key)
+            name = key[len(prefix) :] if key.startswith(prefix) else key
+            if name in fields:
+                raise ConfigError(f"{key}: the field {name!r} is given twice (bare and as {prefix}{name}, or in policy)")
+            if key.startswith(prefix) or key in known:
+                fields[name] = data.pop(key)
             else:
                 allowed = ", ".join(list(COMMON_FIELDS) + sorted(prefix + f for f in spec.config_class.model_fields))
                 raise ConfigError(f"{key}: unknown field for method {method!r}; accepted fields: {allowed}")

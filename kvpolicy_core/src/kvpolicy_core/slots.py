@@ -19,6 +19,9 @@ from .parts.base import CacheView, MergeUpdate
 _INT_MAX = 2**31 - 1
 FIELDS = ("keys", "values", "positions", "scores", "n")
 SNAPSHOT = FIELDS + ("log_weights",)
+#: |log-weight| bound: exp(64) ~ 6e27 copies of a slot, far above any count, and finite in float16
+#: logits (a non-finite or larger value from a disposition is clipped, NaN adds 0)
+LOG_WEIGHT_BOUND = 64.0
 
 
 class SlotStore:
@@ -49,6 +52,8 @@ class SlotStore:
                 f"layer {layer}: keys and values must be [B, H, S, D] with equal B, H, S "
                 f"(got keys {tuple(keys.shape)}, values {tuple(values.shape)})"
             )
+        if keys.shape[2] == 0:
+            raise ValueError(f"layer {layer}: update_and_fetch needs at least one new token (got S=0)")
         if self.keys is None:
             return
         have = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
@@ -64,10 +69,13 @@ class SlotStore:
                 "a cache keeps the dtype it was first given: build fresh caches"
             )
 
-    def view(self, offset: int, n_new: int, dead: Optional[mx.array]) -> CacheView:
-        n = self.n
+    def view(self, offset: int, n_new: int, dead: Optional[mx.array],
+             head_shard: Tuple[int, int] = (0, 1)) -> CacheView:
+        """The parts' view of the n valid slots; ``head_shard`` = (rank, size) of a tensor-parallel
+        split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``."""
+        n, H, (rank, size) = self.n, self.keys.shape[1], head_shard
         return CacheView(self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n],
-                         self.scores, offset, n_new, dead, self.log_weights)
+                         self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights)
 
     def append(self, keys: mx.array, values: mx.array, offset: int, budget: int) -> None:
         """Write S new tokens (positions ``offset .. offset+S-1``, score 0) after the n valid slots.
@@ -142,7 +150,8 @@ class SlotStore:
         if getattr(u, "d_log_weights", None) is not None:
             if self.log_weights is None:
                 raise ValueError("MergeUpdate.d_log_weights needs a disposition with uses_log_weights = True")
-            self.log_weights = self.log_weights.at[bi, hi, t].add(u.d_log_weights.astype(mx.float32))
+            lw = self.log_weights.at[bi, hi, t].add(u.d_log_weights.astype(mx.float32))
+            self.log_weights = mx.clip(lw, -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
 
     def in_temporal_order(self):
         """(keys, values, positions, scores) of the n valid slots sorted by position."""

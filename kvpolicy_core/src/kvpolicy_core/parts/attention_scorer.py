@@ -17,7 +17,9 @@ SIGNALS = ("proxy", "observed")
 
 
 def masked_softmax(logits: mx.array, allowed: mx.array) -> mx.array:
-    """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give 0."""
+    """Softmax over the last axis restricted to ``allowed`` and to finite logits; rows with nothing
+    allowed give 0. A non-finite key (NaN/Inf logits) so gets no weight and takes none from the others."""
+    allowed = allowed & mx.isfinite(logits)
     neg = mx.array(-math.inf, dtype=logits.dtype)
     probs = mx.softmax(mx.where(allowed, logits, neg), axis=-1, precise=True)
     return mx.where(allowed, probs, mx.zeros_like(probs))
@@ -41,7 +43,8 @@ def observed_weights(queries: mx.array, keys: mx.array, scale: float, mask) -> m
 
     queries [B, Hq, S, D], keys [B, H, L, D] -> weights [B, H, Hq/H, S, L] float32,
     softmax(scale * q k^T + mask) exactly as the model computes it (mask: None,
-    "causal", a bool array or an additive array broadcastable to [B, Hq, S, L]).
+    "causal", a bool array or an additive array broadcastable to [B, Hq, S, L]), except that
+    non-finite logits (from a NaN/Inf key or query) are excluded rather than poisoning the row.
     """
     B, Hq, S, D = queries.shape
     H, L = keys.shape[1], keys.shape[2]
@@ -50,7 +53,7 @@ def observed_weights(queries: mx.array, keys: mx.array, scale: float, mask) -> m
     k = keys.astype(mx.float32)[:, :, None]
     logits = (q * scale) @ k.swapaxes(-1, -2)  # [B, H, rep, S, L]
     if mask is None:
-        return mx.softmax(logits, axis=-1, precise=True)
+        return masked_softmax(logits, mx.array(True))
     if isinstance(mask, str):
         return masked_softmax(logits, causal_allowed(S, L))
     m = mask
@@ -60,7 +63,7 @@ def observed_weights(queries: mx.array, keys: mx.array, scale: float, mask) -> m
             m = mx.broadcast_to(m, (m.shape[0], H) + m.shape[2:])
     if m.dtype == mx.bool_:
         return masked_softmax(logits, m)
-    return mx.softmax(logits + m.astype(mx.float32), axis=-1, precise=True)
+    return masked_softmax(logits + m.astype(mx.float32), mx.array(True))  # -inf in the mask: excluded
 
 
 def proxy_weights(keys: mx.array, positions: mx.array, new_keys: mx.array, new_positions: mx.array) -> mx.array:

@@ -23,6 +23,10 @@ class CacheView(NamedTuple):
     offset: int  #: tokens seen so far (the next token's absolute position)
     n_new: int  #: tokens added by the current call (0 when settling between calls)
     dead: Optional[mx.array]  #: [B, H, L] bool: outside a sliding window for every future query, or None
+    #: global index of head 0 of this view (> 0 on tensor-parallel ranks after the first)
+    head_offset: int = 0
+    #: the layer's KV heads over all tensor-parallel ranks (None: this view's H, unsharded)
+    heads_total: Optional[int] = None
     #: [B, H, L] float32 per-slot attention log-weights (added to the slot's attention logit), or
     #: None when the disposition does not use them (``Disposition.uses_log_weights``). Since 0.3.0.
     log_weights: Optional[mx.array] = None
@@ -141,6 +145,10 @@ class Disposition:
 
     def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> Optional[MergeUpdate]:
         """``losers`` [B, H, E] int32; ``key`` a PRNG key for this (seed, layer, step).
+
+        Random draws must be a function of (key, global head) so that they do not depend on
+        how heads are split across tensor-parallel ranks: draw over ``view.heads_total`` heads
+        and keep heads ``view.head_offset ..`` (see ``kvpolicy_cam.gated_merge.bernoulli``).
 
         Return a :class:`MergeUpdate` for the survivors, or None to leave them untouched.
         """

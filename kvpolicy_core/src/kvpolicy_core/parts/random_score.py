@@ -7,13 +7,15 @@ import mlx.core as mx
 from .base import CacheView, Scorer
 
 
-def hash01(positions: mx.array, salt: int) -> mx.array:
-    """A fixed pseudo-random number in [0, 1) per (head, position): murmur3's finaliser on uint32.
+def hash01(positions: mx.array, salt: int, head_offset: int = 0) -> mx.array:
+    """A fixed pseudo-random number in [0, 1) per (global head, position): murmur3's finaliser on uint32.
 
-    positions [B, H, L] int32 -> [B, H, L] float32; independent of batch row.
+    positions [B, H, L] int32 -> [B, H, L] float32; independent of batch row. Head h of
+    the array is global head ``head_offset + h`` (tensor-parallel ranks hold a slice of heads),
+    so the number is the same whichever rank holds the head.
     """
     u = lambda c: mx.array(c, dtype=mx.uint32)  # noqa: E731
-    head = mx.arange(positions.shape[1], dtype=mx.uint32)[None, :, None]
+    head = mx.arange(head_offset, head_offset + positions.shape[1], dtype=mx.uint32)[None, :, None]
     x = positions.astype(mx.uint32) * u(2654435761) + head * u(0x9E3779B9) + u(salt & 0xFFFFFFFF)
     x = x ^ (x >> 16)
     x = x * u(0x85EBCA6B)
@@ -24,7 +26,7 @@ def hash01(positions: mx.array, salt: int) -> mx.array:
 
 
 class RandomScorer(Scorer):
-    """``s_j = hash(pos_j, head, salt)`` in [0, 1), fixed when the token arrives; never updated."""
+    """``s_j = hash(pos_j, global head, salt)`` in [0, 1), fixed when the token arrives; never updated."""
 
     def __init__(self, salt: int = 0) -> None:
         self.salt = salt
@@ -35,4 +37,4 @@ class RandomScorer(Scorer):
 
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
         new = view.positions >= new_positions[0]
-        return mx.where(new, hash01(view.positions, self.salt), view.scores)
+        return mx.where(new, hash01(view.positions, self.salt, view.head_offset), view.scores)

@@ -1,0 +1,139 @@
+"""Helpers for the server tests: a tiny mlx-lm model directory, a real `kvpolicy serve` process, HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?"] * 20
+
+
+def save_tiny_model_dir(path: Path, seed: int = 0) -> Path:
+    """A tiny random-weight llama saved as an mlx-lm model directory, with a byte-level BPE
+    tokenizer (trained offline on a two-line corpus) and a chat template."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from kvpolicy_core.testing import tiny_llama
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>", "<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": "<bos>",
+        "chat_template": CHAT_TEMPLATE,
+    }))
+    vocab = tok.get_vocab_size()
+    model = tiny_llama(vocab=vocab, seed=seed)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    a = model.args
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
+        "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads, "rms_norm_eps": a.rms_norm_eps,
+        "vocab_size": vocab, "tie_word_embeddings": a.tie_word_embeddings, "eos_token_id": 0,
+    }))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `kvpolicy serve` subprocess on a free loopback port."""
+
+    def __init__(self, args: List[str], timeout: float = 120.0) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "kvpolicy_core.cli", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.stop()}")
+            with contextlib.suppress(OSError):
+                status, _ = self.get("/health")
+                if status == 200:
+                    return
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not come up")
+
+    def request(self, method: str, path: str, body: Optional[bytes] = None,
+                headers: Optional[dict] = None, timeout: float = 120.0) -> Tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def get(self, path: str) -> Tuple[int, bytes]:
+        return self.request("GET", path, timeout=5)
+
+    def post(self, path: str, payload) -> Tuple[int, dict]:
+        raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        status, body = self.request("POST", path, raw, {"Content-Type": "application/json"})
+        return status, json.loads(body) if body.strip().startswith(b"{") else {"raw": body.decode(errors="replace")}
+
+    def stream(self, path: str, payload) -> Iterator[dict]:
+        """POST with stream=true; yields each SSE `data:` event (JSON), ending at [DONE]."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request("POST", path, json.dumps({**payload, "stream": True}).encode(),
+                         {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    yield {"done": True}
+                    return
+                yield json.loads(data)
+        finally:
+            conn.close()
+
+    def stats(self) -> dict:
+        status, body = self.get("/kvpolicy/stats")
+        assert status == 200
+        return json.loads(body)
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout.closed:
+            return ""
+        out = self.proc.stdout.read()
+        self.proc.stdout.close()
+        return out

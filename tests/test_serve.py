@@ -1,0 +1,240 @@
+"""`kvpolicy serve`: mlx-lm's server with policy caches, tested over HTTP against a real process.
+
+A tiny random-weight model directory keeps these fast; the default model is tested once
+(integration) with the issue's own acceptance run.
+"""
+
+import json
+import threading
+import time
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+from server_kit import Server, save_tiny_model_dir
+
+from kvpolicy_core import attach, detach
+
+METHOD = "cam:budget=8,n_sink=2"
+LONG = "the quick brown fox jumps over the lazy dog. hello world, how are you today? " * 3
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    s = Server(["--model", str(tiny_dir), "--method", METHOD, "--max-tokens", "16"])
+    yield s
+    out = s.stop()
+    assert s.proc.returncode == 0, f"Ctrl-C must stop the server cleanly:\n{out[-2000:]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    """Greedy (ids, logprobs) of a text prompt generated alone in this process, fresh caches."""
+    model, tokenizer = mlx_lm.load(str(tiny_dir))
+    attach(model, METHOD)
+
+    def run(prompt: str, max_tokens: int):
+        ids, lps = [], []
+        for (t, lp), _ in zip(generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=max_tokens),
+                              range(max_tokens)):
+            ids.append(t)
+            lps.append(lp[t].item())
+            if t in tokenizer.eos_token_ids:
+                break
+        return ids, lps
+
+    yield run
+    detach(model)
+
+
+def completion(server, prompt, max_tokens, **extra):
+    status, body = server.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                                    "logprobs": True, **extra})
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    return [c["id"] for c in content], [c["logprob"] for c in content], body
+
+
+def assert_same(got, want):
+    ids, lps = got
+    want_ids, want_lps = want
+    assert ids == want_ids
+    assert lps == pytest.approx(want_lps, abs=1e-4)
+
+
+def test_chat_completion(server):
+    status, body = server.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hello world, how are you today?"}], "max_tokens": 6})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    assert isinstance(choice["message"]["content"], str)
+    assert 1 <= body["usage"]["completion_tokens"] <= 6
+
+
+def test_text_completion_equals_the_prompt_generated_alone(server, reference):
+    got = completion(server, "the quick brown fox", 8)
+    assert_same(got[:2], reference("the quick brown fox", 8))
+    assert got[2]["object"] == "text_completion"
+
+
+def test_streaming_sse(server):
+    events = list(server.stream("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "the lazy dog"}], "max_tokens": 5}))
+    assert events[-1] == {"done": True}
+    chunks = [e for e in events[:-1] if e.get("choices")]
+    assert chunks and all(e["object"] == "chat.completion.chunk" for e in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_two_concurrent_requests_each_equal_their_prompt_alone(server, reference):
+    # the second request arrives while the first (300 tokens) is decoding: it joins the batch
+    prompts = [(LONG, 300), ("hello world, how are you", 40)]
+    results = [None, None]
+
+    def go(i):
+        results[i] = completion(server, *prompts[i])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    threads[0].start()
+    time.sleep(0.3)
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=300)
+    for (prompt, n), got in zip(prompts, results):
+        assert got is not None
+        assert_same(got[:2], reference(prompt, n))
+    assert len(results[0][0]) == 300
+    assert server.stats()["peak_batch"] == 2  # they were decoded together
+
+
+def test_prompt_longer_than_the_budget_holds_the_budget(server):
+    before = server.stats()["requests_finished"]
+    ids, _, body = completion(server, LONG, 4)
+    assert body["usage"]["prompt_tokens"] > 8
+    stats = server.stats()
+    assert stats["method"] == "cam" and stats["budget"] == 8 and stats["batching"] is True
+    assert stats["requests_finished"] == before + 1
+    last = stats["recent"][-1]
+    assert last["tokens_seen"] == body["usage"]["prompt_tokens"] + len(ids)  # the last token was fed too
+    assert last["max_tokens_kept"] <= 8 and all(k <= 8 for k in last["tokens_kept_per_layer"])
+    assert last["compression_ratio"] > 1 and last["kv_bytes_kept"] < last["kv_bytes_full"]
+
+
+def test_unbatched_path_serves_and_records_too(server, reference):
+    # mlx-lm serves a request with a seed alone (stream_generate), not through the batch
+    before = server.stats()["requests_finished"]
+    got = completion(server, "walrus " + LONG, 5, seed=3)
+    assert_same(got[:2], reference("walrus " + LONG, 5))
+    stats = server.stats()
+    assert stats["requests_finished"] == before + 1 and stats["recent"][-1]["max_tokens_kept"] == 8
+
+
+def test_prompt_cache_reuse_after_evictions_is_never_stale(server, reference):
+    # prompts start with words no other test uses, so only this test's stored caches can match
+    long_prompt = "zebra " + LONG
+    # 1) a long request: its stored cache has evicted tokens (it cannot be trimmed)
+    first = completion(server, long_prompt, 6)
+    assert first[2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert_same(first[:2], reference(long_prompt, 6))
+    # 2) a strict prefix of the stored prompt: an evicted cache must not be trimmed and reused
+    prefix = long_prompt[:40].rstrip()
+    assert_same(completion(server, prefix, 6)[:2], reference(prefix, 6))
+    # 3) the same long request again reuses its own stored prompt cache and gives the same answer
+    again = completion(server, long_prompt, 6)
+    assert again[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert_same(again[:2], first[:2])
+
+
+def test_prompt_cache_is_not_trimmed_into_stale_scores(server, reference):
+    # a short request that stays within the budget: its cache has no evictions, so mlx-lm
+    # would trim it to serve a shorter prompt; but its scores carry attention from the trimmed
+    # tokens, which would steer later evictions. The served answer must equal a fresh run.
+    completion(server, "quokka dog fox", 1)
+    assert_same(completion(server, "quokka dog", 10)[:2], reference("quokka dog", 10))
+
+
+def test_bad_requests_get_http_errors_and_the_server_keeps_serving(server):
+    status, body = server.request("POST", "/v1/completions", b"{not json", {"Content-Type": "application/json"})
+    assert status == 400
+    status, body = server.post("/v1/completions", {"prompt": "x", "max_tokens": -3})
+    assert status == 400 and "max_tokens" in body["error"]
+    status, body = server.post("/v1/completions", {"prompt": "x", "kvpolicy": "h2o:budget=4"})
+    assert status == 400 and "per-request method is not supported" in body["error"] and "cam" in body["error"]
+    status, _ = server.request("POST", "/v1/nowhere", b"{}")
+    assert status == 404
+    status, _ = server.get("/health")
+    assert status == 200
+    assert len(completion(server, "hello", 2)[0]) >= 1
+
+
+@pytest.mark.parametrize("method, needle", [
+    ("nosuch", "unknown method 'nosuch'"),
+    ("cam:budget=0", "budget"),
+    ("cam:merge=sideways", "merge"),
+    ("missing.toml", "no such file"),
+    ('{"method": "h2o", "budget": "many"}', "budget"),
+])
+def test_bad_method_is_a_clear_error_before_anything_loads(tiny_dir, method, needle, capsys):
+    from kvpolicy_core import serve
+
+    assert serve.main(["--model", str(tiny_dir), "--method", method]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpolicy serve: error:") and needle in err
+
+
+def test_bad_method_fails_the_command_at_start_up(tiny_dir):
+    with pytest.raises(RuntimeError) as info:
+        Server(["--model", str(tiny_dir), "--method", "cam:budget=8,n_sink=9"])
+    assert "exited with 2" in str(info.value) and "n_sink" in str(info.value)
+
+
+def test_method_from_json_and_toml_files(tmp_path):
+    from kvpolicy_core.serve import load_method
+
+    (tmp_path / "m.toml").write_text('method = "h2o"\nbudget = 6\nn_sink = 1\n')
+    (tmp_path / "m.json").write_text('{"method": "cam", "budget": 7, "merge": "mean"}')
+    assert load_method(str(tmp_path / "m.toml")).policy.budget == 6
+    cfg = load_method(str(tmp_path / "m.json"))
+    assert cfg.method == "cam" and cfg.policy.budget == 7 and cfg.policy.merge == "mean"
+    (tmp_path / "bad.toml").write_text("method = ")
+    with pytest.raises(Exception, match="invalid TOML"):
+        load_method(str(tmp_path / "bad.toml"))
+
+
+@pytest.mark.integration
+def test_default_model_cam_64_two_concurrent_chats():
+    """The issue's acceptance run: `kvpolicy serve --method "cam:budget=64"`, two concurrent chats."""
+    s = Server(["--method", "cam:budget=64", "--max-tokens", "8"], timeout=300)
+    try:
+        question = "Explain in detail how the Roman republic became an empire. " * 6
+        results = [None, None]
+
+        def chat(i):
+            results[i] = s.post("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": question if i == 0 else "Write a haiku about autumn."}],
+                "max_tokens": 8})
+
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        for status, body in results:
+            assert status == 200, body
+            assert body["choices"][0]["message"]["content"].strip()
+        stats = s.stats()
+        assert stats["method"] == "cam" and stats["budget"] == 64 and stats["batching"] is True
+        assert stats["requests_finished"] == 2 and stats["peak_batch"] == 2
+        for r in stats["recent"]:
+            assert all(k <= 64 for k in r["tokens_kept_per_layer"])
+        assert max(r["tokens_seen"] for r in stats["recent"]) > 64  # the long chat went past the budget
+        print(json.dumps(stats))
+    finally:
+        s.stop()

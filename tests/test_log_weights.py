@@ -8,11 +8,13 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from helpers import feed, random_kv, run_chunks, tiny_gemma3, tiny_llama
-from kvpolicy_core import KVCacheBuilder, attention, PolicyCache, load_caches, save_caches
+from kvpolicy_core import (CacheFileError, KVCacheBuilder, MergeUpdate, PluginError, PolicyCache, attention,
+                           load_caches, save_caches)
 from kvpolicy_core.attention_bias import with_log_weights
 from kvpolicy_core.builder import needs_hook
 from kvpolicy_core.parts.drop import DropDisposition
 from kvpolicy_core.policy import Policy, build_policy
+from kvpolicy_core.slots import LOG_WEIGHT_BOUND
 
 
 class LogWeightedDrop(DropDisposition):
@@ -122,3 +124,104 @@ def test_state_with_log_weights_is_refused_by_a_policy_without_them():
     state = cache.state
     with pytest.raises(Exception, match="log-weights"):
         PolicyCache("h2o:budget=10,n_sink=2").state = state
+
+
+class ScriptedLogWeightMerge(DropDisposition):
+    """Adds ``d_log_weights`` to slot 0 on every eviction; ``mode`` picks a good or a bad delta."""
+
+    uses_log_weights = True
+    mode = "ok"
+
+    def dispose(self, view, losers, key):
+        B, H, _ = losers.shape
+        t = mx.zeros((B, H, 1), mx.int32)
+        dv = mx.zeros((B, H, 1, view.values.shape[-1]))
+        d_lw = {"ok": mx.ones((B, H, 1)), "shape": mx.ones((B, H, 2)), "list": [[[1.0]]],
+                "nan": mx.full((B, H, 1), math.nan), "inf": mx.full((B, H, 1), math.inf),
+                "-inf": mx.full((B, H, 1), -math.inf)}[self.mode]
+        return MergeUpdate(t, None, dv, None, d_log_weights=d_lw)
+
+
+class FailingScorer:
+    """The policy's scorer, but ``on_append`` raises once ``fail`` is set (after the step's merge)."""
+
+    fail = False
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)
+
+    def on_append(self, *args):
+        if self.fail:
+            raise RuntimeError("scorer failed after the merge")
+        return self.scorer.on_append(*args)
+
+
+def scripted_cache():
+    merge = ScriptedLogWeightMerge()
+    policy = build_policy("h2o:budget=8,n_sink=1")
+    cache = PolicyCache(policy._replace(disposition=merge, scorer=FailingScorer(policy.scorer)))
+    return cache, merge
+
+
+@pytest.mark.parametrize("chunks", [(1,), (5,)])  # the decode write and the chunked compaction
+def test_a_failed_step_rolls_the_log_weights_back(chunks):
+    """The merge added to the log-weights, then the scorer failed: the step is undone as a whole."""
+    K, V = random_kv(S=20)
+    cache, _ = scripted_cache()
+    feed(cache, K[:, :, :12], V[:, :, :12], [1] * 12)
+    before = np.array(cache.log_weights)
+    cache.policy.scorer.fail = True
+    with pytest.raises(PluginError, match="scorer failed"):
+        feed(cache, K[:, :, 12:], V[:, :, 12:], chunks)
+    assert cache.offset == 12
+    np.testing.assert_array_equal(np.array(cache.log_weights), before)
+
+
+@pytest.mark.parametrize("mode, chunks", [("shape", (1,)), ("list", (1,)), ("shape", (5,))])
+def test_a_badly_shaped_d_log_weights_is_a_plugin_error_and_rolls_back(mode, chunks):
+    K, V = random_kv(S=20)
+    cache, merge = scripted_cache()
+    feed(cache, K[:, :, :12], V[:, :, :12], [1] * 12)
+    before = np.array(cache.log_weights)
+    assert before[..., 0].min() > 0  # the good deltas landed
+    merge.mode = mode
+    with pytest.raises(PluginError, match="d_log_weights of shape"):
+        feed(cache, K[:, :, 12:], V[:, :, 12:], chunks)
+    assert cache.offset == 12  # rolled back: the log-weights are part of the snapshot
+    np.testing.assert_array_equal(np.array(cache.log_weights), before)
+
+
+def test_non_finite_d_log_weights_leave_finite_bounded_log_weights():
+    K, V = random_kv(S=30)
+    cache, merge = scripted_cache()
+    feed(cache, K[:, :, :10], V[:, :, :10], [10])
+    for i, mode in enumerate(("nan", "inf", "inf", "-inf")):
+        merge.mode = mode
+        feed(cache, K[:, :, 10 + i : 11 + i], V[:, :, 10 + i : 11 + i], [1])
+        lw = np.array(cache.log_weights)
+        assert np.isfinite(lw).all() and np.abs(lw).max() <= LOG_WEIGHT_BOUND
+    out = cache.before_attention(K[:, :, 13:14], 8**-0.5, None)
+    assert np.isfinite(np.array(out)).any()
+
+
+def test_d_log_weights_from_a_disposition_without_log_weights_is_a_plugin_error():
+    class Undeclared(ScriptedLogWeightMerge):
+        uses_log_weights = False
+
+    cache = PolicyCache(build_policy("h2o:budget=8,n_sink=1")._replace(disposition=Undeclared()))
+    K, V = random_kv(S=12)
+    with pytest.raises(PluginError, match="uses_log_weights is False"):
+        feed(cache, K, V, [1] * 12)
+
+
+def test_the_file_checksum_covers_the_log_weights(tmp_path):
+    cache, _, _ = mass_cache([1] * 30)
+    path = save_caches(tmp_path / "c.safetensors", [cache])
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    arrays["0.log_weights"] = arrays["0.log_weights"] + 1.0
+    mx.save_safetensors(str(path), arrays, metadata=meta)
+    with pytest.raises(CacheFileError, match="checksum"):
+        load_caches(path)

@@ -112,3 +112,16 @@ def test_json_round_trip_keeps_method_fields():
     assert '"merge":"paper"' in dumped and '"merge_window":8' in dumped
     data = c.model_dump()
     assert parse_config({**{k: v for k, v in data.items() if k != "policy"}, **data["policy"]}) == c
+
+
+@pytest.mark.parametrize("text, want", [
+    ("cam:budget=32", "cam:budget=32"),  # the gate off is implied by the mass merge: not written
+    ("cam:budget=32,gate=true", "cam:budget=32,merge_gate=true"),  # the gate's own default is True
+    ("cam:budget=32,merge=sim_weighted", "cam:budget=32,merge=sim_weighted"),
+    ("cam:budget=32,merge=sim_weighted,gate=false", "cam:budget=32,merge=sim_weighted,merge_gate=false"),
+])
+def test_to_string_writes_exactly_what_gives_the_config_back(text, want):
+    """A default that depends on another field (CaM's gate) is written only when it differs from
+    what the other fields imply: labels stay short and always parse back to the same config."""
+    config = parse_config(text)
+    assert config.to_string() == want and parse_config(want) == config

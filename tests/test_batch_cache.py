@@ -15,7 +15,8 @@ from kvpolicy_core.batch_cache import BatchPolicyCache
 
 # cam's default merge (mass) keeps per-slot attention log-weights: its batched rows give the attention
 # additive masks (test_log_weight_rows_are_batched pins that it does); mass_blend keeps none
-SHIPPED = ["h2o", "cam", "cam:merge=mass_blend", "random", "streamingllm", "tova", "cam:merge=mean,gate=false", "h2o:signal=observed",
+SHIPPED = ["h2o", "cam", "cam:merge=mass_blend", "random", "streamingllm", "tova", "cam:merge=mean,gate=false",
+           "h2o:signal=observed",
            "h2o:layers=unbounded"]  # the last: sliding layers keep mlx-lm's RotatingKVCache, batched by mlx-lm
 LENGTHS = (5, 23, 14)  # one under the budget, two over it
 MAX_TOKENS = (12, 4, 12)  # the second row finishes early (filter)

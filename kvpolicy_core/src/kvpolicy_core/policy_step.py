@@ -150,7 +150,8 @@ class PolicyStep:
             raise PluginError(f"{owner} returned {type(u).__name__}, expected a MergeUpdate or None")
         B, H, L = view.scores.shape
         T = getattr(u.targets, "shape", (0, 0, 0))[-1] if getattr(u.targets, "ndim", 0) == 3 else -1
-        for name, x, row in (("d_keys", u.d_keys, (view.keys.shape[-1],)), ("d_values", u.d_values, (view.values.shape[-1],)),
+        for name, x, row in (("d_keys", u.d_keys, (view.keys.shape[-1],)),
+                             ("d_values", u.d_values, (view.values.shape[-1],)),
                              ("d_scores", u.d_scores, ()), ("d_log_weights", u.d_log_weights, ())):
             if x is not None and (not isinstance(x, mx.array) or tuple(x.shape) != (B, H, T, *row)):
                 raise PluginError(f"{owner} returned {name} of shape {getattr(x, 'shape', type(x).__name__)}, "

@@ -65,6 +65,7 @@ def compress(K, V, budget, fields, mode, queries=None, n_sink=4, recent=0):
 
 def run_cell(K, V, Q, budget, name, keys, mode, queries=None, recent=0, signal="proxy"):
     fields = DISPOSITIONS[name] + (",keys=true" if keys else "") + f",signal={signal}"
+    fields += ",obs_window=0,pool=1"  # the cumulative scorers this harness was built for
     k, v, cache = compress(K, V, budget, fields, mode, queries=queries, recent=recent)
     return distance(Q, K, V, k, v, cache.retained_log_weights()), cache.merges
 

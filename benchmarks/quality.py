@@ -27,19 +27,21 @@ from _common import RESULTS, write_json
 
 from kvpolicy_core.evaluation import perplexity
 
-METHODS = {
+METHODS = {  # names keep their v0.1 meaning; "h2o" and "cam" are the current defaults
     "full": "full",
     "streamingllm (mlx-lm rotating)": "rotating",
     "random": "random",
-    "h2o proxy": "h2o",
-    "h2o observed": "h2o:signal=observed",
-    "cam sim_weighted gated": "cam",
-    "cam sim_weighted ungated": "cam:gate=false",
-    "cam mean gated": "cam:merge=mean",
-    "cam paper": "cam:merge=paper",
-    "cam mass observed": "cam:merge=mass,signal=observed,gate=false",
-    "cam mass_blend observed": "cam:merge=mass_blend,signal=observed,gate=false",
-    "cam sim_weighted observed": "cam:signal=observed",
+    "h2o proxy": "h2o:signal=proxy",
+    "h2o observed": "h2o:signal=observed,obs_window=0,pool=1",
+    "h2o": "h2o",
+    "cam sim_weighted gated": "cam:merge=sim_weighted,signal=proxy",
+    "cam sim_weighted ungated": "cam:merge=sim_weighted,signal=proxy,gate=false",
+    "cam mean gated": "cam:signal=proxy,merge=mean",
+    "cam paper": "cam:signal=proxy,merge=paper",
+    "cam sim_weighted observed": "cam:merge=sim_weighted",
+    "cam mass_blend": "cam:merge=mass_blend",
+    "cam mass observed": "cam:merge=mass,obs_window=0,pool=1",
+    "cam": "cam",
 }
 GATED = {"cam sim_weighted gated", "cam mean gated", "cam paper", "cam sim_weighted observed"}
 
@@ -48,8 +50,13 @@ def is_gated(name: str) -> bool:
     """Named gated methods, and raw ``cam`` specs whose merge draws the gate."""
     if name in GATED:
         return True
+    from kvpolicy_core.config import parse_config
+
     spec = METHODS.get(name, name)
-    return spec.startswith("cam") and "gate=false" not in spec and "merge=drop" not in spec
+    if not spec.startswith("cam"):
+        return False
+    p = parse_config(spec).policy
+    return p.merge_gate and p.merge != "drop"
 
 
 def spec_for(base: str, budget: int, seed: int) -> str:
@@ -62,7 +69,7 @@ def spec_for(base: str, budget: int, seed: int) -> str:
     return f"{base}{sep}budget={budget}{extra}"
 
 
-def load(smoke: bool):
+def load(smoke: bool, model: str = "gemma3"):
     if smoke:
         from kvpolicy_core.testing import tiny_llama
 
@@ -73,9 +80,13 @@ def load(smoke: bool):
         return tiny_llama(), Tok()
     import mlx_lm
 
-    from kvpolicy_core.model.default import ensure_default_model
+    import mlx.core as mx
 
-    return mlx_lm.load(str(ensure_default_model()))
+    from kvpolicy_core.model.resolve import resolve_model_path
+
+    m, tok = mlx_lm.load(str(resolve_model_path(None if model == "gemma3" else model)))
+    m.set_dtype(mx.float32)
+    return m, tok
 
 
 def main():
@@ -86,17 +97,18 @@ def main():
     p.add_argument("--budgets", default="256")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from: " + ", ".join(METHODS))
     p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
+    p.add_argument("--text", default="pydoc", help="pydoc (default corpus), stdlib, license, or a file")
+    p.add_argument("--tag", default="", help="suffix of the result files")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--text", default=None, help="a text file to evaluate on (default: the pydoc corpus)")
-    p.add_argument("--tag", default="", help="suffix of the result file names")
     args = p.parse_args()
     if args.smoke:
         args.tokens, args.budgets, args.seeds = 80, "16,32", 2
-    from kvpolicy_core.model.corpus import load_corpus
+    from kvpolicy_core.tasks.haystack import haystack_text
 
-    model, tok = load(args.smoke)
-    ids = tok.encode(load_corpus([args.text] if args.text else None))[: args.tokens]
+    model, tok = load(args.smoke, args.model)
+    ids = tok.encode(haystack_text(args.text))[: args.tokens]
     chunk = 1 if args.mode == "token" else args.chunk
     budgets = [int(b) for b in args.budgets.split(",")]
     names = [m.strip() for m in args.methods.split(";" if ";" in args.methods else ",")]
@@ -147,8 +159,7 @@ def summary(rows):
 
 
 def save(out, tag, args, ids, rows):
-    write_json(tag, {"mode": args.mode, "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
-                     "text": args.text or "pydoc_data.topics (default corpus)",
+    write_json(tag, {"model": args.model, "text": args.text, "mode": args.mode, "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
                      "rows": rows, "summary": summary(rows)}, out)
     with open(out / f"{tag}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

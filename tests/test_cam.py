@@ -116,7 +116,7 @@ def stream(method, K, V, chunks):
 @pytest.mark.parametrize("chunks", [[1] * 50, [20, 1, 1, 1, 27]])
 def test_values_only_merge_leaves_kept_keys_identical_to_the_drop_path(chunks):
     K, V = random_kv(B=2, H=2, S=50, D=8, seed=21)
-    drop = stream("h2o:budget=12,n_sink=2", K, V, chunks).retained()
+    drop = stream("h2o:budget=12,n_sink=2,signal=proxy", K, V, chunks).retained()
     merged = stream("cam:merge=sim_weighted,signal=proxy,budget=12,n_sink=2,gate=false", K, V, chunks).retained()
     drop_cam = stream("cam:signal=proxy,budget=12,n_sink=2,merge=drop", K, V, chunks).retained()
     assert not mx.array_equal(drop[1], merged[1])  # values did merge
@@ -169,7 +169,7 @@ def test_cache_on_tiny_models_across_batch_and_heads(method, n_kv_heads, batch):
     assert out.shape == (batch, 40, 97) and not mx.isnan(out).any().item()
     for c in caches:
         assert c.tokens_kept == 16 and c.keys.shape[:2] == (batch, n_kv_heads)
-        named = [m for m in ("paper", "mean", "drop", "mass_blend", "mass") if f"merge={m}" in method]
+        named = [m for m in ("paper", "mean", "drop", "mass_blend", "mass", "sim_weighted") if f"merge={m}" in method]
         assert c.merge_mode == (named[0] if named else CamConfig().merge)
 
 

@@ -11,7 +11,7 @@ GATES = ["gate=true", "gate=false"]
 
 @pytest.mark.parametrize("gate", GATES)
 def test_primitive_level(gate):
-    h2o = build_policy("h2o:budget=12,n_sink=2")
+    h2o = build_policy("h2o:budget=12,n_sink=2,signal=proxy")
     cam = build_policy(f"cam:budget=12,n_sink=2,merge=drop,{gate},signal=proxy")
     merged = build_policy(f"cam:budget=12,n_sink=2,merge=mean,{gate},signal=proxy")
     assert type(cam.disposition) is type(h2o.disposition)  # swapping one hook is the whole difference

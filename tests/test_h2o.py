@@ -37,7 +37,7 @@ def assert_same(got, want):
 @pytest.mark.parametrize("recent", [0, 3])
 def test_proxy_scores_and_evictions_match_the_reference(chunks, recent):
     K, V = random_kv(B=2, H=2, S=24, D=8, seed=11)
-    cache = drive(PolicyCache(f"h2o:budget=10,n_sink=2,recent={recent}"), K, V, chunks)
+    cache = drive(PolicyCache(f"h2o:budget=10,n_sink=2,recent={recent},signal=proxy"), K, V, chunks)
     assert_same(as_dicts(cache), reference_h2o(np.array(K), chunks, 10, 2, recent))
 
 
@@ -46,13 +46,13 @@ def test_observed_scores_aggregate_query_rows_and_gqa_groups(chunks):
     K, V = random_kv(B=2, H=2, S=24, D=8, seed=12)
     Q = mx.random.normal((2, 6, 24, 8), key=mx.random.key(13))  # 3 query heads per KV head
     scale = 1 / math.sqrt(8)
-    cache = drive(PolicyCache("h2o:budget=10,n_sink=2,recent=2,signal=observed"), K, V, chunks, Q, scale)
+    cache = drive(PolicyCache("h2o:budget=10,n_sink=2,recent=2,signal=observed,obs_window=0,pool=1"), K, V, chunks, Q, scale)
     assert_same(as_dicts(cache), reference_h2o(np.array(K), chunks, 10, 2, 2, Q=np.array(Q), scale=scale))
 
 
 def test_deterministic():
     K, V = random_kv(B=2, H=2, S=60, D=8, seed=5)
-    runs = [as_dicts(drive(PolicyCache("h2o:budget=12,n_sink=2"), K, V, [20] + [1] * 40)) for _ in range(2)]
+    runs = [as_dicts(drive(PolicyCache("h2o:budget=12,n_sink=2,signal=proxy"), K, V, [20] + [1] * 40)) for _ in range(2)]
     assert runs[0] == runs[1]
 
 
@@ -71,7 +71,7 @@ def retained_positions_per_step(model, method, prompt, steps):
 
 def test_recent_zero_freezes_on_the_prompt_and_the_default_does_not(llama_model, tokens):
     prompt = tokens[:1, :24]
-    frozen = retained_positions_per_step(llama_model, "h2o:budget=12,n_sink=2,recent=0", prompt, 12)
+    frozen = retained_positions_per_step(llama_model, "h2o:budget=12,n_sink=2,recent=0,signal=proxy", prompt, 12)
     assert all(h == frozen[0] for h in frozen) and max(frozen[0]) < 24  # every new token evicted at once
     live = retained_positions_per_step(llama_model, "h2o:budget=12,n_sink=2", prompt, 12)
     assert all(24 + i in h for i, h in enumerate(live))  # the newest token is kept

@@ -249,3 +249,285 @@ def test_the_same_field_twice_is_an_error_not_last_wins():
     for bad in ("cam:budget=8,cam_budget=9", {"method": "cam", "budget": 8, "cam_budget": 9}):
         with pytest.raises(ConfigError, match="given twice"):
             parse_config(bad)
+
+
+def test_a_bool_is_not_an_integer_field():
+    from kvpolicy_core import ConfigError, parse_config
+
+    for bad, field in (({"method": "h2o", "budget": True}, "budget"), ({"method": "h2o", "n_sink": False}, "n_sink"),
+                       ({"method": "h2o", "seed": True}, "seed"), ({"method": "cam", "cam_m": True}, "cam_m")):
+        with pytest.raises(ConfigError, match=f"{field}.*bool"):
+            parse_config(bad)
+
+
+def test_seeds_outside_64_bits_are_rejected_naming_the_range():
+    from kvpolicy_core import ConfigError, parse_config
+
+    assert parse_config({"method": "h2o", "seed": 2**64 - 1}).seed == 2**64 - 1
+    for bad in (2**64, 2**70, -1, "h2o:seed=18446744073709551616"):
+        spec = bad if isinstance(bad, str) else {"method": "h2o", "seed": bad}
+        with pytest.raises(ConfigError, match=r"seed: .*(18446744073709551615|0)"):
+            parse_config(spec)
+
+
+def test_alias_mixing_names_the_fields_the_user_wrote():
+    from kvpolicy_core import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"^merge_gate: the field 'merge_gate' is given twice \(as 'gate'"):
+        parse_config("cam:gate=false,merge_gate=true")
+    with pytest.raises(ConfigError, match=r"^gate: .*given twice"):
+        parse_config({"method": "cam", "merge_gate": False, "gate": True})
+    with pytest.raises(ConfigError, match=r"^cam_gate: Input should be a valid boolean"):
+        parse_config("cam:gate=maybe")
+
+
+def test_a_huge_integer_is_a_range_error_not_inf():
+    from kvpolicy_core import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"budget: .*5000 digits\) is out of range") as e:
+        parse_config("h2o:budget=" + "9" * 5000)
+    assert "inf" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"h2o_budget: must be an integer in \[") as e:
+        parse_config({"method": "h2o", "budget": 10**5000})
+    assert "inf" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- plugin name clash
+class Intruder:
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("mine", PolicyConfig, "cumulative_attention", "lowest_score", "drop"))
+        register(MethodSpec(Intruder.name, PolicyConfig, "cumulative_attention", "lowest_score", "drop"))
+
+
+@pytest.mark.parametrize("taken, owner", [("h2o", "h2o"), ("random", "kvpolicy_core")])
+def test_a_plugin_taking_a_shipped_name_is_the_one_reported_and_rolled_back(taken, owner):
+    import importlib
+
+    from kvpolicy_core import builtin
+    from kvpolicy_core.plugins import PluginManager
+    from kvpolicy_core.registry import Registry, fill
+
+    Intruder.name = taken
+    pm = PluginManager()  # the intruder's entry point is loaded before the shipped h2o plugin
+    pm.register_from(builtin, "kvpolicy_core", "kvpolicy-core")
+    pm.register_from(Intruder(), "intruder", "kvpolicy-intruder")
+    pm.register_from(importlib.import_module("kvpolicy_h2o.plugin"), "h2o", "kvpolicy-h2o")
+    registry = Registry()
+    with pytest.warns(RuntimeWarning, match=f"'{taken}' is registered twice: plugin 'intruder'") as w:
+        fill(registry, pm, strict=False)
+    assert "'intruder'" in str(w[0].message) and f"plugin {owner!r}" in str(w[0].message)
+    methods = registry.methods()
+    assert methods[taken].plugin == owner and methods["h2o"].plugin == "h2o"  # the rightful owners
+    assert "mine" not in methods  # only the intruder's registrations are rolled back
+    assert registry.method(taken) is methods[taken].obj
+
+
+def test_kvpolicy_methods_lists_the_rightful_owner(capsys):
+    from kvpolicy_core.cli import main
+
+    Intruder.name = "h2o"
+    register_plugin(Intruder(), "intruder")
+    try:
+        with pytest.warns(RuntimeWarning, match="plugin 'intruder' tried to take the name"):
+            main(["methods"])
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.split() and x.split()[0] == "h2o")
+        assert "intruder" not in line and "kvpolicy-h2o" in out
+        from kvpolicy_core.plugins import get_registry
+        assert get_registry().methods()["h2o"].plugin == "h2o"
+        assert PolicyCache("h2o:budget=8").budget == 8
+    finally:
+        unregister_plugin("intruder")
+
+
+def test_strict_mode_does_not_say_skipping_while_it_raises(tmp_path, monkeypatch):
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from kvpolicy_core.plugins import get_registry\nget_registry()\n") % str(tmp_path)
+    dist = tmp_path / "kvp_broken-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-broken\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[kvpolicy]\nbroken = kvp_broken_mod\n")
+    (tmp_path / "kvp_broken_mod.py").write_text("raise ImportError('boom')\n")
+    env = {"KVPOLICY_STRICT_PLUGINS": "1", "PYTHONPATH": str(tmp_path)}
+    import os
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+    assert r.returncode != 0 and "PluginError" in r.stderr and "boom" in r.stderr
+    assert "skipping" not in r.stderr
+
+
+# ----------------------------------------------------------------------------- part outputs, round 2
+class OddMerge:
+    """A disposition that misbehaves once (``mode``), then merges properly."""
+
+    mode = None
+
+    @classmethod
+    def from_config(cls, config):
+        return cls()
+
+    def dispose(self, view, losers, key):
+        B, H, E = losers.shape
+        t = mx.zeros((B, H, E), mx.int32) + 1
+        dv = mx.ones((B, H, E, view.values.shape[-1]))
+        mode, OddMerge.mode = OddMerge.mode, None
+        if mode == "nan":
+            dv = dv * math.nan
+        elif mode == "inf_scores":
+            return MergeUpdate(t, None, dv, mx.full((B, H, E), math.inf))
+        elif mode in ("bool", "complex"):
+            dv = dv.astype(mx.bool_ if mode == "bool" else mx.complex64)
+        elif mode == "draws_str":
+            return MergeUpdate(t, None, dv, None, draws="three")
+        elif mode == "stats_float_list":
+            return MergeUpdate(t, None, dv, None, stats={"merges": [1.5]})
+        return MergeUpdate(t, None, dv, None)
+
+
+class SinkSelector(Selector):
+    def select(self, view, n_evict):
+        B, H, L = view.scores.shape
+        return mx.broadcast_to(mx.arange(n_evict, dtype=mx.int32), (B, H, n_evict))  # slot 0: position 0, a sink
+
+
+class OddPlugin:
+    @hookimpl
+    def register_selectors(self, register):
+        register("sink_sel", SinkSelector)
+
+    @hookimpl
+    def register_dispositions(self, register):
+        register("odd_merge", OddMerge)
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("oddmerge", PolicyConfig, "cumulative_attention", "lowest_score", "odd_merge"))
+        register(MethodSpec("sinksel", PolicyConfig, "cumulative_attention", "sink_sel", "drop"))
+
+
+@pytest.fixture
+def odd_plugin():
+    register_plugin(OddPlugin(), "odd")
+    yield
+    unregister_plugin("odd")
+
+
+@pytest.mark.parametrize("mode, needle", [("nan", "d_values with non-finite values"),
+                                          ("inf_scores", "d_scores with non-finite values"),
+                                          ("bool", "d_values of dtype"), ("complex", "d_values of dtype"),
+                                          ("draws_str", "counter 'gate_draws'"),
+                                          ("stats_float_list", "counter 'merges'")])
+@pytest.mark.parametrize("chunks", [(1,), (3,)])  # the decode write and the chunked compaction
+def test_a_bad_merge_is_a_plugin_error_rolled_back_and_the_next_call_works(odd_plugin, mode, needle, chunks):
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("oddmerge:budget=8,n_sink=1,recent=1")
+    feed(cache, keys[:, :, :12], values[:, :, :12], (12,))
+    before = [mx.array(x) for x in (cache.keys, cache.values, cache.scores)]
+    OddMerge.mode = mode
+    with pytest.raises(PluginError, match=needle):
+        feed(cache, keys[:, :, 12:12 + chunks[0]], values[:, :, 12:12 + chunks[0]], chunks)
+    assert cache.offset == 12 and all(mx.array_equal(a, b) for a, b in zip(before, (cache.keys, cache.values, cache.scores)))
+    feed(cache, keys[:, :, 12:], values[:, :, 12:], (1,) * 8)  # the next calls work: nothing lazy was left behind
+    mx.eval(cache.keys, cache.values, cache.scores, cache.stats())
+    assert cache.offset == 20 and mx.all(mx.isfinite(cache.values[..., : cache.n, :])).item()
+
+
+def test_a_selector_evicting_a_sink_is_a_plugin_error(odd_plugin):
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("sinksel:budget=8,n_sink=2,recent=1")
+    feed(cache, keys[:, :, :12], values[:, :, :12], (12,))
+    with pytest.raises(PluginError, match="sink"):
+        feed(cache, keys[:, :, 12:13], values[:, :, 12:13], (1,))
+    assert cache.offset == 12 and cache.n == 12
+    ok = PolicyCache("sinksel:budget=8,n_sink=0,recent=1")  # without sinks, slot 0 is a fair choice
+    feed(ok, keys, values, (12,) + (1,) * 8)
+    assert ok.offset == 20
+
+
+def test_update_and_fetch_accepts_only_floating_mx_arrays():
+    cache = PolicyCache("h2o:budget=8")
+    k = np.zeros((1, 2, 3, 8), np.float32)
+    with pytest.raises(TypeError, match=r"keys must be an mlx.core.array \(got numpy.ndarray\)"):
+        cache.update_and_fetch(k, k)
+    with pytest.raises(TypeError, match=r"keys must have a floating dtype .*got int32"):
+        cache.update_and_fetch(mx.zeros((1, 2, 3, 8), mx.int32), mx.zeros((1, 2, 3, 8)))
+    with pytest.raises(TypeError, match=r"values must have a floating dtype"):
+        cache.update_and_fetch(mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 3, 8), mx.bool_))
+    assert cache.offset == 0 and cache.keys is None
+    cache.update_and_fetch(mx.array(k), mx.array(k))
+    assert cache.offset == 3
+
+
+def test_from_state_with_bad_meta_is_a_clear_error():
+    import json
+
+    from kvpolicy_core import KVPolicyError
+
+    cache = PolicyCache("h2o:budget=8")
+    feed(cache, *random_kv(S=5), (5,))
+    state = list(cache.state)
+    for garbage in ("{garbage", "[1, 2]", "{}", json.dumps({**json.loads(state[4]), "offset": "x"})):
+        with pytest.raises(KVPolicyError, match="meta state"):
+            PolicyCache.from_state((*state[:4], garbage))
+    meta = json.loads(state[4])
+    meta["offset"] = 2
+    with pytest.raises(KVPolicyError, match="offset 2 is below the 5 tokens held"):
+        PolicyCache.from_state((*state[:4], json.dumps(meta)))
+    assert PolicyCache.from_state(tuple(state)).offset == 5
+
+
+def test_a_cache_file_for_another_model_is_refused(tmp_path):
+    two, three = tiny_llama(layers=2), tiny_llama(layers=3)
+    caches = KVCacheBuilder.for_model(two, "h2o:budget=8")
+    two(mx.array([[1, 2, 3, 4]]), cache=caches)
+    save_caches(tmp_path / "c.safetensors", caches)
+    with pytest.raises(CacheFileError, match="2 layers, but the model has 3"):
+        load_caches(tmp_path / "c.safetensors", model=three)
+    with pytest.raises(CacheFileError, match="2 layers, but the model has 3"):
+        load_caches(tmp_path / "c.safetensors", expect_layers=3)
+    assert [c.offset for c in load_caches(tmp_path / "c.safetensors", model=two)] == [4, 4]
+
+
+def test_kv_bits_with_policy_caches_warns_instead_of_being_ignored_silently():
+    from mlx_lm.generate import generate_step
+
+    model = tiny_llama()
+    caches = KVCacheBuilder.for_model(model, "h2o:budget=8")
+    with pytest.warns(RuntimeWarning, match="kv_bits=4 is ignored"):
+        for _, (token, _) in zip(range(3), generate_step(mx.array([1, 2, 3, 4, 5]), model, prompt_cache=caches,
+                                                         kv_bits=4, quantized_kv_start=0)):
+            pass
+    assert all(isinstance(c, PolicyCache) for c in caches) and caches[0].offset >= 6
+
+
+class LazyFailScorer(Scorer):
+    """Scores of the right shape whose graph fails only when MLX evaluates it (a float-index gather)."""
+
+    def on_append(self, view, new_keys, new_positions):
+        idx = mx.zeros(view.scores.shape, mx.float32)
+        return mx.take_along_axis(view.scores, idx, axis=2)
+
+
+class LazyPlugin:
+    @hookimpl
+    def register_scorers(self, register):
+        register("lazy_fail", LazyFailScorer)
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("lazyfail", PolicyConfig, "lazy_fail", "lowest_score", "drop"))
+
+
+def test_a_lazy_error_in_a_part_is_caught_in_the_transaction_and_does_not_poison_the_cache():
+    register_plugin(LazyPlugin(), "lazy")
+    try:
+        cache = PolicyCache("lazyfail:budget=8,n_sink=1,recent=1")
+        keys, values = random_kv(S=4)
+        with pytest.raises(PluginError, match="scorer 'lazy_fail' .* cannot evaluate"):
+            cache.update_and_fetch(keys, values)
+        assert cache.offset == 0 and cache.keys is None  # rolled back, nothing lazy kept
+        good = PolicyCache("h2o:budget=8")
+        feed(good, keys, values, (4,))
+        mx.eval(good.scores)
+    finally:
+        unregister_plugin("lazy")

@@ -55,7 +55,7 @@ def test_all_zero_log_weights_change_nothing_bit_for_bit(make_model, chunks, sig
 
 def test_a_policy_without_log_weights_keeps_no_buffer_and_needs_no_hook():
     K, V = random_kv(S=20)
-    cache = PolicyCache("h2o:budget=8,n_sink=2")
+    cache = PolicyCache("h2o:budget=8,n_sink=2,signal=proxy")
     feed(cache, K, V, [1] * 20)
     assert not cache.uses_log_weights and cache.log_weights is None and not needs_hook([cache])
 

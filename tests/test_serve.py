@@ -16,7 +16,9 @@ from server_kit import Server, save_tiny_model_dir
 
 from kvpolicy_core import attach, detach
 
-METHOD = "cam:budget=8,n_sink=2"
+# Observed signal with v0.1 scoring (no observation window): with the window, two concurrent requests
+# through the server differ from the prompt alone (known, open: see docs/serving.md).
+METHOD = "cam:budget=8,n_sink=2,signal=observed,obs_window=0,pool=1"
 LONG = "the quick brown fox jumps over the lazy dog. hello world, how are you today? " * 3
 
 

@@ -4,14 +4,14 @@ from typing import Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
-from kvpolicy_core.config import PolicyConfig
+from kvpolicy_core.attention_config import AttentionPolicyConfig
 
 
 #: Merges weighted by attention mass: ungated unless ``merge_gate`` is given.
 MASS_MERGES = ("mass", "mass_blend")
 
 
-class CamConfig(PolicyConfig):
+class CamConfig(AttentionPolicyConfig):
     """``method="cam"``; the specification's ``cam_*`` fields without the prefix.
 
     Defaults (issue 15, measured in docs/methods/cam.md): ``merge="mass"``, ``signal="observed"``,
@@ -27,10 +27,6 @@ class CamConfig(PolicyConfig):
     """
 
     merge: Literal["sim_weighted", "mean", "drop", "paper", "mass", "mass_blend"] = Field("mass", description="Merge rule.")
-    signal: Literal["proxy", "observed"] = Field(
-        "observed",
-        description="Score signal: 'observed' the model's real queries (CaM's default); 'proxy' each new key as the query.",
-    )
     merge_gate: bool = Field(
         True,
         validation_alias=AliasChoices("merge_gate", "gate"),

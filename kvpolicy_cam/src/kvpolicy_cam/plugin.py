@@ -26,7 +26,7 @@ def register_methods(register):
         MethodSpec(
             name="cam",
             config_class=CamConfig,
-            scorer="cumulative_attention",
+            scorer=CamConfig.scorer_name.fget,
             selector="lowest_score",
             disposition=_disposition,
             description="CaM: H2O's loser merged into its most similar survivor, weighted by attention mass.",

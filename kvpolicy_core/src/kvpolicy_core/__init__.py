@@ -16,6 +16,7 @@ _EXPORTS = {
     "hookspec": "hookspecs",
     "KVCacheConfig": "config",
     "PolicyConfig": "config",
+    "AttentionPolicyConfig": "attention_config",
     "parse_config": "config",
     "ConfigError": "errors",
     "UnknownMethodError": "errors",

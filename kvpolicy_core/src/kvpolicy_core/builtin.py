@@ -8,6 +8,7 @@ from .hookspecs import hookimpl
 from .parts.cumulative_attention import CumulativeAttentionScorer
 from .parts.drop import DropDisposition
 from .parts.lowest_score import LowestScoreSelector
+from .parts.observation_window import ObservationWindowScorer
 from .parts.random_score import RandomScorer
 from .policy_config import PolicyConfig
 from .registry import MethodSpec
@@ -24,6 +25,7 @@ class RandomConfig(PolicyConfig):
 def register_scorers(register):
     register("cumulative_attention", CumulativeAttentionScorer)
     register("random", RandomScorer)
+    register("observation_window", ObservationWindowScorer)
 
 
 @hookimpl

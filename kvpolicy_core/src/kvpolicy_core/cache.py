@@ -22,6 +22,7 @@ exact after evictions without any re-rotation.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -128,6 +129,16 @@ class PolicyCache(CacheState, CacheDiagnostics):
         if self._slots.log_weights is not None:
             self._slots.log_weights = self._slots.log_weights[..., : self.n]
         return n
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PolicyCache":
+        """mlx-lm's ``kv_bits`` hook (it calls this on each cache that has it): a policy cache is not
+        quantized, so this warns (once per cache) that ``kv_bits`` is ignored and returns the cache itself."""
+        if not getattr(self, "_warned_kv_bits", False):
+            self._warned_kv_bits = True
+            warnings.warn(f"layer {self.layer}: kv_bits={bits} is ignored: kvpolicy's PolicyCache keeps keys and "
+                          "values unquantized (the policy bounds the cache to its budget instead)",
+                          RuntimeWarning, stacklevel=2)
+        return self
 
     def size(self) -> int:
         return self.tokens_kept

@@ -24,6 +24,25 @@ def counters_from_meta(stats) -> Dict[str, mx.array]:
     return {str(k): mx.array(int(v), dtype=mx.int32) for k, v in (stats or {}).items()}
 
 
+def parse_meta(meta_json) -> dict:
+    """The meta JSON as a dict with the keys a cache needs, or a :class:`KVPolicyError` saying what is wrong."""
+    try:
+        meta = json.loads(meta_json)
+    except (TypeError, ValueError) as exc:
+        raise KVPolicyError(f"PolicyCache meta state is not valid JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(meta, dict):
+        raise KVPolicyError(f"PolicyCache meta state must be a JSON object (got {type(meta).__name__})")
+    missing = [k for k in ("config", "offset", "layer", "window") if k not in meta]
+    if missing:
+        raise KVPolicyError(f"PolicyCache meta state lacks {', '.join(missing)}; it was not written by kvpolicy")
+    offset = meta["offset"]
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise KVPolicyError(f"PolicyCache meta state: offset must be an int >= 0 (got {offset!r})")
+    if not isinstance(meta["config"], dict) or not isinstance(meta["config"].get("policy"), dict):
+        raise KVPolicyError("PolicyCache meta state: config must be an object with a policy object")
+    return meta
+
+
 class CacheState:
     """Mixin of :class:`~kvpolicy_core.cache.PolicyCache`: state, meta state and rebuilding."""
 
@@ -61,7 +80,12 @@ class CacheState:
                 self._slots.restore((keys, values, positions, scores, keys.shape[2],
                                      log_weights.astype(mx.float32)))
         if len(v) > 4:
-            meta = json.loads(v[4])
+            meta = parse_meta(v[4])
+            if meta["offset"] < self.n:
+                n = self.n
+                self._slots.restore((None, None, None, None, 0))
+                raise KVPolicyError(f"PolicyCache state: offset {meta['offset']} is below the {n} tokens held; "
+                                    "offset counts every token seen, so it is at least the tokens held")
             self.offset = int(meta["offset"])
             self._counters = {**self._counters, **counters_from_meta(meta.get("stats"))}
 
@@ -94,7 +118,7 @@ class CacheState:
     @classmethod
     def from_meta(cls, meta_json: str):
         """An empty cache with the config, layer, window and head shard recorded in ``meta_json``."""
-        meta = json.loads(meta_json)
+        meta = parse_meta(meta_json)
         data = dict(meta["config"])
         data.update(data.pop("policy"))
         return cls(data, layer=int(meta["layer"]), window=meta["window"],

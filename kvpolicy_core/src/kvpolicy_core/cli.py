@@ -59,7 +59,7 @@ def _load_model(path_arg: Optional[str], dtype: str, parallel: str = "auto"):
     import mlx_lm
 
     from .distributed import describe, load_sharded, world
-    from .model.default import resolve_model_path
+    from .model.resolve import resolve_model_path
 
     want = "float32" if dtype == "auto" else dtype
     path = resolve_model_path(path_arg, "float32" if path_arg is None and want == "float32" else want)
@@ -248,6 +248,10 @@ def cmd_eval(args) -> int:
             item = _with_budget(spec, b)
             if spec_label(item) not in [spec_label(r) for r in runs]:
                 runs.append(item)
+    if args.task != "perplexity":
+        from .tasks.needle import cli_run
+
+        return cli_run(args, runs, _load_model)
     if args.tokens < 2:
         raise CLIError("--tokens must be at least 2")
     try:
@@ -350,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_methods)
 
     def model_args(sp):
-        sp.add_argument("--model", help="local mlx-lm model directory (default: the embedded Gemma 3 270M)")
+        sp.add_argument("--model", help="local mlx-lm model directory, or 'smollm2' (default: the embedded Gemma 3 270M)")
         sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="model dtype (auto: float32 on Linux CPU)")
         sp.add_argument("--parallel", default="auto", choices=["auto", "tensor", "pipeline"],
@@ -370,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(g)
     g.set_defaults(func=cmd_generate)
 
-    e = sub.add_parser("eval", help="perplexity with bounded caches, token by token")
+    e = sub.add_parser("eval", help="perplexity (token by token) or retrieval (--task needle) with bounded caches")
+    e.add_argument("--task", default="perplexity", choices=["perplexity", "needle", "needle-multikey"],
+                   help="perplexity (default) or needle-in-a-haystack retrieval")
     e.add_argument("--method", action="append",
                    help="cache spec (repeatable): a config string, 'full' or 'rotating:budget=N' "
                         f"(default: {' '.join(DEFAULT_COMPARISON)})")
@@ -381,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--file", action="append", help="text file(s) to evaluate (default: pydoc topics)")
     e.add_argument("--json", help="write results (with per-token NLL) to this file, '-' for stdout")
     e.add_argument("--no-progress", action="store_true")
+    from .tasks import add_needle_arguments
+
+    add_needle_arguments(e)
     model_args(e)
     e.set_defaults(func=cmd_eval)
 

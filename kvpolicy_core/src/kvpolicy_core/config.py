@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
 from .errors import ConfigError
 from .plugins import get_registry
@@ -44,7 +44,8 @@ class KVCacheConfig(BaseModel):
 
     method: str = Field(description="Registered method name, e.g. 'h2o' or 'cam'.")
     head_dim: Optional[int] = Field(None, ge=1, description="Expected head dimension; checked against the model.")
-    seed: int = Field(0, description="Seed of every random draw (merge gates); same seed, same result.")
+    seed: int = Field(0, ge=0, le=2**64 - 1,
+                      description="Seed of every random draw (merge gates), in [0, 2**64 - 1]; same seed, same result.")
     layers: Literal["all", "unbounded"] = Field(
         "all", description="'all' layers, or only layers whose native cache is unbounded."
     )
@@ -55,6 +56,13 @@ class KVCacheConfig(BaseModel):
             super().__init__(**(data if _typed(data) else get_registry().resolve(data)))
         except ValidationError as exc:
             raise ConfigError(format_errors(exc, "")) from None
+
+    @field_validator("seed", "head_dim", mode="before")
+    @classmethod
+    def _no_bools(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic would take True as 1
+            raise ValueError("must be an integer, not a bool")
+        return value
 
     def __getattr__(self, name: str):
         policy = self.__dict__.get("policy")
@@ -138,6 +146,10 @@ def parse_config_string(text: str) -> Dict[str, Any]:
             raise ConfigError(f"config string {text!r}: item {i} {item.strip()!r} is not key=value")
         if key in out:
             raise ConfigError(f"config string {text!r}: {key!r} is given twice")
+        digits = value.lstrip("+-")
+        if digits.isdigit() and len(digits) > 20:  # beyond 64 bits: a range error, not float('inf')
+            raise ConfigError(f"{key}: {value[:8]}... ({len(digits)} digits) is out of range; "
+                              "integer fields hold at most 64-bit values")
         out[key] = _coerce(value)
     return out
 

@@ -126,12 +126,19 @@ def _write_atomically(path: Path, arrays: Dict[str, mx.array], metadata: Dict[st
             os.close(dfd)
 
 
-def load_caches(path, *, shard: Optional[Tuple[int, int]] = None) -> List[Any]:
+def load_caches(path, *, shard: Optional[Tuple[int, int]] = None, model=None,
+                expect_layers: Optional[int] = None) -> List[Any]:
     """Read caches written by :func:`save_caches`; raises :class:`CacheFileError` on any damage.
 
     ``shard`` = (rank, world size), default this process's: the file read is ``path``'s rank
-    file, and a file saved by another rank or world size is refused.
+    file, and a file saved by another rank or world size is refused. ``model`` (the caches'
+    model: one cache per entry of its ``make_prompt_cache``) or ``expect_layers``: a file with
+    another number of layers is refused instead of failing (or silently misaligning) in generation.
     """
+    if model is not None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        expect_layers = len(make_prompt_cache(model))
     base, shard = Path(path), resolve_shard(shard)
     path = rank_path(base, shard)
     if not path.is_file():
@@ -150,6 +157,9 @@ def load_caches(path, *, shard: Optional[Tuple[int, int]] = None) -> List[Any]:
     if _digest(arrays, covered) != header.get("sha256"):
         raise CacheFileError(f"{path}: checksum mismatch: the file was modified or corrupted")
     check_shard(path, header.get("shard"), shard, CacheFileError)
+    if expect_layers is not None and len(header["layers"]) != expect_layers:
+        raise CacheFileError(f"{path}: holds caches for {len(header['layers'])} layers, but the model has "
+                             f"{expect_layers}: these caches belong to another model")
     caches = []
     for i, entry in enumerate(header["layers"]):
         get = lambda name: arrays.get(f"{i}.{name}")  # noqa: E731

@@ -77,7 +77,7 @@ def build_plugin_manager(registry: Registry) -> PluginManager:
             pm.register_from(module, ep.name, dist_name, version)
         except Exception as exc:
             message = (
-                f"kvpolicy: skipping plugin {ep.name!r} ({ep.value}"
+                f"kvpolicy: {'plugin' if strict_plugins() else 'skipping plugin'} {ep.name!r} ({ep.value}"
                 f"{', from ' + dist_name if dist_name else ''}): failed to load: "
                 f"{type(exc).__name__}: {exc}"
             )

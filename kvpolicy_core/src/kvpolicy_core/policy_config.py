@@ -55,11 +55,16 @@ class PolicyConfig(BaseModel):
         return self
 
 
-def format_errors(exc: ValidationError, prefix: str) -> str:
+def format_errors(exc: ValidationError, prefix: str, written: Optional[Mapping[str, str]] = None) -> str:
+    """pydantic's errors as one line; ``written`` maps field names to the key the user wrote."""
     parts = []
+    written = written or {}
     for err in exc.errors():
         loc = ".".join(str(x) for x in err["loc"]) if err["loc"] else ""
-        field = f"{prefix}{loc}" if loc else prefix.rstrip("_.") or "config"
+        if loc in written:
+            loc, field = loc, written[loc]
+        else:
+            field = f"{prefix}{loc}" if loc else prefix.rstrip("_.") or "config"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] in ("extra_forbidden",):
             parts.append(f"{field}: unknown field")
@@ -67,6 +72,45 @@ def format_errors(exc: ValidationError, prefix: str) -> str:
         shown = err.get("input")
         parts.append(f"{field}: {msg} (got {shown!r})" if err["type"] != "value_error" else f"{field}: {msg}")
     return "; ".join(parts)
+
+
+#: Integer fields hold at most a signed 64-bit value (MLX and JSON round trips need it).
+INT_RANGE = (-(2**63), 2**63 - 1)
+
+
+def _int_field(annotation) -> bool:
+    """Whether a field's annotation is int or Optional[int] (and not bool)."""
+    args = getattr(annotation, "__args__", None)
+    return annotation is int or (args is not None and int in args and bool not in args)
+
+
+def reject_bad_ints(config_class, data: Mapping[str, Any], where: str) -> None:
+    """Integer fields: a bool is not an integer (pydantic would take True as 1) and the value must fit
+    in 64 bits. ``data`` is keyed by the names the user wrote (aliases included)."""
+    ints = set()
+    for name, field in config_class.model_fields.items():
+        if _int_field(field.annotation):
+            ints.add(name)
+            alias = field.validation_alias
+            ints.update(a for a in getattr(alias, "choices", [alias]) if isinstance(a, str))
+    for key, value in data.items():
+        if key not in ints:
+            continue
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}{key}: must be an integer, not a bool (got {value!r})")
+        if isinstance(value, int) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
+            raise ConfigError(f"{where}{key}: must be an integer in [{INT_RANGE[0]}, {INT_RANGE[1]}] "
+                              f"(got a {value.bit_length()}-bit number)")
+
+
+def canonical_names(config_class) -> dict:
+    """Every accepted name of a policy config class's fields (aliases included) -> the field's name."""
+    out = {}
+    for name, field in config_class.model_fields.items():
+        out[name] = name
+        alias = field.validation_alias
+        out.update({a: name for a in getattr(alias, "choices", [alias]) if isinstance(a, str)})
+    return out
 
 
 def reject_non_finite(data: Mapping[str, Any], where: str) -> None:

@@ -38,6 +38,10 @@ class PolicyStep:
         # selectors on the 0.2.0 form rank; Selector.select then puts window-dead slots first
         self.ranked_selection = getattr(sel, "select", None) is Selector.select
         self._warned = False
+        #: the first score updates are evaluated on the spot, so that a scorer whose output only fails when
+        #: MLX evaluates it (e.g. a gather with float indices) is caught inside the transaction (prefill and
+        #: the first decode steps, where a sync costs nothing noticeable); later steps add no host sync
+        self.eager_checks = 4
 
     def counter_names(self) -> Dict[str, str]:
         """Counters the parts declare through ``stats()`` (name -> meaning)."""
@@ -79,7 +83,19 @@ class PolicyStep:
                 f"layer {self.layer}: {self.policy.owners['scorer']} returned scores of shape "
                 f"{getattr(scores, 'shape', type(scores).__name__)}, expected {tuple(shape)}"
             )
-        return mx.nan_to_num(scores.astype(mx.float32), nan=0.0)
+        scores = mx.nan_to_num(scores.astype(mx.float32), nan=0.0)
+        if self.eager_checks > 0:
+            self.eager_checks -= 1
+            self.evaluated("scorer", "scores", scores)
+        return scores
+
+    def evaluated(self, kind: str, what: str, *arrays) -> None:
+        """Evaluate ``arrays`` now; an error MLX raises only at evaluation becomes a PluginError naming the part."""
+        try:
+            mx.eval(*arrays)
+        except Exception as exc:
+            raise PluginError(f"layer {self.layer}: {self.policy.owners[kind]} returned {what} that MLX cannot "
+                              f"evaluate: {type(exc).__name__}: {exc}") from exc
 
     def on_append(self, view: CacheView, keys: mx.array, new_positions: mx.array) -> mx.array:
         return self.scores(self.call("scorer", self.policy.scorer.on_append, view, keys, new_positions),
@@ -89,12 +105,14 @@ class PolicyStep:
         return self.scores(self.call("scorer", self.policy.scorer.on_attention, view, queries, scale, mask),
                            view.scores.shape)
 
-    def _indices(self, kind: str, what: str, idx, shape: Tuple[int, ...], L: int, distinct: bool) -> mx.array:
+    def _indices(self, kind: str, what: str, idx, shape: Tuple[int, ...], L: int, distinct: bool,
+                 also=()) -> mx.array:
         """Check slot indices a part returned before anything gathers or scatters with them.
 
         MLX does not bounds-check gathers and scatters, so an index outside [0, L) would corrupt
         memory. Checked: an integer mx.array of ``shape``, every entry in [0, L), and (``distinct``)
-        no repeats per (batch, head) row; one host sync on a few vectorised reductions.
+        no repeats per (batch, head) row; ``also``: further (bool mx.array, rule) checks folded
+        into the same host sync. One host sync on a few vectorised reductions.
         """
         owner = f"layer {self.layer}: {self.policy.owners[kind]}"
         if not isinstance(idx, mx.array) or tuple(idx.shape) != tuple(shape):
@@ -108,16 +126,38 @@ class PolicyStep:
         if distinct and shape[-1] > 1:
             ordered = mx.sort(idx, axis=-1)
             bad = bad | mx.any(ordered[..., 1:] == ordered[..., :-1])
+        checks = [(c(idx) if callable(c) else c, rule) for c, rule in also]
+        in_range = bad
+        for flag, _ in checks:
+            bad = bad | flag
+        self.evaluated(kind, what, bad)
         if bad.item():
-            rule = "in [0, L) and distinct per (batch, head)" if distinct else "in [0, L)"
-            raise PluginError(f"{owner} returned {what} outside the cache: each must be {rule}, with L = {L}")
+            if in_range.item():  # the error path: find which rule was broken
+                rule = "in [0, L) and distinct per (batch, head)" if distinct else "in [0, L)"
+                raise PluginError(f"{owner} returned {what} outside the cache: each must be {rule}, with L = {L}")
+            raise PluginError(f"{owner} returned {next(rule for flag, rule in checks if flag.item())}")
         return idx
 
     def losers(self, view: CacheView, n_evict: int) -> mx.array:
-        """[B, H, n_evict] int32: window-dead slots first, then the selector's choice."""
+        """[B, H, n_evict] int32: window-dead slots first, then the selector's choice.
+
+        Besides the index checks, no loser may be a sink (position < n_sink) unless it is
+        window-dead: the contract of ``n_sink``, checked in the same host sync.
+        """
         losers = self.call("selector", self.policy.selector.select, view, n_evict)
         L = view.scores.shape[-1]
-        losers = self._indices("selector", "losers", losers, (*view.scores.shape[:2], n_evict), L, distinct=True)
+        n_sink = getattr(self.policy.config.policy, "n_sink", 0)
+
+        def sinks(idx):
+            safe = mx.clip(idx, 0, L - 1)  # evaluated before the range check: keep the gather in bounds
+            sink = mx.take_along_axis(view.positions, safe, axis=2) < n_sink
+            if view.dead is not None:
+                sink = sink & ~mx.take_along_axis(view.dead, safe, axis=2)
+            return mx.any(sink)
+
+        also = [(sinks, f"losers that include a sink (position < n_sink = {n_sink}); sinks are never evicted")]
+        losers = self._indices("selector", "losers", losers, (*view.scores.shape[:2], n_evict), L, distinct=True,
+                               also=also if n_sink > 0 else ())
         if view.dead is not None and not self.ranked_selection:
             losers = dead_first(view.dead, losers, n_evict)
         return losers
@@ -129,7 +169,7 @@ class PolicyStep:
         if update is None:
             return None, {}
         update = self._checked_update(view, update)
-        counts = dict(update.stats or {})
+        counts = self._counts(update.stats)
         if update.draws is not None or update.merges is not None:
             if not self._warned:
                 self._warned = True
@@ -138,10 +178,28 @@ class PolicyStep:
                     "kvpolicy 0.2.0; return MergeUpdate(..., stats={'gate_draws': ..., 'merges': ...})",
                     DeprecationWarning, stacklevel=2,
                 )
-            for name, value in (("gate_draws", update.draws), ("merges", update.merges)):
-                if value is not None:
-                    counts.setdefault(name, value)
+            for name, value in self._counts({"gate_draws": update.draws, "merges": update.merges}).items():
+                counts.setdefault(name, value)
         return update, counts
+
+    def _counts(self, stats) -> Counters:
+        """A disposition's counters as int32 scalars: each an int or a one-element numeric mx.array."""
+        owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
+        if stats is None:
+            return {}
+        if not isinstance(stats, dict):
+            raise PluginError(f"{owner} returned stats of type {type(stats).__name__}, expected a dict name -> count")
+        out: Counters = {}
+        for name, value in stats.items():
+            if value is None:
+                continue
+            ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+                isinstance(value, mx.array) and value.size == 1 and value.dtype != mx.complex64)
+            if not ok:
+                raise PluginError(f"{owner} returned counter {name!r} = {value!r} of type {type(value).__name__}; "
+                                  "expected an int or a one-element mx.array")
+            out[str(name)] = mx.array(value).astype(mx.int32).reshape(())
+        return out
 
     def _checked_update(self, view: CacheView, u) -> MergeUpdate:
         """A disposition's MergeUpdate checked: targets in range, deltas shaped like their rows."""
@@ -159,7 +217,28 @@ class PolicyStep:
         if u.d_log_weights is not None and view.log_weights is None:
             raise PluginError(f"{owner} returned d_log_weights, but its uses_log_weights is False "
                               "(the cache keeps no log-weights)")
-        targets = self._indices("disposition", "merge targets", u.targets, (B, H, max(T, 0)), L, distinct=False)
+        if u.stats is not None and not isinstance(u.stats, dict):
+            raise PluginError(f"{owner} returned stats of type {type(u.stats).__name__}, expected a dict")
+        deltas = [(name, x) for name, x in (("d_keys", u.d_keys), ("d_values", u.d_values), ("d_scores", u.d_scores))
+                  if x is not None]
+        for name, x in deltas:
+            if not (mx.issubdtype(x.dtype, mx.floating) or mx.issubdtype(x.dtype, mx.integer)):
+                raise PluginError(f"{owner} returned {name} of dtype {x.dtype}, expected a real dtype")
+        rows = {"d_keys": view.keys, "d_values": view.values, "d_scores": view.scores}
+
+        def contaminates(x, base):
+            """Whether a delta is non-finite where its target row is finite (a token already non-finite
+            may stay so: it cannot contaminate more than itself)."""
+            def check(idx):
+                safe = mx.clip(idx, 0, L - 1)  # evaluated before the range check: keep the gather in bounds
+                target = mx.take_along_axis(base, safe[..., None] if base.ndim == 4 else safe, axis=2)
+                return mx.any(~mx.isfinite(x) & mx.isfinite(target))
+            return check
+
+        also = [(contaminates(x, rows[name]), f"{name} with non-finite values (NaN or inf) for finite survivors; "
+                 "deltas must be finite") for name, x in deltas if mx.issubdtype(x.dtype, mx.floating)]
+        targets = self._indices("disposition", "merge targets", u.targets, (B, H, max(T, 0)), L, distinct=False,
+                                also=also)
         if u.d_log_weights is not None:
             # finite without a host sync: NaN adds 0, +-inf and huge values are clipped (see LOG_WEIGHT_BOUND)
             d = mx.nan_to_num(u.d_log_weights.astype(mx.float32), nan=0.0)

@@ -14,7 +14,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 from pydantic import BaseModel, ValidationError
 
 from .errors import ConfigError, PluginError, UnknownMethodError
-from .policy_config import COMMON_FIELDS, PolicyConfig, format_errors, policy_field_names, reject_non_finite
+from .policy_config import (
+    COMMON_FIELDS, PolicyConfig, canonical_names, format_errors, policy_field_names, reject_bad_ints, reject_non_finite,
+)
 
 PartName = Union[str, Callable[[Any], str]]
 
@@ -73,11 +75,13 @@ class Registry:
         table = self.parts[kind]
         if not isinstance(name, str) or not name.isidentifier():
             raise PluginError(f"plugin {plugin!r} registered a {kind[:-1]} with an invalid name {name!r}")
-        if name in table:
-            other = table[name].plugin
+        if name in table:  # the first registrant (shipped plugins register first) keeps the name
+            other = table[name]
             message = (
-                f"{kind[:-1]} {name!r} is registered twice: by plugin {other!r} and by plugin {plugin!r}; "
-                "uninstall one, or block one with KVPOLICY_BLOCK_PLUGINS"
+                f"{kind[:-1]} {name!r} is registered twice: plugin {plugin!r}{_from(dist)} tried to take the "
+                f"name, which plugin {other.plugin!r}{_from(other.dist)} already registered; {other.plugin!r} "
+                f"keeps it and {plugin!r}'s {kind} are not registered (rename them in {plugin!r}, or block it "
+                "with KVPOLICY_BLOCK_PLUGINS)"
             )
             self.conflicts[f"{kind}:{name}"] = message
             raise PluginError(message)
@@ -87,8 +91,6 @@ class Registry:
     def method(self, name: str) -> MethodSpec:
         """The method called ``name``, or an error listing the installed ones."""
         table = self.parts["methods"]
-        if f"methods:{name}" in self.conflicts:
-            raise PluginError(self.conflicts[f"methods:{name}"])
         if name not in table:
             installed = ", ".join(sorted(table)) or "none"
             raise UnknownMethodError(
@@ -121,23 +123,31 @@ class Registry:
             raise ConfigError(f"policy: expected a {spec.config_class.__name__} or a dict (got {policy!r})")
         prefix = method + "_"
         known = policy_field_names(spec.config_class)
+        canonical = canonical_names(spec.config_class)
+        written = {canonical.get(name, name): name for name in fields}  # field -> the key the user wrote
+        if len(written) < len(fields):
+            raise ConfigError(f"policy: a field is given twice under two of its names ({', '.join(fields)})")
         for key in list(data):
             if key in COMMON_FIELDS:
                 continue
             name = key[len(prefix) :] if key.startswith(prefix) else key
-            if name in fields:
-                raise ConfigError(f"{key}: the field {name!r} is given twice (bare and as {prefix}{name}, or in policy)")
+            field = canonical.get(name, name)
+            if field in written:
+                raise ConfigError(f"{key}: the field {field!r} is given twice (as {written[field]!r} and as "
+                                  f"{key!r}: bare, prefixed, aliased or in policy)")
             if key.startswith(prefix) or key in known:
                 fields[name] = data.pop(key)
+                written[field] = name
             else:
                 allowed = ", ".join(list(COMMON_FIELDS) + sorted(prefix + f for f in spec.config_class.model_fields))
                 raise ConfigError(f"{key}: unknown field for method {method!r}; accepted fields: {allowed}")
         reject_non_finite(fields, prefix)
         reject_non_finite({k: v for k, v in data.items() if k != "method"}, "")
+        reject_bad_ints(spec.config_class, fields, prefix)
         try:
             data["policy"] = spec.config_class(**fields)
-        except ValidationError as exc:
-            raise ConfigError(format_errors(exc, prefix)) from None
+        except ValidationError as exc:  # errors name the field as the user wrote it (an alias stays an alias)
+            raise ConfigError(format_errors(exc, prefix, {f: prefix + n for f, n in written.items()})) from None
         return data
 
     def part(self, kind: str, name: str):
@@ -150,6 +160,14 @@ class Registry:
 
     def methods(self) -> Dict[str, Registered]:
         return dict(self.parts["methods"])
+
+
+def _from(dist: Optional[str]) -> str:
+    return f" (from {dist})" if dist else ""
+
+
+#: The distributions shipped together; their plugins register before any third-party plugin.
+SHIPPED = ("kvpolicy-core", "kvpolicy-h2o", "kvpolicy-cam")
 
 
 def _check_method(spec: Any, plugin: str) -> None:
@@ -173,13 +191,17 @@ def _check_method(spec: Any, plugin: str) -> None:
 def fill(registry: Registry, pm, strict: bool) -> None:
     """Call every plugin's registration hooks, one plugin at a time.
 
-    A plugin whose hook raises, or that registers something invalid, is reported
-    (warning, or :class:`PluginError` when ``strict``) and its registrations of
-    that kind are rolled back; the other plugins carry on.
+    A plugin whose hook raises, or that registers something invalid or a name another
+    plugin already registered, is reported (warning, or :class:`PluginError` when
+    ``strict``) and its own registrations of that kind are rolled back; the other plugins
+    carry on. Shipped plugins (:data:`SHIPPED`) register first, so a name clash never takes a
+    shipped method's name away (the intruder is the one reported and rolled back).
     """
     for kind in KINDS:
         caller = getattr(pm.hook, f"register_{kind}")
-        for impl in reversed(caller.get_hookimpls()):  # registration order
+        impls = list(reversed(caller.get_hookimpls()))  # registration order, shipped plugins first
+        impls.sort(key=lambda impl: pm.dist_of(impl.plugin_name)[0] not in SHIPPED)
+        for impl in impls:
             plugin = impl.plugin_name
             dist, version = pm.dist_of(plugin)
             added: List[str] = []

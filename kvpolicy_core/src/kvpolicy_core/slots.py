@@ -46,7 +46,18 @@ class SlotStore:
                 self.log_weights = mx.zeros(self.scores.shape, mx.float32)
 
     def check_input(self, keys: mx.array, values: mx.array, layer: int) -> None:
-        """Raise ValueError unless keys/values [B, H, S, D(v)] fit these buffers (same B, H, D, Dv, dtype)."""
+        """Raise ValueError unless keys/values [B, H, S, D(v)] fit these buffers (same B, H, D, Dv, dtype).
+
+        Only ``mx.array`` of a floating dtype is accepted (TypeError otherwise): mlx-lm always passes
+        those, and a numpy array or integer keys would be silently converted or rounded.
+        """
+        for name, x in (("keys", keys), ("values", values)):
+            if not isinstance(x, mx.array):
+                raise TypeError(f"layer {layer}: {name} must be an mlx.core.array (got {type(x).__module__}."
+                                f"{type(x).__name__}); convert with mx.array(...)")
+            if not mx.issubdtype(x.dtype, mx.floating):
+                raise TypeError(f"layer {layer}: {name} must have a floating dtype (float32, float16 or bfloat16; "
+                                f"got {str(x.dtype).removeprefix('mlx.core.')})")
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(
                 f"layer {layer}: keys and values must be [B, H, S, D] with equal B, H, S "

@@ -87,8 +87,10 @@ def tiny_model(family: str, seed: int = 0, **overrides: Any):
     return model
 
 
-#: The configs of the support matrix: default H2O and CaM (small budget) and the observed signal.
-MATRIX_CONFIGS = ("h2o:budget=16,n_sink=2", "cam:budget=16,n_sink=2", "h2o:budget=16,n_sink=2,signal=observed")
+#: The configs of the support matrix: default H2O and CaM (small budget; since 0.2 the observed signal with
+#: the observation window, which needs the attention hook) and both with the proxy signal (no hook).
+MATRIX_CONFIGS = ("h2o:budget=16,n_sink=2", "cam:budget=16,n_sink=2",
+                  "h2o:budget=16,n_sink=2,signal=proxy", "cam:budget=16,n_sink=2,signal=proxy")
 
 
 def run_family(family: str, config: str) -> str:

@@ -1,7 +1,7 @@
-"""H2O's configuration: the shared budget fields, nothing else."""
+"""H2O's configuration: the shared budget fields and the attention scorer's fields."""
 
-from kvpolicy_core.config import PolicyConfig
+from kvpolicy_core.attention_config import AttentionPolicyConfig
 
 
-class H2OConfig(PolicyConfig):
-    """``method="h2o"``: budget, n_sink, recent, signal (see :class:`PolicyConfig`)."""
+class H2OConfig(AttentionPolicyConfig):
+    """``method="h2o"``: budget, n_sink, recent, signal, obs_window, pool (see :class:`AttentionPolicyConfig`)."""

@@ -11,7 +11,7 @@ def register_methods(register):
         MethodSpec(
             name="h2o",
             config_class=H2OConfig,
-            scorer="cumulative_attention",
+            scorer=H2OConfig.scorer_name.fget,
             selector="lowest_score",
             disposition="drop",
             description="H2O: evict the lowest cumulative attention mass outside sinks and a recent window; drop it.",

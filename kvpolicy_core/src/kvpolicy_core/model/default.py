@@ -91,12 +91,22 @@ def ensure_default_model(dtype: str = "float32", quiet: bool = False) -> Path:
     from .gguf_convert import convert
 
     gguf_path = pkg.assemble(cache_root() / "gguf" / pkg.MODEL_NAME)  # checks the sha256
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=target.parent))
-    try:
+
+    def build(tmp: Path) -> dict:
         convert(gguf_path, tmp, dtype=dtype)
-        checks = verify(tmp)
-        info = {"source": pkg.MODEL_NAME, "source_sha256": pkg.EXPECTED_SHA256, "dtype": dtype, **checks}
+        return {"source": pkg.MODEL_NAME, "source_sha256": pkg.EXPECTED_SHA256, "dtype": dtype, **verify(tmp)}
+
+    return build_into(target, build)
+
+
+def build_into(target: Path, build) -> Path:
+    """Run ``build(tmp)`` (convert into ``tmp``, verify, return the stamp dict) in a temporary
+    sibling of ``target``, write the stamp and rename it over ``target``: a failed or interrupted
+    conversion never leaves a half-written model where a finished one is expected."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        info = build(tmp)
         (tmp / STAMP).write_text(json.dumps(info, indent=2))
         if target.exists():
             shutil.rmtree(target)

@@ -130,6 +130,13 @@ def build_tokenizer(reader, out_dir: Path) -> None:
         "token_type": list(arr("token_type")),
     }
     tok = add_gguf_special_tokens(gemma_tokenizer(tdict), tdict)
+    apply_special_tokens(tok, arr, tokens)
+    tok.add_eos_token = bool(arr("add_eos_token"))
+    tok.save_pretrained(str(out_dir))
+
+
+def apply_special_tokens(tok, arr, tokens) -> None:
+    """Set bos/eos/unk/pad from the GGUF's ``tokenizer.ggml.*_token_id`` keys (``arr(key)`` reads one)."""
     special = {}
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
@@ -138,12 +145,16 @@ def build_tokenizer(reader, out_dir: Path) -> None:
             special[name] = tokens[int(idx)]
     tok.add_special_tokens(special)
     tok.add_bos_token = bool(arr("add_bos_token"))
-    tok.add_eos_token = bool(arr("add_eos_token"))
-    tok.save_pretrained(str(out_dir))
 
 
 def convert(gguf_path, out_dir, dtype: str = "float32") -> Path:
     """Write ``config.json``, ``model.safetensors`` and the tokenizer to ``out_dir``."""
+    return write_converted(gguf_path, out_dir, dtype, read_config, iter_weights, build_tokenizer)
+
+
+def write_converted(gguf_path, out_dir, dtype, read_config, iter_weights, build_tokenizer) -> Path:
+    """Convert with one architecture's three readers: ``read_config(reader) -> dict``,
+    ``iter_weights(reader, np_dtype) -> (mlx name, array)``, ``build_tokenizer(reader, out_dir)``."""
     import mlx.core as mx
     from gguf import GGUFReader
 

@@ -1,0 +1,47 @@
+"""Growth of retained values under CaM's merges over a long decode (issue 13): max |V| of the retained
+values of every layer at checkpoints, for merge="paper" (the paper's unnormalised additive spread),
+"sim_weighted" (kvpolicy's adaptation) and "drop" (no merging: the model's own value scale), side by side
+in one run on the tiny random-weight llama (greedy decoding of its own output). Writes
+benchmarks/results/paper_merge_growth.json.
+
+    .venv/bin/python benchmarks/paper_merge_growth.py [--steps 4000] [--budget 64]
+"""
+import argparse
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from kvpolicy_core import KVCacheBuilder
+from kvpolicy_core.testing import tiny_llama
+
+
+def run(merge: str, steps: int, budget: int, checkpoints):
+    model = tiny_llama(layers=2)
+    caches = KVCacheBuilder.for_model(model, f"cam:budget={budget},merge={merge},seed=1")
+    token = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+    out = {}
+    for step in range(1, steps + 1):
+        logits = model(token, cache=caches)
+        token = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(token)
+        if step in checkpoints:
+            out[step] = max(float(mx.abs(c.retained()[1]).max()) for c in caches)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--budget", type=int, default=64)
+    args = ap.parse_args()
+    checkpoints = sorted({s for s in (250, 1000, 2000, args.steps) if s <= args.steps})
+    res = {m: run(m, args.steps, args.budget, checkpoints) for m in ("paper", "sim_weighted", "drop")}
+    for m, r in res.items():
+        print(f"{m:>13}: " + ", ".join(f"{s} steps max|V| {v:.2f}" for s, v in r.items()))
+    path = Path(__file__).parent / "results" / "paper_merge_growth.json"
+    path.write_text(json.dumps({"steps": args.steps, "budget": args.budget, "max_abs_v": res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

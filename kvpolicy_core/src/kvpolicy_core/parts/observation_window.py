@@ -1,0 +1,121 @@
+"""Observation-window scorer (SnapKV's prompt scoring), shared by H2O and CaM.
+
+A prompt chunk is scored by the attention its *last* ``W`` queries pay to every token
+(SnapKV's observation window: when the question ends the prompt, these are the queries
+that ask it), max-pooled over ``P`` neighbouring positions so that a span the question
+needs (a number, a name) is kept or lost as a whole. Decode steps (one query) add that
+query's attention, as H2O does.
+
+It only knows the question if the question is in the same chunk as the window: with
+chunked prefill, every chunk before the last one is scored by its own last ``W``
+queries, which have not seen the question (see docs/methods/h2o.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from .attention_scorer import AttentionScorer, observed_weights, proxy_weights
+from .base import CacheView
+
+
+def window_rows(mask, S: int, W: int):
+    """The mask rows of the last ``W`` of ``S`` queries (masks as mlx-lm passes them).
+
+    ``None`` and ``"causal"`` stay as they are ("causal" means queries at the end of
+    the keys, which the last ``W`` queries are); arrays ``[..., S, L]`` keep their
+    last ``W`` rows (a row axis of size 1 broadcasts and is kept).
+    """
+    if mask is None or isinstance(mask, str) or W >= S:
+        return mask
+    return mask[..., -W:, :] if mask.shape[-2] == S else mask
+
+
+def pool_by_position(x: mx.array, positions: mx.array, P: int) -> mx.array:
+    """Max over each slot's ``P`` nearest retained neighbours in position order.
+
+    x [B, H, L] float32, positions [B, H, L] int32 (distinct per row, any slot order),
+    ``P`` odd. With r = (P - 1) / 2 and slots sorted by position (rank ``i``)::
+
+        y_(i) = max_{|k - i| <= r} x_(k)
+
+    Neighbours are the nearest *retained* tokens: after evictions they may be further
+    apart than r positions. ``P == 1`` returns ``x``.
+    """
+    if P <= 1:
+        return x
+    r = (P - 1) // 2
+    L = x.shape[-1]
+    order = mx.argsort(positions, axis=-1)
+    xs = mx.take_along_axis(x, order, axis=-1)
+    pad = mx.full((*x.shape[:-1], r), -math.inf, dtype=x.dtype)
+    padded = mx.concatenate([pad, xs, pad], axis=-1)
+    pooled = xs
+    for k in range(P):  # P shifted views (P is a small constant), not a loop over tokens
+        if k != r:
+            pooled = mx.maximum(pooled, padded[..., k : k + L])
+    return mx.put_along_axis(mx.zeros_like(x), order, pooled, axis=-1)
+
+
+class ObservationWindowScorer(AttentionScorer):
+    """Scores from the last ``W`` queries of each step, max-pooled over ``P`` positions.
+
+    For a step with S new tokens, queries ``q_{g,i}`` (G query heads per KV head h) and
+    the rows ``I = {S - min(W, S), ..., S - 1}`` (the observation window)::
+
+        a_{h,j} = sum_{g in group(h)} sum_{i in I} softmax_j( q_{g,i} . k_j * scale + mask_ij )
+        s_{h,j} += pool_P(a_h)_j          if S > 1   (prefill chunks)
+        s_{h,j} += a_{h,j}                if S == 1  (decode: H2O's accumulation)
+
+    ``pool_P`` is :func:`pool_by_position`. New tokens enter with 0 and receive their
+    own step's mass. ``signal="proxy"`` uses the new keys as the queries (over earlier
+    positions only, as the cumulative proxy does) and needs no attention hook.
+    ``W = 0`` means every row; with ``W = 0, P = 1`` this is exactly
+    :class:`~kvpolicy_core.parts.cumulative_attention.CumulativeAttentionScorer`.
+
+    Shapes: queries [B, Hq, S, D], cached keys [B, H, L, D], scores [B, H, L].
+    """
+
+    default_signal = "observed"
+
+    def __init__(self, signal: str = None, window: int = 32, pool: int = 7) -> None:
+        super().__init__(signal)
+        if window < 0:
+            raise ValueError(f"obs_window must be >= 0 (got {window})")
+        if pool < 1 or pool % 2 == 0:
+            raise ValueError(f"pool must be an odd integer >= 1 (got {pool})")
+        self.window, self.pool = window, pool
+
+    @classmethod
+    def from_config(cls, config) -> "ObservationWindowScorer":
+        return cls(signal=config.signal, window=getattr(config, "obs_window_rows", 32), pool=getattr(config, "pool_width", 7))
+
+    def _rows(self, S: int) -> int:
+        return S if self.window == 0 else min(self.window, S)
+
+    def combine(self, scores: mx.array, weights: mx.array) -> mx.array:
+        """Unpooled accumulation (a decode step): scores [B, H, L] + weights [B, H, G, S, L] summed."""
+        return scores + weights.sum(axis=(2, 3))
+
+    def _add(self, view: CacheView, weights: mx.array, S: int) -> mx.array:
+        if S == 1:
+            return self.combine(view.scores, weights)
+        return view.scores + pool_by_position(weights.sum(axis=(2, 3)), view.positions, self.pool)
+
+    def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
+        if self.signal != "proxy":
+            return view.scores
+        S = new_keys.shape[2]
+        W = self._rows(S)
+        weights = proxy_weights(view.keys, view.positions, new_keys[:, :, S - W :], new_positions[S - W :])
+        return self._add(view, weights, S)
+
+    def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:
+        if self.signal != "observed":
+            return view.scores
+        S = queries.shape[2]
+        W = self._rows(S)
+        weights = observed_weights(queries[:, :, S - W :], view.keys, scale, window_rows(mask, S, W))
+        return self._add(view, weights, S)

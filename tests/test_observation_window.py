@@ -1,0 +1,85 @@
+"""Observation-window scorer: its equation against a slow reference, pooling, and the config that selects it."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from helpers import random_kv
+from kvpolicy_core import ConfigError, KVCacheBuilder, PolicyCache, parse_config
+from kvpolicy_core.parts.observation_window import ObservationWindowScorer, pool_by_position
+from kvpolicy_core.policy import build_policy
+from reference import reference_window
+from test_h2o import as_dicts, assert_same, drive
+
+CHUNKS = [[24], [9, 1, 1, 1, 6, 1, 5], [16, 8], [3, 17, 1, 3]]
+
+
+@pytest.mark.parametrize("chunks", CHUNKS)
+@pytest.mark.parametrize("W,P", [(4, 3), (0, 5), (32, 1), (6, 7)])
+def test_observed_window_scores_and_evictions_match_the_reference(chunks, W, P):
+    K, V = random_kv(B=2, H=2, S=24, D=8, seed=21)
+    Q = mx.random.normal((2, 6, 24, 8), key=mx.random.key(22))  # 3 query heads per KV head
+    scale = 1 / math.sqrt(8)
+    spec = f"h2o:budget=10,n_sink=2,recent=2,signal=observed,obs_window={W},pool={P}"
+    cache = drive(PolicyCache(spec), K, V, chunks, Q, scale)
+    want = reference_window(np.array(K), chunks, 10, 2, 2, W, P, Q=np.array(Q), scale=scale)
+    assert_same(as_dicts(cache), want)
+
+
+@pytest.mark.parametrize("chunks", CHUNKS[1:])
+def test_proxy_window_scores_match_the_reference(chunks):
+    K, V = random_kv(B=1, H=2, S=24, D=8, seed=23)
+    cache = drive(PolicyCache("h2o:budget=10,n_sink=2,recent=3,signal=proxy,obs_window=4,pool=3"), K, V, chunks)
+    assert_same(as_dicts(cache), reference_window(np.array(K), chunks, 10, 2, 3, 4, 3))
+
+
+def test_decode_steps_are_the_cumulative_scorer():
+    """Token by token (S == 1 always) the window scorer is exactly observed H2O."""
+    K, V = random_kv(B=1, H=2, S=40, D=8, seed=24)
+    Q = mx.random.normal((1, 4, 40, 8), key=mx.random.key(25))
+    runs = [as_dicts(drive(PolicyCache(f"h2o:budget=12,signal=observed{extra}"), K, V, [1] * 40, Q, 0.3))
+            for extra in ("", ",obs_window=0,pool=1")]
+    assert runs[0] == runs[1]
+
+
+def test_pooling_follows_positions_not_slots():
+    x = mx.array([[[0.0, 5.0, 0.0, 0.0, 1.0, 0.0]]])
+    pos = mx.array([[[10, 3, 7, 4, 20, 5]]], dtype=mx.int32)  # sorted: 3 4 5 7 10 20
+    got = np.array(pool_by_position(x, pos, 3))[0, 0]
+    # sorted values 5 0 0 0 0 1 -> pooled 5 5 0 0 1 1, scattered back to slots
+    np.testing.assert_array_equal(got, [1.0, 5.0, 0.0, 5.0, 1.0, 0.0])
+
+
+def test_a_span_is_kept_whole():
+    """One token draws the window's attention; pooling keeps its neighbours with it."""
+    D, T = 8, 40
+    K = mx.zeros((1, 1, T, D)).at[0, 0, 20].add(mx.ones((D,)) * 4)  # the "needle" key
+    V = mx.zeros((1, 1, T, D))
+    Q = mx.zeros((1, 1, T, D)).at[0, 0, T - 4 :].add(mx.ones((4, D)))  # the question looks at it
+    for P, want in ((1, {20}), (5, {18, 19, 20, 21, 22})):
+        cache = PolicyCache(f"h2o:budget=14,n_sink=0,recent=4,obs_window=4,pool={P}")
+        drive(cache, K, V, [T - 1, 1], Q, 1.0)
+        kept = set(np.array(cache.retained()[2])[0, 0].tolist())
+        assert want <= kept
+
+
+def test_config_defaults_and_the_v01_behaviour():
+    h2o = build_policy("h2o:budget=64")
+    assert type(h2o.scorer) is ObservationWindowScorer and (h2o.scorer.window, h2o.scorer.pool) == (32, 15)
+    assert h2o.scorer.signal == "observed"
+    for spec in ("h2o:signal=proxy", "cam:signal=proxy", "h2o:signal=observed,obs_window=0,pool=1"):
+        assert type(build_policy(spec).scorer).__name__ == "CumulativeAttentionScorer", spec
+    assert parse_config("cam:signal=proxy").policy.obs_window_rows == 0
+    with pytest.raises(ConfigError, match="pool must be odd"):
+        parse_config("h2o:pool=4")
+    with pytest.raises(ConfigError, match="obs_window"):
+        parse_config("cam:obs_window=-1")
+
+
+def test_default_h2o_runs_on_a_model_through_the_hook(llama_model, tokens):
+    caches = KVCacheBuilder.for_model(llama_model, "h2o:budget=16")
+    llama_model(tokens[:1, :30], cache=caches)
+    llama_model(tokens[:1, 30:31], cache=caches)
+    assert caches[0].tokens_kept == 16 and float(mx.sum(caches[0].scores)) > 0

@@ -19,7 +19,7 @@ def test_family_matrix_matches_the_support_table_in_the_docs():
         for config, result in row.items():
             assert result == "works" or result.startswith("refused: "), (family, config, result)
     # the families users run all work with the proxy signal (no attention hook needed)
-    assert all(row["h2o:budget=16,n_sink=2,signal=proxy"] == "works" and row["cam:budget=16,n_sink=2,signal=proxy"] == "works"
+    assert all(row["h2o:budget=16,n_sink=2,signal=proxy"] == "works" and row["cam:budget=16,n_sink=2,merge=mass_blend,signal=proxy"] == "works"
                for row in matrix.values())
     # default H2O/CaM (observed signal) work on every family whose attention kvpolicy can observe; the others
     # (hand-written attention: gemma2) are refused with the reason, never run wrong

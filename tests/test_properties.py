@@ -59,7 +59,7 @@ def test_cache_invariants(s, method):
 def test_cam_drop_equals_h2o(s, gate):
     total = sum(s["sizes"])
     keys, values = random_kv(B=s["B"], H=s["H"], S=total, D=s["D"], seed=s["seed"])
-    a, b = PolicyCache(config("h2o", s)), PolicyCache(config(f"cam:merge=drop,gate={gate},signal=proxy", s))
+    a, b = PolicyCache(config("h2o", s)), PolicyCache(config(f"cam:merge=drop,gate={gate}", s))
     for c in (a, b):
         feed(c, keys, values, s["sizes"])
     for x, y in zip(a.state[:4], b.state[:4]):

@@ -49,26 +49,31 @@ class MassMergeDisposition(Disposition):
     so that, for a query whose attention shares match the slots' past rates, the merged slot
     draws the attention of both sides (``exp(q.k_t + lw_t') = exp(q.k_t + lw_t) (r_t + r_l) / r_t``)
     and returns their attention-weighted mean value: the attention output is unchanged.
-    ``M_l`` is the specification's Bernoulli gate (``gate=True``) or 1. Keys are blended with the
+    ``M_l`` is the specification's Bernoulli gate (``gate=True``) or 1, times the similarity
+    threshold ``[cos(k_l, k_t) >= min_sim]`` (``min_sim=-1``: always; a loser below it is dropped,
+    as H2O drops it, so ``min_sim > 1`` is H2O exactly). Keys are blended with the
     same weights only with ``merge_keys``. A side with zero mass leaves the target unchanged.
     Losers outside a sliding window or with non-finite keys/values are dropped.
     """
 
-    def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False):
-        self.n_sink, self.gate, self.merge_keys = n_sink, gate, merge_keys
+    def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False,
+                 min_sim: float = -1.0):
+        self.n_sink, self.gate, self.merge_keys, self.min_sim = n_sink, gate, merge_keys, float(min_sim)
         self.with_log_weights = log_weights
         self.uses_log_weights = log_weights
 
     @classmethod
     def from_config(cls, config) -> "MassMergeDisposition":
         return cls(n_sink=config.n_sink, log_weights=config.merge == "mass", gate=config.merge_gate,
-                   merge_keys=config.merge_keys)
+                   merge_keys=config.merge_keys, min_sim=config.merge_min_sim)
 
     def stats(self):
         return STATS
 
     def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> MergeUpdate:
-        target, _, has_target = merge_targets(view, losers, self.n_sink)
+        target, cos, has_target = merge_targets(view, losers, self.n_sink)
+        if self.min_sim > -1.0:
+            has_target = has_target & (cos >= self.min_sim)
         has_target = has_target & finite_rows(view.keys, losers) & finite_rows(view.values, losers)
         if view.dead is not None:
             has_target = has_target & ~take(view.dead, losers)

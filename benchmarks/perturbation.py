@@ -33,19 +33,24 @@ DISPOSITIONS = {
     "sim_weighted gated": "merge=sim_weighted,gate=true",
     "sim_weighted ungated": "merge=sim_weighted,gate=false",
     "paper": "merge=paper,gate=true",
+    "mass": "merge=mass,gate=false",
+    "mass_blend": "merge=mass_blend,gate=false",
 }
 
 
-def attention(q, k, v):
-    """q [B, Hq, P, D], k/v [B, H, L, D] -> [B, Hq, P, D] (GQA by repetition)."""
+def attention(q, k, v, log_weights=None):
+    """q [B, Hq, P, D], k/v [B, H, L, D] -> [B, Hq, P, D] (GQA by repetition); slots' log-weights [B, H, L] added."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, mask=None)
+    mask = None
+    if log_weights is not None:
+        mask = mx.repeat(log_weights, rep, axis=1)[:, :, None, :] if rep > 1 else log_weights[:, :, None, :]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, mask=mask)
 
 
-def distance(q, k_full, v_full, k_comp, v_comp) -> float:
-    a, b = attention(q, k_full, v_full), attention(q, k_comp, v_comp)
+def distance(q, k_full, v_full, k_comp, v_comp, log_weights=None) -> float:
+    a, b = attention(q, k_full, v_full), attention(q, k_comp, v_comp, log_weights)
     cos = (a * b).sum(-1) / (mx.linalg.norm(a, axis=-1) * mx.linalg.norm(b, axis=-1) + 1e-12)
     return float((1 - cos).mean().item())
 
@@ -62,7 +67,7 @@ def run_cell(K, V, Q, budget, name, keys, mode, queries=None, recent=0, signal="
     fields = DISPOSITIONS[name] + (",keys=true" if keys else "") + f",signal={signal}"
     fields += ",obs_window=0,pool=1"  # the cumulative scorers this harness was built for
     k, v, cache = compress(K, V, budget, fields, mode, queries=queries, recent=recent)
-    return distance(Q, K, V, k, v), cache.merges
+    return distance(Q, K, V, k, v, cache.retained_log_weights()), cache.merges
 
 
 def synthetic(seq, seed, H=4, D=64, P=32):
@@ -105,8 +110,18 @@ def main():
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--no-real", action="store_true", help="skip the real K/V from the default model")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--headline-only", action="store_true", help="only the headline cell (and real K/V)")
+    p.add_argument("--dispositions", default=None, help="comma-separated subset of: " + ", ".join(DISPOSITIONS))
+    p.add_argument("--tag", default="", help="suffix of the result file names")
     args = p.parse_args()
+    if args.dispositions:
+        keep = [d.strip() for d in args.dispositions.split(",")]
+        for name in list(DISPOSITIONS):
+            if name not in keep:
+                del DISPOSITIONS[name]
     seqs, budgets, seeds = ([256, 512, 1024, 2048], [32, 64, 128, 256, 512], range(args.seeds))
+    if args.headline_only:
+        seqs = []
     if args.smoke:
         seqs, budgets, seeds, args.no_real = [128], [16, 32], range(1), True
     rows = []
@@ -146,15 +161,15 @@ def main():
     for line in headline:
         print(line)
     out = Path(args.out)
-    tag = "perturbation" + ("_smoke" if args.smoke else "")
+    tag = "perturbation" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
     write_json(tag, {"rows": rows, "headline": headline}, out)
     with open(out / f"{tag}.csv", "w", newline="") as f:
         fields = sorted({k for r in rows for k in r})
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
-    if not args.smoke:
-        plot(rows, out / "perturbation.png")
+    if not args.smoke and not args.headline_only:
+        plot(rows, out / f"{tag}.png")
     print(f"wrote {out / (tag + '.json')}")
 
 

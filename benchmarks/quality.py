@@ -3,6 +3,10 @@
     python benchmarks/quality.py --mode token --tokens 2048 --budgets 256
     python benchmarks/quality.py --mode chunked --chunk 256 --tokens 2048 --budgets 128,256,512,1024 --seeds 3
     python benchmarks/quality.py --smoke          # tiny random model (the test suite runs this)
+    python benchmarks/quality.py --text /usr/share/common-licenses/GPL-3 --tag gpl --methods "h2o observed;cam:merge=mass,signal=observed"
+
+``--methods`` takes names from METHODS or raw config strings (then separate them with ``;``); ``--text`` a text file instead of the
+default corpus (pydoc topics); ``--tag`` a suffix for the result files.
 
 ``token`` mode is the StreamingLLM recipe: one token at a time, each token's NLL read before the
 cache is reduced. ``chunked`` mode feeds ``--chunk`` tokens per step (prefill-style, faster; each
@@ -30,13 +34,29 @@ METHODS = {  # names keep their v0.1 meaning; "h2o" and "cam" are the current de
     "h2o proxy": "h2o:signal=proxy",
     "h2o observed": "h2o:signal=observed,obs_window=0,pool=1",
     "h2o": "h2o",
-    "cam sim_weighted gated": "cam:signal=proxy",
-    "cam sim_weighted ungated": "cam:signal=proxy,gate=false",
+    "cam sim_weighted gated": "cam:merge=sim_weighted,signal=proxy",
+    "cam sim_weighted ungated": "cam:merge=sim_weighted,signal=proxy,gate=false",
     "cam mean gated": "cam:signal=proxy,merge=mean",
     "cam paper": "cam:signal=proxy,merge=paper",
+    "cam sim_weighted observed": "cam:merge=sim_weighted",
+    "cam mass_blend": "cam:merge=mass_blend",
+    "cam mass observed": "cam:merge=mass,obs_window=0,pool=1",
     "cam": "cam",
 }
-GATED = {"cam sim_weighted gated", "cam mean gated", "cam paper", "cam"}
+GATED = {"cam sim_weighted gated", "cam mean gated", "cam paper", "cam sim_weighted observed"}
+
+
+def is_gated(name: str) -> bool:
+    """Named gated methods, and raw ``cam`` specs whose merge draws the gate."""
+    if name in GATED:
+        return True
+    from kvpolicy_core.config import parse_config
+
+    spec = METHODS.get(name, name)
+    if not spec.startswith("cam"):
+        return False
+    p = parse_config(spec).policy
+    return p.merge_gate and p.merge != "drop"
 
 
 def spec_for(base: str, budget: int, seed: int) -> str:
@@ -91,7 +111,7 @@ def main():
     ids = tok.encode(haystack_text(args.text))[: args.tokens]
     chunk = 1 if args.mode == "token" else args.chunk
     budgets = [int(b) for b in args.budgets.split(",")]
-    names = [m.strip() for m in args.methods.split(",")]
+    names = [m.strip() for m in args.methods.split(";" if ";" in args.methods else ",")]
     out = Path(args.out)
     tag = f"quality_{args.mode}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
     rows, curves = [], {}
@@ -103,9 +123,10 @@ def main():
         for name in names:
             if name == "full":
                 continue
-            seeds = range(args.seeds) if name in GATED else [0]
+            seeds = range(args.seeds) if is_gated(name) else [0]
             for seed in seeds:
-                r = perplexity(model, ids, spec_for(METHODS[name], budget, seed), chunk=chunk, progress=False)
+                r = perplexity(model, ids, spec_for(METHODS.get(name, name), budget, seed), chunk=chunk,
+                               progress=False)
                 rows.append(row(name, budget, seed, r, base))
                 if seed == 0 and budget == budgets[0]:
                     curves[name] = r["nll"]

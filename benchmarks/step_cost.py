@@ -29,7 +29,7 @@ def make(kind: str, budget: int):
         return KVCache()
     if kind == "RotatingKVCache":
         return RotatingKVCache(max_size=budget + 1, keep=4)
-    return PolicyCache(f"{kind}:budget={budget},signal=proxy")  # no model, no attention hook: the proxy signal
+    return PolicyCache(f"{kind}{',' if ':' in kind else ':'}budget={budget},signal=proxy")  # no model: the proxy signal
 
 
 def step_time(kind, budget, D, H, steps, q_heads):
@@ -38,6 +38,8 @@ def step_time(kind, budget, D, H, steps, q_heads):
     cache = make(kind, budget)
     pre = mx.random.normal((B, H, budget, D), key=key)
     cache.update_and_fetch(pre, pre)
+    if isinstance(cache, PolicyCache):
+        cache.before_attention(mx.repeat(pre, q_heads // H, axis=1), D**-0.5, "causal")
     toks = mx.random.normal((steps + 1, B, H, 1, D), key=mx.random.key(1))
     q = mx.random.normal((B, q_heads, 1, D), key=mx.random.key(2))
     mx.eval(toks, q, *[x for x in (getattr(cache, "keys", None),) if x is not None])
@@ -47,7 +49,8 @@ def step_time(kind, budget, D, H, steps, q_heads):
         k = toks[i[0] % steps]
         i[0] += 1
         keys, values = cache.update_and_fetch(k, k)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=None)
+        mask = cache.before_attention(q, D**-0.5, None) if isinstance(cache, PolicyCache) else None  # the hook's work
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask)
         if kind == "KVCache":
             cache.trim(1)  # stay at the same retained length
         mx.eval(out)
@@ -76,28 +79,35 @@ def main():
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--kinds", default="KVCache;RotatingKVCache;h2o;cam",
+                   help="';'-separated: KVCache, RotatingKVCache or policy config strings (first is the baseline)")
+    p.add_argument("--grid", default=None, help="budget:head_dim:kv_heads triples, comma-separated (e.g. 256:256:1)")
+    p.add_argument("--tag", default="", help="suffix of the result file names")
     args = p.parse_args()
     if args.smoke:
         grid, steps = [(64, 32, 1)], 20
     else:
         grid, steps = list(itertools.product([256, 512, 1024, 2048], [64, 128, 256], [1, 4, 8])), args.steps
-    kinds = ["KVCache", "RotatingKVCache", "h2o", "cam"]
+    if args.grid:
+        grid = [tuple(int(x) for x in g.split(":")) for g in args.grid.split(",")]
+    kinds = args.kinds.split(";")
     rows = []
     for budget, D, H in grid:
         q_heads = max(H, 4)
         times = {k: step_time(k, budget, D, H, steps, q_heads) for k in kinds}
         t_score, t_attn = scoring_vs_attention(budget, D, H, steps, q_heads)
         row = {"budget": budget, "head_dim": D, "kv_heads": H, **{f"us_{k}": 1e6 * t for k, t in times.items()},
-               **{f"ratio_{k}": times[k] / times["KVCache"] for k in kinds[1:]},
+               **{f"ratio_{k}": times[k] / times[kinds[0]] for k in kinds[1:]},
                "us_scoring": 1e6 * t_score, "us_attention": 1e6 * t_attn, "scoring_over_attention": t_score / t_attn}
         rows.append(row)
         print(f"budget={budget:5d} D={D:3d} H={H}: " + "  ".join(f"{k} {1e6 * t:7.1f}us" for k, t in times.items())
-              + f"  | h2o/KV {row['ratio_h2o']:.2f} cam/KV {row['ratio_cam']:.2f} | scoring/attention {row['scoring_over_attention']:.2f}",
-              flush=True)
+              + "  | " + " ".join(f"{k}/{kinds[0]} {row['ratio_' + k]:.2f}" for k in kinds[1:])
+              + f" | scoring/attention {row['scoring_over_attention']:.2f}", flush=True)
     from pathlib import Path
 
-    path = write_json("step_cost" + ("_smoke" if args.smoke else ""), {"rows": rows}, Path(args.out))
-    if not args.smoke:
+    tag = "step_cost" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+    path = write_json(tag, {"rows": rows, "kinds": kinds}, Path(args.out))
+    if not args.smoke and {"h2o", "cam"} <= set(kinds):
         plot(rows, Path(args.out) / "step_cost.png")
     print(f"wrote {path}")
 

@@ -17,11 +17,13 @@ from kvpolicy_core.tiny_models import tiny_model
 SHIPPED_METHODS = [
     "h2o:signal=proxy",
     "h2o",  # the default: observed signal, observation window 32, pool 15 (needs the attention hook)
-    "cam:signal=proxy",
+    "cam:merge=sim_weighted,signal=proxy",  # the specification's CaM
     "cam:merge=mean,gate=false,keys=true,signal=proxy",
     "cam:merge=drop,signal=proxy",
     "cam:merge=paper,m=4,signal=proxy",
-    "cam",  # the default: observed signal with the observation window
+    "cam",  # the default: mass merge with log-weights, observed signal with the observation window
+    "cam:merge=sim_weighted",
+    "cam:merge=mass_blend,signal=proxy",
     "random:salt=3",
 ]
 #: CaM's variants (merge rules, gate, keys).

@@ -13,7 +13,10 @@ from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 from kvpolicy_core import KVCacheBuilder, PolicyCache, attach, detach
 from kvpolicy_core.batch_cache import BatchPolicyCache
 
-SHIPPED = ["h2o", "cam", "random", "streamingllm", "tova", "cam:merge=mean,gate=false", "h2o:signal=observed",
+# cam's default merge (mass) keeps per-slot attention log-weights: its batched rows give the attention
+# additive masks (test_log_weight_rows_are_batched pins that it does); mass_blend keeps none
+SHIPPED = ["h2o", "cam", "cam:merge=mass_blend", "random", "streamingllm", "tova", "cam:merge=mean,gate=false",
+           "h2o:signal=observed",
            "h2o:layers=unbounded"]  # the last: sliding layers keep mlx-lm's RotatingKVCache, batched by mlx-lm
 LENGTHS = (5, 23, 14)  # one under the budget, two over it
 MAX_TOKENS = (12, 4, 12)  # the second row finishes early (filter)
@@ -144,6 +147,13 @@ def test_rows_must_be_single_sequence_policy_caches():
     c.update_and_fetch(mx.zeros((2, 1, 3, 4)), mx.zeros((2, 1, 3, 4)))
     with pytest.raises(Exception, match="one sequence"):
         BatchPolicyCache([c])
+
+
+def test_log_weight_rows_are_batched():
+    """The cam rows of the equivalence test above really carry log-weights (additive row masks)."""
+    assert PolicyCache("cam:budget=8,n_sink=2").uses_log_weights
+    for m in ("mass_blend", "mean,gate=false"):
+        assert not PolicyCache(f"cam:merge={m},budget=8,n_sink=2").uses_log_weights
 
 
 def test_merged_rows_keep_the_attention_hook_their_caches_hold():

@@ -35,7 +35,7 @@ class RetainedReference:
         return None if N == 1 else "causal"
 
 
-@pytest.mark.parametrize("method", ["h2o:budget=12,n_sink=2", "cam:budget=12,n_sink=2,keys=true"])
+@pytest.mark.parametrize("method", ["h2o:budget=12,n_sink=2", "cam:budget=12,n_sink=2,keys=true,merge=sim_weighted"])
 def test_after_evictions_queries_rotate_at_the_absolute_position(llama_model, tokens, method):
     caches = KVCacheBuilder.for_model(llama_model, method)
     run_chunks(llama_model, caches, tokens[:, :30], [20] + [1] * 10)
@@ -103,7 +103,7 @@ def test_offsets_sizes_and_masks_after_evictions():
 
 
 def test_contract_surface(tmp_path):
-    cache = PolicyCache("cam:budget=8,n_sink=2,signal=proxy")
+    cache = PolicyCache("cam:budget=8,n_sink=2,merge=sim_weighted,signal=proxy")
     assert cache.empty() and cache.nbytes == 0 and cache.state[:4] == (None,) * 4 and not hasattr(cache, "bits")
     k, v = random_kv(S=6, dtype=mx.float16)
     cache.update_and_fetch(k, v)

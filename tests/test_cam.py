@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import CAM_METHODS, feed, random_kv, run_chunks, tiny_llama, with_fields
+from kvpolicy_cam import CamConfig
 from kvpolicy_cam.gated_merge import GatedMergeDisposition, bernoulli, gate_probability, merge_targets
 from kvpolicy_cam.paper_merge import PaperMergeDisposition
 from kvpolicy_core import KVCacheBuilder, PolicyCache
@@ -66,9 +67,9 @@ def test_low_relative_score_loser_is_dropped_most_of_the_time():
 
 def test_gate_off_merges_every_loser_with_a_target():
     K, V = random_kv(B=2, H=3, S=40, D=8, seed=9)
-    cache = stream("cam:budget=8,n_sink=2,gate=false,signal=proxy", K, V, (1,) * 40)
+    cache = stream("cam:merge=sim_weighted,signal=proxy,budget=8,n_sink=2,gate=false", K, V, (1,) * 40)
     assert cache.merges == 2 * 3 * 32 and cache.gate_draws == 0
-    gated = stream("cam:budget=8,n_sink=2,signal=proxy", K, V, (1,) * 40)
+    gated = stream("cam:merge=sim_weighted,signal=proxy,budget=8,n_sink=2", K, V, (1,) * 40)
     assert gated.gate_draws == 2 * 3 * 32 and 0 < gated.merges < gated.gate_draws
 
 
@@ -116,8 +117,8 @@ def stream(method, K, V, chunks):
 def test_values_only_merge_leaves_kept_keys_identical_to_the_drop_path(chunks):
     K, V = random_kv(B=2, H=2, S=50, D=8, seed=21)
     drop = stream("h2o:budget=12,n_sink=2,signal=proxy", K, V, chunks).retained()
-    merged = stream("cam:budget=12,n_sink=2,gate=false,signal=proxy", K, V, chunks).retained()
-    drop_cam = stream("cam:budget=12,n_sink=2,merge=drop,signal=proxy", K, V, chunks).retained()
+    merged = stream("cam:merge=sim_weighted,signal=proxy,budget=12,n_sink=2,gate=false", K, V, chunks).retained()
+    drop_cam = stream("cam:signal=proxy,budget=12,n_sink=2,merge=drop", K, V, chunks).retained()
     assert not mx.array_equal(drop[1], merged[1])  # values did merge
     for a, b in zip(drop, drop_cam):
         assert mx.array_equal(a, b)
@@ -129,7 +130,7 @@ def test_values_only_merge_leaves_kept_keys_identical_to_the_drop_path(chunks):
 
 def test_mass_is_conserved_by_a_merge_and_the_new_token_adds_its_attention():
     K, V = random_kv(B=2, H=3, S=30, D=8, seed=2)
-    cache = PolicyCache("cam:budget=10,n_sink=2,gate=false,signal=proxy")
+    cache = PolicyCache("cam:merge=sim_weighted,signal=proxy,budget=10,n_sink=2,gate=false")
     feed(cache, K[:, :, :29], V[:, :, :29], [29])
     before = np.array(cache.scores).sum(axis=-1)
     cache.settle()  # 19 losers, all merged: their score mass moves to the survivors
@@ -168,7 +169,8 @@ def test_cache_on_tiny_models_across_batch_and_heads(method, n_kv_heads, batch):
     assert out.shape == (batch, 40, 97) and not mx.isnan(out).any().item()
     for c in caches:
         assert c.tokens_kept == 16 and c.keys.shape[:2] == (batch, n_kv_heads)
-        assert c.merge_mode == ("paper" if "paper" in method else "mean" if "mean" in method else "drop" if "drop" in method else "sim_weighted")
+        named = [m for m in ("paper", "mean", "drop", "mass_blend", "mass", "sim_weighted") if f"merge={m}" in method]
+        assert c.merge_mode == (named[0] if named else CamConfig().merge)
 
 
 # ---------------------------------------------------------------- the paper's merge

@@ -20,17 +20,18 @@ def test_methods_lists_packages_parts_and_fields(capsys):
     code, out, _ = run(capsys, "methods")
     assert code == 0
     assert "cam  (kvpolicy-cam 0.2.0)" in out and "h2o  (kvpolicy-h2o 0.2.0)" in out
-    assert "disposition=gated_merge" in out and "disposition=drop" in out
-    assert "budget = 512" in out and "merge = 'sim_weighted'" in out
+    assert "disposition=mass_merge" in out and "disposition=drop" in out
+    assert "budget = 512" in out and "merge = 'mass'" in out
     code, out, _ = run(capsys, "methods", "--json")
     data = {m["method"]: m for m in json.loads(out)["methods"]}
-    assert data["cam"]["fields"]["merge_gate"]["default"] is True and data["h2o"]["parts"]["selector"] == "lowest_score"
+    assert data["cam"]["fields"]["merge_gate"]["default"] is False and data["h2o"]["parts"]["selector"] == "lowest_score"
 
 
 def test_generate_from_argument_file_and_stdin(capsys, tiny_model_dir, tmp_path, monkeypatch):
     code, out, err = run(capsys, "generate", "hello world, a long prompt", "--model", str(tiny_model_dir),
                          "--method", "cam:budget=8,n_sink=2", "--max-tokens", "12")
     assert code == 0 and out.strip()
+    # the gate off is implied by the mass merge: not spelled out in the label
     assert "[cam:budget=8,n_sink=2]" in err and "tok/s" in err and "KV kept" in err and "peak memory" in err
     prompt = tmp_path / "p.txt"
     prompt.write_text("a prompt from a file that is long")

@@ -53,12 +53,12 @@ def test_generated_tokens_are_identical(tiny_model_dir, gate):
     model, tokenizer = mlx_lm.load(str(tiny_model_dir))
     prompt = "a prompt that is quite a bit longer than the budget of sixteen tokens"
     outputs = []
-    for method in ("h2o:budget=16,n_sink=2", f"cam:budget=16,n_sink=2,merge=drop,{gate}"):
+    for method in ("h2o:budget=16,n_sink=2,signal=observed", f"cam:budget=16,n_sink=2,merge=drop,{gate}"):
         attach(model, method)
         outputs.append([r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24)])
         detach(model)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 24
-    attach(model, "cam:budget=16,n_sink=2,gate=false")
+    attach(model, "cam:budget=16,n_sink=2")  # the default merge
     merged = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24)]
     detach(model)
     assert merged != outputs[0]  # the comparison can tell policies apart

@@ -19,7 +19,7 @@ def test_family_matrix_matches_the_support_table_in_the_docs():
         for config, result in row.items():
             assert result == "works" or result.startswith("refused: "), (family, config, result)
     # the families users run all work with the proxy signal (no attention hook needed)
-    assert all(row["h2o:budget=16,n_sink=2,signal=proxy"] == "works" and row["cam:budget=16,n_sink=2,signal=proxy"] == "works"
+    assert all(row["h2o:budget=16,n_sink=2,signal=proxy"] == "works" and row["cam:budget=16,n_sink=2,merge=mass_blend,signal=proxy"] == "works"
                for row in matrix.values())
     # default H2O/CaM (observed signal) work on every family whose attention kvpolicy can observe; the others
     # (hand-written attention: gemma2) are refused with the reason, never run wrong
@@ -82,4 +82,4 @@ def test_readme_first_example_generate_with_prompt_cache(tiny_model_dir):
     assert isinstance(text, str) and len(text) > 0
     cache = caches[0]
     assert cache.tokens_kept == 16 and cache.offset >= 26 and cache.compression_ratio > 1
-    assert (cache.merge_mode, cache.merge_gate) == ("sim_weighted", True) and 0 <= cache.merges <= cache.gate_draws
+    assert (cache.merge_mode, cache.merge_gate) == ("mass", False) and cache.merges > 0 and cache.gate_draws == 0

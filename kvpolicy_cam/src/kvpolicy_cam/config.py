@@ -2,28 +2,48 @@
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 
 from kvpolicy_core.attention_config import AttentionPolicyConfig
+
+
+#: Merges weighted by attention mass: ungated unless ``merge_gate`` is given.
+MASS_MERGES = ("mass", "mass_blend")
 
 
 class CamConfig(AttentionPolicyConfig):
     """``method="cam"``; the specification's ``cam_*`` fields without the prefix.
 
+    Defaults (issue 15, measured in docs/methods/cam.md): ``merge="mass"``, ``signal="observed"``,
+    no gate. The specification's configuration is ``merge="sim_weighted", signal="proxy"`` (its
+    gate is on by default for that merge).
+
     ``merge``: ``"sim_weighted"`` (cosine-weighted blend into the most similar
-    survivor, default), ``"mean"`` (weight 1/2), ``"drop"`` (no merge: exactly H2O),
+    survivor), ``"mean"`` (weight 1/2), ``"drop"`` (no merge: exactly H2O),
     ``"paper"`` (the CaM paper's rule: the loser's value / m added to the next m
-    retained tokens). Config strings may say ``gate``, ``keys`` and ``m``.
+    retained tokens), ``"mass"`` (attention-rate-weighted blend plus the merged slot's
+    attention log-weight, mass preserving), ``"mass_blend"`` (cumulative-mass-weighted blend,
+    no log-weight). Config strings may say ``gate``, ``keys`` and ``m``.
     """
 
-    merge: Literal["sim_weighted", "mean", "drop", "paper"] = Field("sim_weighted", description="Merge rule.")
+    merge: Literal["sim_weighted", "mean", "drop", "paper", "mass", "mass_blend"] = Field("mass", description="Merge rule.")
     merge_gate: bool = Field(
         True,
         validation_alias=AliasChoices("merge_gate", "gate"),
-        description="Bernoulli gate p = clamp(score(loser) / score(target), 0, 1) (paper's Eq. 14).",
+        description="Bernoulli gate p = clamp(score(loser) / score(target), 0, 1) (paper's Eq. 14); "
+        "when not given: on for sim_weighted, mean and paper, off for mass and mass_blend.",
     )
     merge_keys: bool = Field(
         False, validation_alias=AliasChoices("merge_keys", "keys"), description="Blend keys as well as values."
+    )
+    merge_min_sim: float = Field(
+        -1.0,
+        ge=-1.0,
+        le=2.0,
+        allow_inf_nan=False,
+        validation_alias=AliasChoices("merge_min_sim", "min_sim"),
+        description="mass merges only: a loser merges only if its key cosine to the target is >= min_sim, "
+        "else it is dropped (-1: always merge; above 1: never, i.e. H2O).",
     )
     merge_window: int = Field(
         16,
@@ -31,6 +51,21 @@ class CamConfig(AttentionPolicyConfig):
         validation_alias=AliasChoices("merge_window", "m"),
         description="m, the number of following tokens the paper's merge spreads a loser over.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gate_default(cls, data):
+        """The gate's default depends on the merge: off for the mass merges, on for the others."""
+        if isinstance(data, dict) and not ({"merge_gate", "gate"} & set(data)):
+            merge = data.get("merge", cls.model_fields["merge"].default)
+            data = {**data, "merge_gate": merge not in MASS_MERGES}
+        return data
+
+    @model_validator(mode="after")
+    def _min_sim_needs_a_mass_merge(self):
+        if self.merge_min_sim != -1.0 and self.merge not in MASS_MERGES:
+            raise ValueError(f"min_sim applies to the mass merges {MASS_MERGES}; merge={self.merge!r} does not use it")
+        return self
 
     @property
     def merge_mode(self) -> str:

@@ -4,6 +4,7 @@ from kvpolicy_core import MethodSpec, hookimpl
 
 from .config import CamConfig
 from .gated_merge import GatedMergeDisposition
+from .mass_merge import MassMergeDisposition
 from .paper_merge import PaperMergeDisposition
 
 
@@ -11,10 +12,12 @@ from .paper_merge import PaperMergeDisposition
 def register_dispositions(register):
     register("gated_merge", GatedMergeDisposition)
     register("paper_merge", PaperMergeDisposition)
+    register("mass_merge", MassMergeDisposition)
 
 
 def _disposition(config: CamConfig) -> str:
-    return {"drop": "drop", "paper": "paper_merge"}.get(config.merge, "gated_merge")
+    return {"drop": "drop", "paper": "paper_merge", "mass": "mass_merge", "mass_blend": "mass_merge"}.get(
+        config.merge, "gated_merge")
 
 
 @hookimpl
@@ -26,6 +29,6 @@ def register_methods(register):
             scorer=CamConfig.scorer_name.fget,
             selector="lowest_score",
             disposition=_disposition,
-            description="CaM: H2O's loser merged into its most similar survivor behind a Bernoulli gate.",
+            description="CaM: H2O's loser merged into its most similar survivor, weighted by attention mass.",
         )
     )

@@ -29,6 +29,7 @@ and step); the model's matmuls, the attention and the sampling run batched.
 from __future__ import annotations
 
 import copy
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -170,21 +171,30 @@ class BatchPolicyCache:
         return self._batch_mask(N, L, plan, [None] * len(plan))
 
     def _batch_mask(self, N: int, L: int, plan, row_masks) -> mx.array:
-        """Assemble [B, h, N, L] from each row's own mask over its real queries and keys."""
+        """Assemble [B, h, N, L] from each row's own mask over its real queries and keys.
+
+        Boolean when every row's mask is; additive (0 / -inf, in the additive masks' dtype) when
+        a row's mask is additive, as a row with attention log-weights gives
+        (:func:`~kvpolicy_core.attention_bias.with_log_weights`): padding keys get -inf, padding
+        queries 0 (their outputs are never used).
+        """
+        additive = next((m.dtype for m in row_masks if isinstance(m, mx.array) and m.dtype != mx.bool_), None)
+        allow, deny = (True, False) if additive is None else (0.0, -math.inf)
         parts = []
         for (lo, n, Lb), m in zip(plan, row_masks):
             if n == 0:
-                parts.append(mx.ones((1, 1, N, L), dtype=mx.bool_))
+                parts.append(mx.full((1, 1, N, L), allow, dtype=additive or mx.bool_))
                 continue
             if m is None or isinstance(m, str):  # None: a decode step; "causal": a chunk
                 m = causal_allowed(n, Lb)
-            if m.dtype != mx.bool_:
-                raise KVPolicyError("BatchPolicyCache: row masks must be boolean")
+            if additive is not None:
+                m = mx.where(m, mx.array(0.0, additive), mx.array(-math.inf, additive)) if m.dtype == mx.bool_ \
+                    else m.astype(additive)
             m = m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))
             m = mx.broadcast_to(m, (1, m.shape[1], n, Lb))
-            m = mx.pad(m, [(0, 0), (0, 0), (0, 0), (L - Lb, 0)], constant_values=False)
+            m = mx.pad(m, [(0, 0), (0, 0), (0, 0), (L - Lb, 0)], constant_values=deny)
             if lo or N - lo - n:
-                m = mx.pad(m, [(0, 0), (0, 0), (lo, N - lo - n), (0, 0)], constant_values=True)
+                m = mx.pad(m, [(0, 0), (0, 0), (lo, N - lo - n), (0, 0)], constant_values=allow)
             parts.append(m)
         h = max(p.shape[1] for p in parts)
         return mx.concatenate([mx.broadcast_to(p, (1, h, N, L)) for p in parts])
@@ -264,7 +274,8 @@ def _ints(x) -> List[int]:
 
 def _needs_hook(row: Row) -> bool:
     """Does this row's attention step need the row's own queries or its own mask?"""
-    return bool(row.policy.scorer.needs_attention) or (row.window is not None and row.offset > row.window)
+    return (bool(row.policy.scorer.needs_attention) or bool(getattr(row, "uses_log_weights", False))
+            or (row.window is not None and row.offset > row.window))
 
 
 def _row_mask_in(n: int, L: int, window: Optional[int]):

@@ -69,8 +69,9 @@ def check_supported(model, natives: List[Any], layers) -> None:
 
 
 def needs_hook(caches: List[Any]) -> bool:
-    """The attention hook is needed for an observed signal or a sliding-window policy cache."""
-    return any(isinstance(c, PolicyCache) and (c.window is not None or c.policy.scorer.needs_attention)
+    """The attention hook is needed for an observed signal, attention log-weights or a sliding window."""
+    return any(isinstance(c, PolicyCache) and (c.window is not None or c.policy.scorer.needs_attention
+                                               or c.uses_log_weights)
                for c in caches)
 
 

@@ -44,6 +44,7 @@ from .policy import Policy, build_policy
 from .policy_step import PolicyStep
 from .sharding import check_head_shard
 from .slots import FIELDS, SlotStore
+from .attention_bias import with_log_weights
 from .window import outside_window, window_mask
 
 
@@ -75,7 +76,9 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self.head_shard = check_head_shard(head_shard)
         self.policy: Policy = policy if isinstance(policy, Policy) else build_policy(policy)
         self.budget, self.layer, self.window = self.policy.budget, layer, window
-        self._slots = SlotStore(self.step)
+        #: the disposition keeps per-slot attention log-weights (added to the logits by the hook)
+        self.uses_log_weights = bool(getattr(self.policy.disposition, "uses_log_weights", False))
+        self._slots = SlotStore(self.step, track_log_weights=self.uses_log_weights)
         self._step = PolicyStep(self.policy, layer)
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
@@ -153,6 +156,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self.offset -= n
         self._run, self._run_open = {}, False
         self.scores = self.scores[..., : self.n]
+        if self._slots.log_weights is not None:
+            self._slots.log_weights = self._slots.log_weights[..., : self.n]
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PolicyCache":
@@ -181,11 +186,24 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self.settle()
         return None if self.keys is None else self._slots.in_temporal_order()
 
+    def retained_log_weights(self) -> Optional[mx.array]:
+        """Attention log-weights [B, H, n] of the retained tokens in :meth:`retained`'s order, or None."""
+        self.settle()
+        if self._slots.log_weights is None:
+            return None
+        order = mx.argsort(self.positions[..., : self.n], axis=-1)
+        return mx.take_along_axis(self._slots.log_weights, order, axis=-1)
+
     def settle(self) -> None:
         """Apply a pending eviction now (after a step), so exactly ``budget`` tokens remain."""
         if self.n > self.budget:
             with self._transaction():
                 self._slots.compact(self._evict(self.n - self.budget))
+
+    @property
+    def log_weights(self) -> Optional[mx.array]:
+        """Per-slot attention log-weights [B, H, n] float32 (slot order), or None when not used."""
+        return self._slots.log_weights
 
     # ------------------------------------------------------------------ attention hook
     def before_attention(self, queries: mx.array, scale: float, mask):
@@ -193,9 +211,12 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
         Sliding-window layers get a mask built from this layer's own positions:
         query at position p may attend to key at position q iff ``p - W < q <= p``.
+        A policy with log-weights gets them added to the logits (:func:`.attention_bias.with_log_weights`).
         """
         if self.window is not None and self.offset > self.window:
             mask = window_mask(self.positions[..., : self.n], self.offset, self._last_S, self.window, queries.shape[1])
+        if self.uses_log_weights:
+            mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
         if self.policy.scorer.needs_attention:
             run = dict(self._run)  # adopted only if the scorer succeeds
             self.scores = self._step.on_attention(self._view(queries.shape[2], run), queries, scale, mask)

@@ -50,6 +50,7 @@ class CacheState:
     def state(self):
         """(keys, values, positions, scores, meta JSON) of the retained tokens, settled.
 
+        A policy with attention log-weights appends them: (..., meta JSON, log_weights [B, H, n]).
         An empty cache gives ``(None, None, None, None, meta JSON)``, so that mlx-lm's
         ``save_prompt_cache``/``load_prompt_cache`` keep one cache per layer.
         """
@@ -57,7 +58,9 @@ class CacheState:
         if self.keys is None:
             return None, None, None, None, self._meta_json()
         n = self.n
-        return self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n], self.scores, self._meta_json()
+        state = (self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n], self.scores,
+                 self._meta_json())
+        return state + (self._slots.log_weights,) if self._slots.log_weights is not None else state
 
     @state.setter
     def state(self, v) -> None:
@@ -66,7 +69,17 @@ class CacheState:
             self._slots.restore((None, None, None, None, 0))
         else:
             keys, values, positions, scores = v[:4]
-            self._slots.restore((keys, values, positions, scores, keys.shape[2]))
+            log_weights = v[5] if len(v) > 5 and isinstance(v[5], mx.array) else None
+            if log_weights is not None and not self._slots.track_log_weights:
+                raise KVPolicyError("state carries attention log-weights, but this cache's policy does not use them")
+            if log_weights is not None and tuple(log_weights.shape) != tuple(scores.shape):
+                raise KVPolicyError(f"state: log_weights shape {tuple(log_weights.shape)} != scores shape "
+                                    f"{tuple(scores.shape)}")
+            if log_weights is None:
+                self._slots.restore((keys, values, positions, scores, keys.shape[2]))
+            else:
+                self._slots.restore((keys, values, positions, scores, keys.shape[2],
+                                     log_weights.astype(mx.float32)))
         if len(v) > 4:
             meta = parse_meta(v[4])
             if meta["offset"] < self.n:
@@ -100,7 +113,7 @@ class CacheState:
         if meta_json is None:
             raise KVPolicyError("PolicyCache.from_state needs the meta JSON (state[4] or meta_state)")
         obj = cls.from_meta(meta_json)
-        obj.state = (*state[:4], meta_json)
+        obj.state = (*state[:4], meta_json, *state[5:6])
         return obj
 
     @classmethod

@@ -80,8 +80,8 @@ class KVCacheConfig(BaseModel):
         return out
 
     def to_string(self) -> str:
-        """The config-string form of this config (only non-default fields)."""
-        items = {**self.policy.model_dump(exclude_defaults=True)}
+        """The config-string form of this config (only the fields needed to give it back)."""
+        items = _needed_fields(self.policy)
         for key in ("head_dim", "seed", "layers"):
             if getattr(self, key) != type(self).model_fields[key].default:
                 items[key] = getattr(self, key)
@@ -92,6 +92,31 @@ class KVCacheConfig(BaseModel):
 def _typed(data: Mapping[str, Any]) -> bool:
     """Already resolved: a policy config instance and nothing but common fields (no registry needed)."""
     return isinstance(data.get("policy"), PolicyConfig) and set(data) <= set(COMMON_FIELDS) | {"policy"}
+
+
+def _needed_fields(policy: PolicyConfig) -> Dict[str, Any]:
+    """The smallest field set (by dropping fields in order) that validates back to ``policy``.
+
+    Not simply the non-default fields: a default that depends on another field (CaM's gate:
+    off for the mass merges) must be written when it differs from what the rest implies, and
+    left out when the rest implies it.
+    """
+    cls = type(policy)
+
+    def same(data: Dict[str, Any]) -> bool:
+        try:
+            return cls.model_validate(data) == policy
+        except Exception:  # noqa: BLE001 - a field set that does not validate is not the same config
+            return False
+
+    items = policy.model_dump()
+    if not same(items):  # cannot round-trip by field name: the plain non-default fields
+        return policy.model_dump(exclude_defaults=True)
+    for key in list(items):
+        rest = {k: v for k, v in items.items() if k != key}
+        if same(rest):
+            items = rest
+    return items
 
 
 def _fmt(value: Any) -> str:

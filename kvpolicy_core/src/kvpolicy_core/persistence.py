@@ -71,6 +71,8 @@ def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] 
                 n = c.n
                 arrays.update({f"{i}.keys": c.keys[..., :n, :], f"{i}.values": c.values[..., :n, :],
                                f"{i}.positions": c.positions[..., :n], f"{i}.scores": c.scores})
+                if c.log_weights is not None:
+                    arrays[f"{i}.log_weights"] = c.log_weights
             if c._run_open:  # a run of prompt chunks in progress: its scorer state (arrays) continues too
                 run = {k: v for k, v in c._run.items() if isinstance(v, mx.array)}
                 entry["run"] = sorted(run)
@@ -170,7 +172,9 @@ def load_caches(path, *, shard: Optional[Tuple[int, int]] = None, model=None,
             if get("keys") is None:
                 caches.append(PolicyCache.from_meta(entry["meta"]))
             else:
-                state = (get("keys"), get("values"), get("positions"), get("scores"))
+                state = (get("keys"), get("values"), get("positions"), get("scores"), entry["meta"])
+                if get("log_weights") is not None:
+                    state += (get("log_weights"),)
                 caches.append(PolicyCache.from_state(state, (entry["meta"],)))
             if "run" in entry:
                 caches[-1]._run = {k: get(f"run.{k}") for k in entry["run"]}

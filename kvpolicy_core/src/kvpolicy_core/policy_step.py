@@ -17,6 +17,7 @@ import mlx.core as mx
 from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, MergeUpdate, Selector, pick_lowest
 from .policy import Policy, step_key
+from .slots import LOG_WEIGHT_BOUND
 
 Counters = Dict[str, mx.array]
 
@@ -54,10 +55,12 @@ class PolicyStep:
     def check_observed(self, windowed: bool, attended: bool) -> None:
         """The previous step must have passed through the attention hook if this layer needs it."""
         observed = self.policy.scorer.needs_attention
-        if (observed or windowed) and not attended:
+        log_weights = bool(getattr(self.policy.disposition, "uses_log_weights", False))
+        if (observed or log_weights or windowed) and not attended:
+            why = ("observed signal" if observed else "attention log-weights" if log_weights
+                   else "sliding-window mask")
             raise ModelError(
-                f"layer {self.layer}: this cache needs kvpolicy's attention hook "
-                f"({'observed signal' if observed else 'sliding-window mask'}), "
+                f"layer {self.layer}: this cache needs kvpolicy's attention hook ({why}), "
                 "but the model's attention did not call it; build caches with "
                 "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
             )
@@ -205,11 +208,15 @@ class PolicyStep:
             raise PluginError(f"{owner} returned {type(u).__name__}, expected a MergeUpdate or None")
         B, H, L = view.scores.shape
         T = getattr(u.targets, "shape", (0, 0, 0))[-1] if getattr(u.targets, "ndim", 0) == 3 else -1
-        for name, x, row in (("d_keys", u.d_keys, (view.keys.shape[-1],)), ("d_values", u.d_values, (view.values.shape[-1],)),
-                             ("d_scores", u.d_scores, ())):
+        for name, x, row in (("d_keys", u.d_keys, (view.keys.shape[-1],)),
+                             ("d_values", u.d_values, (view.values.shape[-1],)),
+                             ("d_scores", u.d_scores, ()), ("d_log_weights", u.d_log_weights, ())):
             if x is not None and (not isinstance(x, mx.array) or tuple(x.shape) != (B, H, T, *row)):
                 raise PluginError(f"{owner} returned {name} of shape {getattr(x, 'shape', type(x).__name__)}, "
                                   f"expected {(B, H, max(T, 0), *row)}")
+        if u.d_log_weights is not None and view.log_weights is None:
+            raise PluginError(f"{owner} returned d_log_weights, but its uses_log_weights is False "
+                              "(the cache keeps no log-weights)")
         if u.stats is not None and not isinstance(u.stats, dict):
             raise PluginError(f"{owner} returned stats of type {type(u.stats).__name__}, expected a dict")
         deltas = [(name, x) for name, x in (("d_keys", u.d_keys), ("d_values", u.d_values), ("d_scores", u.d_scores))
@@ -232,4 +239,8 @@ class PolicyStep:
                  "deltas must be finite") for name, x in deltas if mx.issubdtype(x.dtype, mx.floating)]
         targets = self._indices("disposition", "merge targets", u.targets, (B, H, max(T, 0)), L, distinct=False,
                                 also=also)
+        if u.d_log_weights is not None:
+            # finite without a host sync: NaN adds 0, +-inf and huge values are clipped (see LOG_WEIGHT_BOUND)
+            d = mx.nan_to_num(u.d_log_weights.astype(mx.float32), nan=0.0)
+            u = u._replace(d_log_weights=mx.clip(d, -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND))
         return u._replace(targets=targets)

@@ -1,8 +1,9 @@
 """The slot store of one layer: preallocated K/V buffers, positions and scores, and their edits.
 
 Layout: ``keys`` [B, H, cap, D], ``values`` [B, H, cap, Dv], ``positions`` [B, H, cap] int32
-(absolute position of each slot) and ``scores`` [B, H, n] float32; the first ``n`` slots are
-valid. Slots are not in temporal order after an in-place decode write; :meth:`compact`
+(absolute position of each slot), ``scores`` [B, H, n] float32 and, only when the policy uses
+them (``track_log_weights``), attention ``log_weights`` [B, H, n] float32 (0 for a new token);
+the first ``n`` slots are valid. Slots are not in temporal order after an in-place decode write; :meth:`compact`
 restores temporal order. Every edit is functional (MLX arrays are values), so a tuple of
 references (:meth:`snapshot`) is a complete, cheap snapshot.
 """
@@ -17,22 +18,32 @@ from .parts.base import CacheView, MergeUpdate
 
 _INT_MAX = 2**31 - 1
 FIELDS = ("keys", "values", "positions", "scores", "n")
+SNAPSHOT = FIELDS + ("log_weights",)
+#: |log-weight| bound: exp(64) ~ 6e27 copies of a slot, far above any count, and finite in float16
+#: logits (a non-finite or larger value from a disposition is clipped, NaN adds 0)
+LOG_WEIGHT_BOUND = 64.0
 
 
 class SlotStore:
     """Buffers of one layer's retained tokens; knows nothing about policies."""
 
-    def __init__(self, step: int = 256) -> None:
+    def __init__(self, step: int = 256, track_log_weights: bool = False) -> None:
         self.step = step
-        self.keys = self.values = self.positions = self.scores = None
+        self.track_log_weights = track_log_weights
+        self.keys = self.values = self.positions = self.scores = self.log_weights = None
         self.n = 0
 
     def snapshot(self) -> Tuple:
-        return tuple(getattr(self, f) for f in FIELDS)
+        return tuple(getattr(self, f) for f in SNAPSHOT)
 
     def restore(self, snap: Tuple) -> None:
-        for f, v in zip(FIELDS, snap):
+        """Restore a :meth:`snapshot`; a 5-field (keys .. n) tuple gets all-zero log-weights when tracked."""
+        for f, v in zip(SNAPSHOT, snap):
             setattr(self, f, v)
+        if len(snap) < len(SNAPSHOT):
+            self.log_weights = None
+            if self.track_log_weights and self.scores is not None:
+                self.log_weights = mx.zeros(self.scores.shape, mx.float32)
 
     def check_input(self, keys: mx.array, values: mx.array, layer: int) -> None:
         """Raise ValueError unless keys/values [B, H, S, D(v)] fit these buffers (same B, H, D, Dv, dtype).
@@ -75,7 +86,7 @@ class SlotStore:
         split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``."""
         n, H, (rank, size) = self.n, self.keys.shape[1], head_shard
         return CacheView(self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n],
-                         self.scores, offset, n_new, dead, rank * H, size * H)
+                         self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights)
 
     def append(self, keys: mx.array, values: mx.array, offset: int, budget: int) -> None:
         """Write S new tokens (positions ``offset .. offset+S-1``, score 0) after the n valid slots.
@@ -107,6 +118,9 @@ class SlotStore:
         new_pos = mx.broadcast_to(mx.arange(offset, offset + S, dtype=mx.int32), (B, H, S))
         self.positions = mx.slice_update(self.positions, new_pos, at[:3], axes=(0, 1, 2))
         self.scores = mx.concatenate([self.scores[..., :n], mx.zeros((B, H, S), mx.float32)], axis=2)
+        if self.track_log_weights:
+            lw = mx.zeros((B, H, 0), mx.float32) if self.log_weights is None else self.log_weights[..., :n]
+            self.log_weights = mx.concatenate([lw, mx.zeros((B, H, S), mx.float32)], axis=2)
         self.n = need
 
     def write_into(self, slots: mx.array, keys: mx.array, values: mx.array, offset: int) -> None:
@@ -117,6 +131,8 @@ class SlotStore:
         pos = mx.full(slots.shape, offset, dtype=mx.int32)
         self.positions = mx.put_along_axis(self.positions, slots, pos, axis=2)
         self.scores = mx.put_along_axis(self.scores, slots, mx.zeros(slots.shape, mx.float32), axis=2)
+        if self.log_weights is not None:
+            self.log_weights = mx.put_along_axis(self.log_weights, slots, mx.zeros(slots.shape, mx.float32), axis=2)
 
     def compact(self, losers: mx.array) -> None:
         """Remove the slots ``losers`` [B, H, E]; survivors move, in temporal order, to [0, n - E)."""
@@ -128,6 +144,8 @@ class SlotStore:
         self.keys, self.values = take(self.keys), take(self.values)
         self.positions = mx.take_along_axis(pos, order, axis=-1)
         self.scores = mx.take_along_axis(self.scores, order, axis=-1)
+        if self.log_weights is not None:
+            self.log_weights = mx.take_along_axis(self.log_weights, order, axis=-1)
         self.n = keep_n
 
     def add(self, u: MergeUpdate) -> None:
@@ -140,6 +158,11 @@ class SlotStore:
             self.keys = self.keys.at[bi, hi, t].add(u.d_keys.astype(self.keys.dtype))
         if u.d_scores is not None:
             self.scores = self.scores.at[bi, hi, t].add(u.d_scores.astype(mx.float32))
+        if getattr(u, "d_log_weights", None) is not None:
+            if self.log_weights is None:
+                raise ValueError("MergeUpdate.d_log_weights needs a disposition with uses_log_weights = True")
+            lw = self.log_weights.at[bi, hi, t].add(u.d_log_weights.astype(mx.float32))
+            self.log_weights = mx.clip(lw, -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
 
     def in_temporal_order(self):
         """(keys, values, positions, scores) of the n valid slots sorted by position."""
@@ -160,4 +183,5 @@ class SlotStore:
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + self.scores.nbytes
+        lw = 0 if self.log_weights is None else self.log_weights.nbytes
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + self.scores.nbytes + lw

@@ -90,7 +90,7 @@ def tiny_model(family: str, seed: int = 0, **overrides: Any):
 #: The configs of the support matrix: default H2O and CaM (small budget; since 0.2 the observed signal with
 #: the observation window, which needs the attention hook) and both with the proxy signal (no hook).
 MATRIX_CONFIGS = ("h2o:budget=16,n_sink=2", "cam:budget=16,n_sink=2",
-                  "h2o:budget=16,n_sink=2,signal=proxy", "cam:budget=16,n_sink=2,signal=proxy")
+                  "h2o:budget=16,n_sink=2,signal=proxy", "cam:budget=16,n_sink=2,merge=mass_blend,signal=proxy")
 
 
 def run_family(family: str, config: str) -> str:

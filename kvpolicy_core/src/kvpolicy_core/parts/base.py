@@ -27,6 +27,9 @@ class CacheView(NamedTuple):
     head_offset: int = 0
     #: the layer's KV heads over all tensor-parallel ranks (None: this view's H, unsharded)
     heads_total: Optional[int] = None
+    #: [B, H, L] float32 per-slot attention log-weights (added to the slot's attention logit), or
+    #: None when the disposition does not use them (``Disposition.uses_log_weights``). Since 0.3.0.
+    log_weights: Optional[mx.array] = None
     #: the scorer's own state for the current *run* (since 0.3.0): a dict the cache keeps across
     #: consecutive prompt chunks (updates of S > 1 tokens) while nothing is evicted between them,
     #: and replaces with an empty one when a run starts (the first chunk, a chunk after an
@@ -45,7 +48,13 @@ class MergeUpdate(NamedTuple):
     d_values    [B, H, T, Dv]      any      added to ``values[targets]``, or None
     d_scores    [B, H, T]          any      added to ``scores[targets]``, or None
     stats       {name: scalar}     int      counters to add to the cache's ``stats()``
+    d_log_weights [B, H, T]        any      added to ``log_weights[targets]``, or None
     =========== ================== ======== =========================================
+
+    ``d_log_weights`` (since 0.3.0) needs a disposition with ``uses_log_weights = True``: the
+    cache then keeps a log-weight ``lw_j`` per slot (0 for every new token) and the model's
+    attention uses the logit ``q . k_j * scale + lw_j``, so a slot with ``lw_j = log c`` draws
+    the attention of ``c`` copies of itself. Deltas of one target sum (as for every field).
 
     Deltas are cast to the buffer's dtype (float32 for scores) before the add. A plain
     average of several losers into one target needs the number of losers per target:
@@ -63,6 +72,7 @@ class MergeUpdate(NamedTuple):
     draws: Optional[mx.array] = None
     merges: Optional[mx.array] = None
     stats: Optional[Dict[str, mx.array]] = None
+    d_log_weights: Optional[mx.array] = None
 
 
 def pick_lowest(ranked: mx.array, n_evict: int) -> mx.array:
@@ -129,7 +139,15 @@ class Selector:
 
 
 class Disposition:
-    """What happens to the losers before their slots are removed (drop: nothing)."""
+    """What happens to the losers before their slots are removed (drop: nothing).
+
+    ``uses_log_weights`` (since 0.3.0): True makes the cache keep per-slot attention
+    log-weights (``view.log_weights``, updated through ``MergeUpdate.d_log_weights``) and add
+    them to the attention logits through the attention hook. False (default): no buffer,
+    no hook, no cost.
+    """
+
+    uses_log_weights: bool = False
 
     @classmethod
     def from_config(cls, config) -> "Disposition":

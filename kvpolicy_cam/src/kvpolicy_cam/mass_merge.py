@@ -1,0 +1,112 @@
+"""CaM merges that keep the attention mass of what they absorb (``merge="mass"``, ``"mass_blend"``).
+
+The specification's blend (``sim_weighted``) rewrites the nearest survivor with a weight up to ~1,
+whatever the attention either token drew; the merged slot then stands for two tokens but draws the
+attention of one. These merges weigh each side by the attention it drew and, for ``"mass"``, give
+the merged slot the attention of both through its attention log-weight (ToMe's proportional
+attention; KeepKV's "electoral votes", arXiv 2504.09936), scaled by attention *mass*, not by
+token counts (a count over-weights a survivor whose key is not the absorbed tokens' key).
+
+Notation for loser ``l`` merged into target ``t`` (the most similar surviving non-sink key, as
+in the specification), ``s`` the cumulative attention score (the scorer's), ``pos`` positions,
+``o`` the offset (tokens seen): the attention rate of a slot is ``r_j = s_j / max(o - pos_j, 1)``
+(mean attention per query since it arrived; the observed signal already includes the slot's
+log-weight). With several losers of one chunk sharing a target, sums run over ``l -> t``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
+from kvpolicy_core.parts.merge import per_target_sum
+
+from .gated_merge import STATS, bernoulli, finite_rows, gate_probability, merge_targets, take
+
+_MAX_RATIO = 1e4  # bounds one merge's log-weight step to log(1 + 1e4) ~ 9.2
+
+
+def attention_rate(view: CacheView) -> mx.array:
+    """r_j = s_j / max(o - pos_j, 1): [B, H, L] float32, the mean attention per query a slot drew."""
+    age = mx.maximum(view.offset - view.positions, 1).astype(mx.float32)
+    return mx.maximum(view.scores, 0.0) / age
+
+
+class MassMergeDisposition(Disposition):
+    """Merge each loser into its nearest survivor, weighted by attention drawn.
+
+    ``log_weights=False`` (``merge="mass_blend"``), m = cumulative attention mass ``s``::
+
+        v_t' = (m_t v_t + sum_{l->t} M_l m_l v_l) / (m_t + sum_{l->t} M_l m_l)
+        s_t' = s_t + sum_{l->t} M_l s_l
+
+    ``log_weights=True`` (``merge="mass"``), m = attention rate ``r`` and the slot's log-weight::
+
+        v_t'  = (r_t v_t + sum_{l->t} M_l r_l v_l) / (r_t + sum_{l->t} M_l r_l)
+        lw_t' = lw_t + log(1 + sum_{l->t} M_l r_l / r_t)          (ratio capped at 1e4)
+        s_t'  = s_t + sum_{l->t} M_l s_l
+
+    so that, for a query whose attention shares match the slots' past rates, the merged slot
+    draws the attention of both sides (``exp(q.k_t + lw_t') = exp(q.k_t + lw_t) (r_t + r_l) / r_t``)
+    and returns their attention-weighted mean value: the attention output is unchanged.
+    ``M_l`` is the specification's Bernoulli gate (``gate=True``) or 1, times the similarity
+    threshold ``[cos(k_l, k_t) >= min_sim]`` (``min_sim=-1``: always; a loser below it is dropped,
+    as H2O drops it, so ``min_sim > 1`` is H2O exactly). Keys are blended with the
+    same weights only with ``merge_keys``. A side with zero mass leaves the target unchanged.
+    Losers outside a sliding window or with non-finite keys/values are dropped.
+    """
+
+    def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False,
+                 min_sim: float = -1.0):
+        self.n_sink, self.gate, self.merge_keys, self.min_sim = n_sink, gate, merge_keys, float(min_sim)
+        self.with_log_weights = log_weights
+        self.uses_log_weights = log_weights
+
+    @classmethod
+    def from_config(cls, config) -> "MassMergeDisposition":
+        return cls(n_sink=config.n_sink, log_weights=config.merge == "mass", gate=config.merge_gate,
+                   merge_keys=config.merge_keys, min_sim=config.merge_min_sim)
+
+    def stats(self):
+        return STATS
+
+    def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> MergeUpdate:
+        target, cos, has_target = merge_targets(view, losers, self.n_sink)
+        if self.min_sim > -1.0:
+            has_target = has_target & (cos >= self.min_sim)
+        has_target = has_target & finite_rows(view.keys, losers) & finite_rows(view.values, losers)
+        if view.dead is not None:
+            has_target = has_target & ~take(view.dead, losers)
+        s_l, s_t = take(view.scores, losers), take(view.scores, target)
+        if self.gate:
+            merge = has_target & bernoulli(gate_probability(s_l, s_t), key)
+            draws = has_target.sum()
+        else:
+            merge, draws = has_target, mx.array(0)
+        mass = attention_rate(view) if self.with_log_weights else mx.maximum(view.scores, 0.0)
+        m_l = mx.where(merge, take(mass, losers), 0.0)  # [B, H, E]
+        m_t = take(mass, target)
+        L = view.keys.shape[2]
+        one = losers.shape[-1] == 1  # decode: one loser, no other loser shares its target
+        absorbed = m_l if one else take(per_target_sum(m_l, target, L), target)  # sum_{l'->t} m_l' per loser
+        denom = m_t + absorbed
+        coef = mx.where(denom > 0, m_l / mx.where(denom > 0, denom, 1.0), 0.0)[..., None]
+
+        def delta(x):  # where(), not a product: 0 * NaN would still be NaN
+            d = coef * (take(x, losers).astype(mx.float32) - take(x, target).astype(mx.float32))
+            return mx.where(merge[..., None], d, 0.0).astype(x.dtype)
+
+        d_lw = None
+        if self.with_log_weights:
+            ratio = mx.where(m_t > 0, absorbed / mx.where(m_t > 0, m_t, 1.0), 0.0)
+            step = mx.log1p(mx.minimum(ratio, _MAX_RATIO))  # the target's whole log-weight step
+            n_merged = 1.0 if one else take(per_target_sum(merge.astype(mx.float32), target, L), target)
+            d_lw = mx.where(merge, step / mx.maximum(n_merged, 1.0), 0.0)  # shared by its losers
+        return MergeUpdate(
+            targets=target,
+            d_keys=delta(view.keys) if self.merge_keys else None,
+            d_values=delta(view.values),
+            d_scores=mx.where(merge, s_l, 0.0),
+            stats={"gate_draws": draws, "merges": merge.sum()},
+            d_log_weights=d_lw,
+        )

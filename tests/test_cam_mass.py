@@ -1,0 +1,185 @@
+"""CaM's mass merges (merge="mass", "mass_blend"): slow references, mass preservation, drop == H2O untouched."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from helpers import feed, random_kv
+from kvpolicy_cam.mass_merge import MassMergeDisposition
+from kvpolicy_core import PolicyCache
+from kvpolicy_core.attention_bias import with_log_weights
+from kvpolicy_core.parts.base import CacheView
+from kvpolicy_core.slots import SlotStore
+
+
+def random_view(seed, B=2, H=2, L=12, D=6, log_weights=True):
+    rng = np.random.default_rng(seed)
+    K = rng.normal(size=(B, H, L, D)).astype(np.float32)
+    V = rng.normal(size=(B, H, L, D)).astype(np.float32)
+    pos = np.stack([np.stack([rng.permutation(L) for _ in range(H)]) for _ in range(B)]).astype(np.int32)
+    s = rng.uniform(0.0, 3.0, size=(B, H, L)).astype(np.float32)
+    s[0, 0, 5] = 0.0  # a slot that drew no attention
+    lw = rng.uniform(0.0, 1.0, size=(B, H, L)).astype(np.float32) if log_weights else None
+    offset = L + 3
+    view = CacheView(mx.array(K), mx.array(V), mx.array(pos), mx.array(s), offset, 0, None,
+                     log_weights=None if lw is None else mx.array(lw))
+    return view, (K, V, pos, s, lw, offset)
+
+
+def losers_of(view, E, seed):
+    rng = np.random.default_rng(seed)
+    B, H, L = view.scores.shape
+    pos = np.array(view.positions)
+    out = np.zeros((B, H, E), np.int32)
+    for b in range(B):
+        for h in range(H):
+            cand = [j for j in range(L) if pos[b, h, j] >= 2]  # n_sink = 2
+            out[b, h] = rng.choice(cand, E, replace=False)
+    return mx.array(out)
+
+
+def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2, min_sim=-1.0):
+    """Loops: nearest non-sink survivor by cosine (a loser below ``min_sim`` is dropped), then the
+    docstring's equations per target."""
+    B, H, L, _ = K.shape
+    K2, V2, s2 = K.copy(), V.copy(), s.copy()
+    lw2 = None if lw is None else lw.copy()
+    for b in range(B):
+        for h in range(H):
+            ls = set(losers[b, h].tolist())
+            groups = {}
+            for l in losers[b, h].tolist():
+                best, tgt = -math.inf, None
+                for j in range(L):
+                    if j in ls or pos[b, h, j] < n_sink:
+                        continue
+                    c = K[b, h, l] @ K[b, h, j] / (np.linalg.norm(K[b, h, l]) * np.linalg.norm(K[b, h, j]))
+                    if c > best:
+                        best, tgt = c, j
+                if best >= min_sim:
+                    groups.setdefault(tgt, []).append(l)
+            for t, group in groups.items():
+                if log_weights:
+                    m = lambda j: max(s[b, h, j], 0) / max(offset - pos[b, h, j], 1)  # noqa: E731
+                else:
+                    m = lambda j: max(s[b, h, j], 0)  # noqa: E731
+                mt, ml = m(t), sum(m(l) for l in group)
+                if mt + ml > 0:
+                    V2[b, h, t] = (mt * V[b, h, t] + sum(m(l) * V[b, h, l] for l in group)) / (mt + ml)
+                if log_weights and mt > 0:
+                    lw2[b, h, t] = lw[b, h, t] + math.log1p(min(ml / mt, 1e4))
+                s2[b, h, t] = s[b, h, t] + sum(s[b, h, l] for l in group)
+    return V2, s2, lw2
+
+
+def apply(view, update):
+    store = SlotStore(track_log_weights=view.log_weights is not None)
+    store.restore((view.keys, view.values, view.positions, view.scores, view.keys.shape[2], view.log_weights))
+    store.add(update)
+    return store
+
+
+@pytest.mark.parametrize("min_sim", [-1.0, 0.5])
+@pytest.mark.parametrize("log_weights", [True, False])
+@pytest.mark.parametrize("E", [1, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mass_merges_match_the_slow_reference(log_weights, E, seed, min_sim):
+    view, (K, V, pos, s, lw, offset) = random_view(seed, log_weights=log_weights)
+    losers = losers_of(view, E, seed)
+    d = MassMergeDisposition(n_sink=2, log_weights=log_weights, gate=False, min_sim=min_sim)
+    store = apply(view, d.dispose(view, losers, mx.random.key(0)))
+    V2, s2, lw2 = reference_mass_merge(K, V, pos, s, lw, offset, np.array(losers), log_weights, min_sim=min_sim)
+    np.testing.assert_allclose(np.array(store.values), V2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(store.scores), s2, rtol=1e-6)
+    if log_weights:
+        np.testing.assert_allclose(np.array(store.log_weights), lw2, rtol=1e-5, atol=1e-6)
+
+
+def test_mass_merge_keeps_the_attention_output_of_a_query_whose_shares_match_the_rates():
+    """Three slots a, t, l with attention shares p_j for query q; the rates r_j = s_j / age_j equal p_j.
+
+    After merging l into t the cache holds {a, t'} and attention(q) over it equals the full one."""
+    rng = np.random.default_rng(4)
+    D = 8
+    K = rng.normal(size=(3, D)).astype(np.float32)
+    K[2] = K[1] + 0.3 * rng.normal(size=D)  # l is t's nearest neighbour
+    V = rng.normal(size=(3, D)).astype(np.float32)
+    q = rng.normal(size=D).astype(np.float32)
+    logits = K @ q / math.sqrt(D)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    pos = np.array([2, 5, 9], np.int32)
+    offset = 12
+    s = (p * (offset - pos)).astype(np.float32)  # rate = share
+    view = CacheView(mx.array(K)[None, None], mx.array(V)[None, None], mx.array(pos)[None, None],
+                     mx.array(s)[None, None], offset, 0, None, log_weights=mx.zeros((1, 1, 3)))
+    d = MassMergeDisposition(n_sink=0, log_weights=True, gate=False)
+    u = d.dispose(view, mx.array([[[2]]], mx.int32), mx.random.key(0))
+    assert u.targets.item() == 1
+    store = apply(view, u)
+    keep = mx.array([0, 1])
+    Kk, Vk = store.keys[:, :, keep], store.values[:, :, keep]
+    qq = mx.array(q)[None, None, None]
+    mask = with_log_weights(None, store.log_weights[:, :, keep], qq)
+    out = mx.fast.scaled_dot_product_attention(qq, Kk, Vk, scale=D**-0.5, mask=mask)
+    full = mx.fast.scaled_dot_product_attention(qq, mx.array(K)[None, None], mx.array(V)[None, None], scale=D**-0.5)
+    assert mx.allclose(out, full, atol=1e-5)
+    dropped = mx.fast.scaled_dot_product_attention(qq, mx.array(K[:2])[None, None], mx.array(V[:2])[None, None],
+                                                   scale=D**-0.5)
+    assert not mx.allclose(dropped, full, atol=1e-3)  # dropping l would have changed it
+
+
+def test_mass_blend_barely_moves_a_heavy_survivor():
+    K = np.array([[1, 0], [1, 0.1], [1, 0.12], [0, 1]], np.float32)
+    V = np.array([[0, 0], [1, 1], [9, 9], [5, 5]], np.float32)
+    s = np.array([1, 10.0, 0.1, 1], np.float32)
+    view = CacheView(mx.array(K)[None, None], mx.array(V)[None, None], mx.arange(4, dtype=mx.int32)[None, None],
+                     mx.array(s)[None, None], 4, 0, None, log_weights=None)
+    u = MassMergeDisposition(n_sink=1, log_weights=False).dispose(view, mx.array([[[2]]], mx.int32), mx.random.key(0))
+    store = apply(view, u)
+    assert u.targets.item() == 1 and u.d_log_weights is None
+    np.testing.assert_allclose(np.array(store.values[0, 0, 1]), 1 + 8 * 0.1 / 10.1, rtol=1e-5)
+
+
+@pytest.mark.parametrize("merge", ["mass", "mass_blend"])
+@pytest.mark.parametrize("chunks", [[1] * 40, [15, 1, 1, 18, 5]])
+def test_mass_caches_hold_the_budget_stay_finite_and_count_merges(merge, chunks):
+    K, V = random_kv(B=2, H=2, S=40, D=8, seed=5)
+    cache = PolicyCache(f"cam:budget=10,n_sink=2,merge={merge},signal=observed,gate=false")
+    feed(cache, K, V, chunks)
+    cache.settle()
+    keys, values, positions, _ = cache.retained()
+    assert keys.shape[2] == 10 and cache.merges > 0
+    assert mx.isfinite(values).all().item()
+    assert (merge == "mass") == (cache.log_weights is not None)
+    assert np.all(np.array(positions)[..., :2] == [0, 1])  # sinks kept
+
+
+@pytest.mark.parametrize("chunks", [[1] * 40, [15, 1, 1, 18, 5]])
+def test_min_sim_trades_merges_for_drops_and_above_one_is_h2o_exactly(chunks):
+    K, V = random_kv(B=2, H=2, S=40, D=8, seed=6)
+    base = "budget=10,n_sink=2,signal=proxy"
+    merges = []
+    for tau in (-1.0, 0.5, 0.8):
+        cache = PolicyCache(f"cam:{base},min_sim={tau}")
+        feed(cache, K, V, chunks)
+        merges.append(int(cache.merges))
+    assert merges[0] > merges[1] > merges[2] > 0  # a higher threshold merges fewer losers
+    never, h2o = PolicyCache(f"cam:{base},min_sim=1.5"), PolicyCache(f"h2o:{base}")
+    for c in (never, h2o):
+        feed(c, K, V, chunks)
+    assert never.merges == 0 and not mx.any(never.log_weights).item()
+    for x, y in zip(never.state[:4], h2o.state[:4]):
+        assert mx.array_equal(x, y)
+
+
+def test_min_sim_is_refused_for_merges_that_do_not_use_it():
+    from kvpolicy_core.config import parse_config
+    from kvpolicy_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="min_sim"):
+        parse_config("cam:merge=sim_weighted,min_sim=0.5")
+    with pytest.raises(ConfigError, match="min_sim"):
+        parse_config("cam:min_sim=3")

@@ -21,7 +21,7 @@ import mlx.core as mx
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
 from kvpolicy_core.parts.merge import per_target_sum
 
-from .gated_merge import STATS, bernoulli, finite_rows, gate_probability, merge_targets, take
+from .gated_merge import STATS, bernoulli, finite_rows, gate_probability, merge_targets, per_row, take
 
 _MAX_RATIO = 1e4  # bounds one merge's log-weight step to log(1 + 1e4) ~ 9.2
 
@@ -56,6 +56,8 @@ class MassMergeDisposition(Disposition):
     Losers outside a sliding window or with non-finite keys/values are dropped.
     """
 
+    batch_rows = True  # per-row keys and offsets, counters per row (parts.base.BATCH_ROWS)
+
     def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False,
                  min_sim: float = -1.0):
         self.n_sink, self.gate, self.merge_keys, self.min_sim = n_sink, gate, merge_keys, float(min_sim)
@@ -80,9 +82,9 @@ class MassMergeDisposition(Disposition):
         s_l, s_t = take(view.scores, losers), take(view.scores, target)
         if self.gate:
             merge = has_target & bernoulli(gate_probability(s_l, s_t), key)
-            draws = has_target.sum()
+            draws = per_row(has_target)
         else:
-            merge, draws = has_target, mx.array(0)
+            merge, draws = has_target, mx.zeros((has_target.shape[0],), mx.int32)
         mass = attention_rate(view) if self.with_log_weights else mx.maximum(view.scores, 0.0)
         m_l = mx.where(merge, take(mass, losers), 0.0)  # [B, H, E]
         m_t = take(mass, target)
@@ -107,6 +109,6 @@ class MassMergeDisposition(Disposition):
             d_keys=delta(view.keys) if self.merge_keys else None,
             d_values=delta(view.values),
             d_scores=mx.where(merge, s_l, 0.0),
-            stats={"gate_draws": draws, "merges": merge.sum()},
+            stats={"gate_draws": draws, "merges": per_row(merge)},
             d_log_weights=d_lw,
         )

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, MergeUpdate, Selector, pick_lowest
-from .policy import Policy, step_key
+from .policy import Policy, step_key, step_keys
 from .slots import LOG_WEIGHT_BOUND
 
 Counters = Dict[str, mx.array]
@@ -162,14 +162,20 @@ class PolicyStep:
             losers = dead_first(view.dead, losers, n_evict)
         return losers
 
-    def dispose(self, view: CacheView, losers: mx.array, offset: int) -> Tuple[Optional[MergeUpdate], Counters]:
-        """The disposition's update for the survivors (or None) and the counters it reports."""
-        key = step_key(self.policy.config.seed, self.layer, offset)
+    def dispose(self, view: CacheView, losers: mx.array, offset) -> Tuple[Optional[MergeUpdate], Counters]:
+        """The disposition's update for the survivors (or None) and the counters it reports.
+
+        ``offset``: the cache's tokens seen (one key, counters summed), or a list of B per-row
+        offsets for a view of B stacked rows (:mod:`.batch_rows`: keys [B, 2], counters [B]).
+        """
+        rows = len(offset) if isinstance(offset, (list, tuple)) else None
+        seed = self.policy.config.seed
+        key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
         update = self.call("disposition", self.policy.disposition.dispose, view, losers, key)
         if update is None:
             return None, {}
         update = self._checked_update(view, update)
-        counts = self._counts(update.stats)
+        counts = self._counts(update.stats, rows)
         if update.draws is not None or update.merges is not None:
             if not self._warned:
                 self._warned = True
@@ -182,8 +188,11 @@ class PolicyStep:
                 counts.setdefault(name, value)
         return update, counts
 
-    def _counts(self, stats) -> Counters:
-        """A disposition's counters as int32 scalars: each an int or a one-element numeric mx.array."""
+    def _counts(self, stats, rows: Optional[int] = None) -> Counters:
+        """A disposition's counters as int32 scalars (summed over a batch), or per row ``[rows]``.
+
+        Each an int or a numeric mx.array; per row (stacked rows), an array of ``rows`` elements.
+        """
         owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
         if stats is None:
             return {}
@@ -194,11 +203,15 @@ class PolicyStep:
             if value is None:
                 continue
             ok = (isinstance(value, int) and not isinstance(value, bool)) or (
-                isinstance(value, mx.array) and value.size == 1 and value.dtype != mx.complex64)
+                isinstance(value, mx.array) and value.dtype != mx.complex64)
+            if rows is not None and not (isinstance(value, mx.array) and value.size == rows):
+                raise PluginError(f"{owner} returned counter {name!r} of shape {getattr(value, 'shape', ())} for "
+                                  f"{rows} stacked rows; a batch_rows disposition counts per row ([B])")
             if not ok:
                 raise PluginError(f"{owner} returned counter {name!r} = {value!r} of type {type(value).__name__}; "
-                                  "expected an int or a one-element mx.array")
-            out[str(name)] = mx.array(value).astype(mx.int32).reshape(())
+                                  "expected an int or a numeric mx.array")
+            value = mx.array(value).astype(mx.int32)
+            out[str(name)] = value.reshape(rows) if rows is not None else value.sum()
         return out
 
     def _checked_update(self, view: CacheView, u) -> MergeUpdate:

@@ -13,6 +13,15 @@ from typing import Dict, NamedTuple, Optional
 import mlx.core as mx
 
 
+#: The ``batch_rows`` contract (since 0.3.0). A part that sets ``batch_rows = True`` is correct on a
+#: view that stacks B independent sequences (a batch's decode step, :mod:`kvpolicy_core.batch_rows`),
+#: where ``view.offset`` is an int32 array [B, 1, 1] (each row's tokens seen; it broadcasts against
+#: ``positions``), ``new_positions`` is [B, 1, S], a disposition's ``key`` is [B, 2] (row b's own key)
+#: and its ``stats`` values are [B] arrays (row b's counts): row b's result must be exactly what the
+#: part returns for row b alone. Parts without it are run one row at a time (still exact, slower).
+BATCH_ROWS = "batch_rows"
+
+
 class CacheView(NamedTuple):
     """What a part sees of one layer's cache. Read-only by convention."""
 
@@ -100,6 +109,8 @@ class Scorer:
     #: with scores accumulated from attention, the survivors' scores would keep the trimmed
     #: tokens' attention. Default False (safe for any scorer).
     trim_exact: bool = False
+    #: True when correct on a view of B stacked independent rows (since 0.3.0; see :data:`BATCH_ROWS`)
+    batch_rows: bool = False
 
     @classmethod
     def from_config(cls, config) -> "Scorer":
@@ -121,6 +132,8 @@ class Selector:
     the lowest-ranked of the rest. Selectors written for 0.1.0 implement :meth:`select`
     instead; the cache still moves window-dead slots to the front of their choice.
     """
+
+    batch_rows: bool = False  #: see :data:`BATCH_ROWS` (since 0.3.0)
 
     @classmethod
     def from_config(cls, config) -> "Selector":
@@ -148,6 +161,7 @@ class Disposition:
     """
 
     uses_log_weights: bool = False
+    batch_rows: bool = False  #: see :data:`BATCH_ROWS` (since 0.3.0)
 
     @classmethod
     def from_config(cls, config) -> "Disposition":

@@ -131,7 +131,7 @@ class ObservationWindowScorer(AttentionScorer):
             return view.scores
         S = new_keys.shape[2]
         W = self._rows(S)
-        weights = proxy_weights(view.keys, view.positions, new_keys[:, :, S - W :], new_positions[S - W :])
+        weights = proxy_weights(view.keys, view.positions, new_keys[:, :, S - W :], new_positions[..., S - W :])
         return self._add(view, weights, S)
 
     def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:

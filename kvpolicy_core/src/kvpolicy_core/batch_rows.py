@@ -31,9 +31,6 @@ import mlx.core as mx
 from .attention_bias import with_log_weights
 from .slots import SNAPSHOT, SlotStore
 
-_ZERO = None
-
-
 def can_stack(rows: Sequence) -> bool:
     """Whether ``rows`` (PolicyCache, batch 1 each) can take a decode step as one stacked step."""
     if len(rows) < 2:
@@ -47,7 +44,7 @@ def can_stack(rows: Sequence) -> bool:
         return False
     for r in rows:
         if (r.n != n or r.keys is None or r.layer != r0.layer or r.window != r0.window
-                or r.head_shard != r0.head_shard or r.policy.config != policy.config
+                or r.head_shard != r0.head_shard or (r.policy is not policy and r.policy.config != policy.config)
                 or r.keys.dtype != r0.keys.dtype or r.values.dtype != r0.values.dtype
                 or r.keys.shape[1] != r0.keys.shape[1] or r.keys.shape[3] != r0.keys.shape[3]
                 or r.values.shape[3] != r0.values.shape[3]):

@@ -221,3 +221,20 @@ def test_decode_steps_of_rows_at_their_budget_run_stacked_with_each_rows_counter
                 for a, b in zip(mine.state[:4], theirs.state[:4]):
                     assert mx.allclose(a, b, atol=1e-4, rtol=1e-4), "row state differs from its prompt alone"
     assert sum(c.stats()["gate_draws"] for c in alone[1][1] if isinstance(c, PolicyCache)) > 0
+
+
+def test_stacked_rows_answer_the_contract_without_unstacking():
+    """A stacked batch (every row at its budget) answers offset and masks itself; reading the rows splits it."""
+    model = tiny_llama(seed=8)
+    caches = [KVCacheBuilder.for_model(model, "h2o:budget=6,n_sink=1") for _ in range(2)]
+    batch = [PolicyCache.merge([c[i] for c in caches]) for i in range(len(model.layers))]
+    model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3, 2, 1]]), cache=batch)
+    for t in range(2):
+        model(mx.array([[t + 1], [t + 2]]), cache=batch)
+    b = batch[0]
+    assert b._stacked is not None and b.offset.tolist() == [11, 11]
+    assert b.make_mask(1) is None and b.make_mask(1, return_array=True).shape == (2, 1, 1, 7)
+    assert b._stacked is not None  # still stacked
+    assert [r.offset for r in b.rows] == [11, 11] and [r.tokens_kept for r in b.rows] == [6, 6]
+    assert b._stacked is None  # split back into its rows
+    detach(model)

@@ -194,8 +194,8 @@ class BatchPolicyCache:
         None only when every row is a plain decode step over the same length. Sliding-window
         layers get their per-row window masks from the attention hook (:meth:`before_attention`).
         """
-        if self._stacked is not None and N == 1 and not return_array and self._decoding(N):
-            return None  # every row attends to its budget + 1 slots
+        if self._stacked is not None and N == 1 and self._decoding(N):  # every row attends to its n = budget + 1 slots
+            return mx.ones((len(self._stacked), 1, 1, self._stacked.slots.n), mx.bool_) if return_array else None
         plan = self._plan(N)
         L = max(p[2] for p in plan)
         if N == 1 and not return_array and all(p == (0, 1, L) for p in plan):

@@ -31,7 +31,7 @@ def test_all_forms_give_the_same_config():
 def test_defaults_match_the_specification_except_the_measured_scorer_and_merge():
     c = parse_config("cam")
     p = c.policy
-    assert (p.budget, p.n_sink, p.merge, p.merge_gate, p.merge_keys) == (512, 4, "mass", False, False)
+    assert (p.budget, p.n_sink, p.merge, p.merge_gate, p.merge_keys, p.merge_min_sim) == (512, 4, "mass", False, True, 0.85)
     assert p.recent_tokens == 256
     # scorer defaults chosen by measurement (docs/methods/h2o.md); signal=proxy is the specification's
     assert (p.signal, p.obs_window_rows, p.pool_width) == ("observed", 32, 15)
@@ -39,6 +39,12 @@ def test_defaults_match_the_specification_except_the_measured_scorer_and_merge()
     spec = parse_config("cam:merge=sim_weighted,signal=proxy").policy  # the specification's, gate on
     assert (spec.merge, spec.merge_gate, spec.merge_keys) == ("sim_weighted", True, False)
     assert parse_config("cam:merge=mass,gate=true").policy.merge_gate
+    # the mass merge's measured defaults (keys blended, min_sim) are its own: other merges keep the specification's
+    blend = parse_config("cam:merge=mass_blend").policy
+    assert (blend.merge_keys, blend.merge_min_sim) == (False, -1.0)
+    for spec in ("cam:keys=false", "cam:min_sim=-1", "cam:budget=64,min_sim=0.7,gate=true"):
+        c = parse_config(spec)
+        assert parse_config(c.to_string()) == c  # labels give the config back, implied defaults included
 
 
 def test_unknown_method_lists_installed_and_names_package():

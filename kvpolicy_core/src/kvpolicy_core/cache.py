@@ -37,6 +37,7 @@ from .policy_step import PolicyStep
 from .sharding import check_head_shard
 from .slots import FIELDS, SlotStore
 from .attention_bias import with_log_weights
+from .attention_weights import attend_once, attention_with_weights
 from .window import outside_window, window_mask
 
 
@@ -183,17 +184,42 @@ class PolicyCache(CacheState, CacheDiagnostics):
         query at position p may attend to key at position q iff ``p - W < q <= p``.
         A policy with log-weights gets them added to the logits (:func:`.attention_bias.with_log_weights`).
         """
-        if self.window is not None and self.offset > self.window:
-            mask = window_mask(self.positions[..., : self.n], self.offset, self._last_S, self.window, queries.shape[1])
-        if self.uses_log_weights:
-            mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
+        mask = self._attention_mask(queries, mask)
         if self.policy.scorer.needs_attention:
             self.scores = self._step.on_attention(self._view(queries.shape[2]), queries, scale, mask)
             self._bound_graph()
         self._attended = True
         return mask
 
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, fused):
+        """The attention hook's entry: the attention output [B, Hq, S, Dv] of this step.
+
+        ``fused(queries, keys, values, cache, scale, mask)`` is mlx-lm's attention. A scorer that can
+        take the model's weights (``on_attention_weights``: the shipped observed scorers) gets them from
+        the one pass that computes the output (:func:`.attention_weights.attention_with_weights`, on CPU
+        bit-identical to the fused kernel) where that is faster (:func:`.attention_weights.attend_once`);
+        otherwise this is :meth:`before_attention` then ``fused``.
+        """
+        scorer = self.policy.scorer
+        once = scorer.needs_attention and getattr(scorer, "on_attention_weights", None) is not None
+        if not (once and attend_once(queries.shape[2])):
+            return fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
+        mask = self._attention_mask(queries, mask)
+        out, weights = attention_with_weights(queries, keys, values, scale, mask)
+        self.scores = self._step.on_attention_weights(self._view(queries.shape[2]), weights)
+        self._bound_graph()
+        self._attended = True
+        return out
+
     # ------------------------------------------------------------------ internals
+    def _attention_mask(self, queries: mx.array, mask):
+        """The mask this layer's attention uses: its own sliding window, plus the slots' log-weights."""
+        if self.window is not None and self.offset > self.window:
+            mask = window_mask(self.positions[..., : self.n], self.offset, self._last_S, self.window, queries.shape[1])
+        if self.uses_log_weights:
+            mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
+        return mask
+
     def _view(self, n_new: int):
         dead = None
         if self.window is not None and self.offset > self.window and n_new == 0:

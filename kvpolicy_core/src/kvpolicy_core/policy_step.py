@@ -105,6 +105,10 @@ class PolicyStep:
         return self.scores(self.call("scorer", self.policy.scorer.on_attention, view, queries, scale, mask),
                            view.scores.shape)
 
+    def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
+        return self.scores(self.call("scorer", self.policy.scorer.on_attention_weights, view, weights),
+                           view.scores.shape)
+
     def _indices(self, kind: str, what: str, idx, shape: Tuple[int, ...], L: int, distinct: bool,
                  also=()) -> mx.array:
         """Check slot indices a part returned before anything gathers or scatters with them.

@@ -17,7 +17,7 @@ import math
 
 import mlx.core as mx
 
-from .attention_scorer import AttentionScorer, observed_weights, proxy_weights
+from .attention_scorer import AttentionScorer, finite_weights, observed_weights, proxy_weights
 from .base import CacheView
 
 
@@ -119,3 +119,11 @@ class ObservationWindowScorer(AttentionScorer):
         W = self._rows(S)
         weights = observed_weights(queries[:, :, S - W :], view.keys, scale, window_rows(mask, S, W))
         return self._add(view, weights, S)
+
+    def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
+        """:meth:`on_attention` from the model's weights [B, H, G, S, L] of the step (see the base class)."""
+        if self.signal != "observed":
+            return view.scores
+        S = weights.shape[3]
+        W = self._rows(S)
+        return self._add(view, finite_weights(weights if W == S else weights[..., S - W :, :]), S)

@@ -54,6 +54,8 @@ class MassMergeDisposition(Disposition):
     Losers outside a sliding window or with non-finite keys/values are dropped.
     """
 
+    uses_key_norms = True  # the cache keeps key norms: merge_targets needs no pass over every key
+
     def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False):
         self.n_sink, self.gate, self.merge_keys = n_sink, gate, merge_keys
         self.with_log_weights = log_weights

@@ -71,7 +71,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self.budget, self.layer, self.window = self.policy.budget, layer, window
         #: the disposition keeps per-slot attention log-weights (added to the logits by the hook)
         self.uses_log_weights = bool(getattr(self.policy.disposition, "uses_log_weights", False))
-        self._slots = SlotStore(self.step, track_log_weights=self.uses_log_weights)
+        self._slots = SlotStore(self.step, track_log_weights=self.uses_log_weights,
+                                track_key_norms=bool(getattr(self.policy.disposition, "uses_key_norms", False)))
         self._step = PolicyStep(self.policy, layer)
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token

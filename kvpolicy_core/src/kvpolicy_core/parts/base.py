@@ -30,6 +30,9 @@ class CacheView(NamedTuple):
     #: [B, H, L] float32 per-slot attention log-weights (added to the slot's attention logit), or
     #: None when the disposition does not use them (``Disposition.uses_log_weights``). Since 0.3.0.
     log_weights: Optional[mx.array] = None
+    #: [B, H, L] float32 L2 norm of each slot's key, kept by the cache when the disposition declares
+    #: ``uses_key_norms`` (else None: compute them from ``keys`` if needed). Since 0.3.0.
+    key_norms: Optional[mx.array] = None
 
 
 class MergeUpdate(NamedTuple):
@@ -138,6 +141,10 @@ class Disposition:
     """
 
     uses_log_weights: bool = False
+    #: True makes the cache keep each slot's key norm up to date (``view.key_norms``): for dispositions
+    #: that compare keys by cosine every step (CaM), an O(D) update per written slot instead of an
+    #: O(L·D) pass per step. Since 0.3.0.
+    uses_key_norms: bool = False
 
     @classmethod
     def from_config(cls, config) -> "Disposition":

@@ -230,8 +230,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
     def _evict(self, n_evict: int) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors."""
         view = self._view(0)
-        losers = self._step.losers(view, n_evict)
-        update, counts = self._step.dispose(view, losers, self.offset)
+        losers, pending = self._step.losers(view, n_evict)
+        update, counts = self._step.dispose(view, losers, self.offset, pending)
         if update is not None:
             self._slots.add(update)
         if counts:

@@ -145,6 +145,10 @@ class Disposition:
     #: that compare keys by cosine every step (CaM), an O(D) update per written slot instead of an
     #: O(L·D) pass per step. Since 0.3.0.
     uses_key_norms: bool = False
+    #: True: decode steps (one loser per row) run ``dispose`` as one compiled MLX graph
+    #: (:mod:`kvpolicy_core.compiled_dispose`); ``view.offset`` is then an int32 scalar array, so use it only
+    #: in MLX arithmetic, and no host syncs (``.item()``) inside ``dispose``. Since 0.3.0.
+    compile_decode: bool = False
 
     @classmethod
     def from_config(cls, config) -> "Disposition":

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from .compiled_dispose import compiled, wants_compile
+from .compiled_parts import compiled, compiled_select, wants_compile
 from .value_checks import loser_flags, target_flags
 from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, MergeUpdate, Selector, pick_lowest
@@ -44,6 +44,8 @@ class PolicyStep:
         #: MLX evaluates it (e.g. a gather with float indices) is caught inside the transaction (prefill and
         #: the first decode steps, where a sync costs nothing noticeable); later steps add no host sync
         self.eager_checks = 4
+        #: (selector, disposition) may run compiled on decode steps; False after a compiled call failed
+        self._compiled_ok = [True, True]
 
     def counter_names(self) -> Dict[str, str]:
         """Counters the parts declare through ``stats()`` (name -> meaning)."""
@@ -128,6 +130,8 @@ class PolicyStep:
         ``pending``: (kind, flags [k] bool mx.array, k messages) per part, in the order the parts ran.
         """
         flags = [f for _, f, _ in pending]
+        if not flags:
+            return
         try:
             mx.eval(*flags)
         except Exception:  # an error MLX raises only at evaluation: name the part whose output it is
@@ -148,12 +152,21 @@ class PolicyStep:
         < n_sink) unless it is window-dead (the contract of ``n_sink``). Until then the returned losers
         are clamped into [0, L), so the disposition's gathers stay in bounds whatever the selector returned.
         """
-        losers = self.call("selector", self.policy.selector.select, view, n_evict)
         L = view.scores.shape[-1]
         n_sink = getattr(self.policy.config.policy, "n_sink", 0)
+        selector, flags = self.policy.selector, None
+        if self.ranked_selection and wants_compile(selector, n_evict) and self._compiled_ok[0]:
+            try:  # choice and value flags in one compiled graph
+                losers, flags = compiled_select(selector, n_sink)(view, n_evict)
+            except Exception:  # not compilable (or a part error): the eager call below decides
+                self._compiled_ok[0] = False
+        if flags is None:
+            losers = self.call("selector", selector.select, view, n_evict)
         losers = self._index_meta("selector", "losers", losers, (*view.scores.shape[:2], n_evict))
+        if flags is None:
+            flags = loser_flags(losers, view.positions, n_sink, view.dead)
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
-        pending = [("selector", loser_flags(losers, view.positions, n_sink, view.dead), [
+        pending = [("selector", flags, [
             f"{owner} returned losers outside the cache: each must be in [0, L) and distinct per (batch, head), "
             f"with L = {L}",
             f"{owner} returned losers that include a sink (position < n_sink = {n_sink}); sinks are never evicted"])]
@@ -172,10 +185,16 @@ class PolicyStep:
         """
         key = step_key(self.policy.config.seed, self.layer, offset)
         disposition = self.policy.disposition
-        dispose = compiled(disposition) if wants_compile(disposition, losers.shape[-1]) else disposition.dispose
         pending = list(pending)
         try:
-            update = self.call("disposition", dispose, view, losers, key)
+            update = None
+            if wants_compile(disposition, losers.shape[-1]) and self._compiled_ok[1]:
+                try:
+                    update = compiled(disposition)(view, losers, key)
+                except Exception:  # not compilable (or a part error): the eager call below decides
+                    self._compiled_ok[1] = False
+            if update is None:
+                update = self.call("disposition", disposition.dispose, view, losers, key)
             if update is not None:
                 update, checks = self._checked_update(view, update)
                 pending.append(checks)

@@ -162,11 +162,11 @@ class SlotStore:
             self.key_norms = mx.put_along_axis(self.key_norms, slots, key_norm(keys), axis=2)
         self._keys = mx.put_along_axis(self.keys, idx, keys, axis=2)
         self.values = mx.put_along_axis(self.values, idx, values, axis=2)
-        pos = mx.full(slots.shape, offset, dtype=mx.int32)
-        self.positions = mx.put_along_axis(self.positions, slots, pos, axis=2)
-        self.scores = mx.put_along_axis(self.scores, slots, mx.zeros(slots.shape, mx.float32), axis=2)
+        self.positions = mx.put_along_axis(self.positions, slots, mx.array(offset, dtype=mx.int32), axis=2)
+        zero = mx.array(0.0, dtype=mx.float32)
+        self.scores = mx.put_along_axis(self.scores, slots, zero, axis=2)
         if self.log_weights is not None:
-            self.log_weights = mx.put_along_axis(self.log_weights, slots, mx.zeros(slots.shape, mx.float32), axis=2)
+            self.log_weights = mx.put_along_axis(self.log_weights, slots, zero, axis=2)
 
     def compact(self, losers: mx.array) -> None:
         """Remove the slots ``losers`` [B, H, E]; survivors move, in temporal order, to [0, n - E)."""

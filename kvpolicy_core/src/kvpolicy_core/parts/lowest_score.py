@@ -28,6 +28,8 @@ class LowestScoreSelector(Selector):
     (score 0) is evicted at once and whose kept set freezes on the prompt.
     """
 
+    compile_decode = True  # decode steps: rank, argmin and the value checks as one compiled graph
+
     def __init__(self, n_sink: int = 4, recent: int = 0) -> None:
         self.n_sink, self.recent = n_sink, recent
 

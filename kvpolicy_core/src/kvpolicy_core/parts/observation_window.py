@@ -59,6 +59,12 @@ def pool_by_position(x: mx.array, positions: mx.array, P: int) -> mx.array:
     return mx.put_along_axis(mx.zeros_like(x), order, pooled, axis=-1)
 
 
+@mx.compile
+def _decode_add(scores: mx.array, weights: mx.array) -> mx.array:
+    """scores [B, H, L] + the finite weights [B, H, G, 1, L] summed over G: a decode step's update."""
+    return scores + finite_weights(weights).sum(axis=(2, 3))
+
+
 class ObservationWindowScorer(AttentionScorer):
     """Scores from the last ``W`` queries of each step, max-pooled over ``P`` positions.
 
@@ -125,5 +131,7 @@ class ObservationWindowScorer(AttentionScorer):
         if self.signal != "observed":
             return view.scores
         S = weights.shape[3]
+        if S == 1:  # decode: one compiled graph (NaN rows to 0, sum over heads, add)
+            return _decode_add(view.scores, weights)
         W = self._rows(S)
         return self._add(view, finite_weights(weights if W == S else weights[..., S - W :, :]), S)

@@ -99,7 +99,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
             self.scores = self._step.on_append(self._view(S), keys, new_positions)
             self._attended = False
         self._bound_graph()
-        return self.keys[..., : self.n, :], self.values[..., : self.n, :]
+        return self._slots.valid()
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         """The mask for N new tokens attending to ``min(n, budget) + N`` slots.
@@ -236,8 +236,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
             self._slots.add(update)
         if counts:
             zero = mx.array(0, dtype=mx.int32)
-            self._counters = {**self._counters, **{
-                k: self._counters.get(k, zero) + mx.array(v).astype(mx.int32) for k, v in counts.items()}}
+            self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
         return losers
 
     def _check_observation(self) -> None:

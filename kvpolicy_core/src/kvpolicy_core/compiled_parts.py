@@ -100,7 +100,8 @@ class _Compiled:
                 spec[:] = [("raw", u)]
                 return [mx.array(0)]
             fields = [f for f in _FIELDS if getattr(u, f) is not None]
-            stats = [(k, v) for k, v in (u.stats or {}).items() if isinstance(v, mx.array)]
+            stats = [(k, v.astype(mx.int32).reshape(()) if v.size == 1 and v.dtype != mx.complex64 else v)
+                     for k, v in (u.stats or {}).items() if isinstance(v, mx.array)]  # counters as int32 scalars
             spec[:] = [("update", fields, [k for k, _ in stats],
                         {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)}, u.stats is None)]
             return [getattr(u, f) for f in fields] + [v for _, v in stats]

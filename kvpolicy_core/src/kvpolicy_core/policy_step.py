@@ -87,7 +87,7 @@ class PolicyStep:
                 f"layer {self.layer}: {self.policy.owners['scorer']} returned scores of shape "
                 f"{getattr(scores, 'shape', type(scores).__name__)}, expected {tuple(shape)}"
             )
-        scores = mx.nan_to_num(scores.astype(mx.float32), nan=0.0)
+        scores = mx.nan_to_num(scores if scores.dtype == mx.float32 else scores.astype(mx.float32), nan=0.0)
         if self.eager_checks > 0:
             self.eager_checks -= 1
             self.evaluated("scorer", "scores", scores)
@@ -122,7 +122,7 @@ class PolicyStep:
         if not mx.issubdtype(idx.dtype, mx.integer):
             dtype = str(idx.dtype).removeprefix("mlx.core.")
             raise PluginError(f"{owner} returned {what} of dtype {dtype}, expected an integer dtype")
-        return idx.astype(mx.int32)
+        return idx if idx.dtype == mx.int32 else idx.astype(mx.int32)
 
     def _raise_broken(self, pending) -> None:
         """Evaluate every pending value check of this eviction in one host sync; raise the first broken rule.
@@ -234,7 +234,10 @@ class PolicyStep:
             if not ok:
                 raise PluginError(f"{owner} returned counter {name!r} = {value!r} of type {type(value).__name__}; "
                                   "expected an int or a one-element mx.array")
-            out[str(name)] = mx.array(value).astype(mx.int32).reshape(())
+            if isinstance(value, mx.array) and value.dtype == mx.int32 and value.ndim == 0:
+                out[str(name)] = value  # already what the counters hold: no conversion ops
+            else:
+                out[str(name)] = mx.array(value).astype(mx.int32).reshape(())
         return out
 
     def _checked_update(self, view: CacheView, u):

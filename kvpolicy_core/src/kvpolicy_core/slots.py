@@ -77,7 +77,9 @@ class SlotStore:
         Only ``mx.array`` of a floating dtype is accepted (TypeError otherwise): mlx-lm always passes
         those, and a numpy array or integer keys would be silently converted or rounded.
         """
-        for name, x in (("keys", keys), ("values", values)):
+        known = (self.keys is not None and isinstance(keys, mx.array) and isinstance(values, mx.array)
+                 and keys.dtype == self.keys.dtype and values.dtype == self.values.dtype)  # floating, checked before
+        for name, x in () if known else (("keys", keys), ("values", values)):
             if not isinstance(x, mx.array):
                 raise TypeError(f"layer {layer}: {name} must be an mlx.core.array (got {type(x).__module__}."
                                 f"{type(x).__name__}); convert with mx.array(...)")
@@ -93,6 +95,9 @@ class SlotStore:
             raise ValueError(f"layer {layer}: update_and_fetch needs at least one new token (got S=0)")
         if self.keys is None:
             return
+        if (keys.dtype == self.keys.dtype and values.dtype == self.values.dtype and keys.shape[:2] == self.keys.shape[:2]
+                and keys.shape[3] == self.keys.shape[3] and values.shape[3] == self.values.shape[3]):
+            return  # the common case, decided without building the error's tuples
         have = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
         got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
         if have != got:
@@ -112,9 +117,18 @@ class SlotStore:
         split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``."""
         n, H, (rank, size) = self.n, self.keys.shape[1], head_shard
         norms = self._norms()
+        if n == self.keys.shape[2]:  # the buffer is full (decode's steady state): no slice nodes
+            return CacheView(self.keys, self.values, self.positions, self.scores, offset, n_new, dead,
+                             rank * H, size * H, self.log_weights, norms)
         return CacheView(self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n],
                          self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights,
                          None if norms is None else norms[..., :n])
+
+    def valid(self) -> Tuple[mx.array, mx.array]:
+        """(keys, values) of the n valid slots (the buffers themselves when full)."""
+        if self.n == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[..., : self.n, :], self.values[..., : self.n, :]
 
     def append(self, keys: mx.array, values: mx.array, offset: int, budget: int) -> None:
         """Write S new tokens (positions ``offset .. offset+S-1``, score 0) after the n valid slots.

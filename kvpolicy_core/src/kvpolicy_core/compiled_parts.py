@@ -55,20 +55,20 @@ class _CompiledSelect:
         self._fns: Dict[Tuple, Callable] = {}
 
     def __call__(self, view: CacheView, n_evict: int):
-        from .value_checks import _loser_flags
+        from .value_checks import _loser_flags, scalar
 
         layout, arrays = _layout(view)
         fn = self._fns.get(layout)
         if fn is None:
-            def fn(n_sink, *arrays):
+            def fn(n_sink, last, *arrays):
                 v = _view(arrays, layout)
                 losers = self.selector.select(v, n_evict)
                 if not isinstance(losers, mx.array) or losers.ndim != 3 or not mx.issubdtype(losers.dtype, mx.integer):
                     raise TypeError("not an integer [B, H, E] array")  # the eager call reports what it is
                 losers = losers.astype(mx.int32)
-                return losers, _loser_flags(losers, v.positions, n_sink, v.dead)
+                return losers, _loser_flags(losers, v.positions, n_sink, last, v.dead)
             fn = self._fns[layout] = mx.compile(fn)
-        return fn(mx.array(self.n_sink, dtype=mx.int32), *arrays)
+        return fn(scalar(self.n_sink), scalar(view.scores.shape[-1] - 1), *arrays)
 
 
 def compiled_select(selector, n_sink: int) -> Callable:

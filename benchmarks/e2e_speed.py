@@ -40,12 +40,12 @@ def load(smoke):
 def run(model, spec, prompt, decode, every=100):
     caches = make_caches(model, spec)
     mx.reset_peak_memory()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     logits = model(prompt, cache=caches)
     tok = mx.argmax(logits[:, -1:], axis=-1)
     mx.eval(tok)
-    t_prefill = time.perf_counter() - t
-    points, t0, window = [], time.perf_counter(), time.perf_counter()
+    t_prefill, c_prefill = time.perf_counter() - t, time.process_time() - c
+    points, t0, window, c0 = [], time.perf_counter(), time.perf_counter(), time.process_time()
     for step in range(1, decode + 1):
         tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
         mx.eval(tok)
@@ -53,9 +53,10 @@ def run(model, spec, prompt, decode, every=100):
             now = time.perf_counter()
             points.append({"step": step, "ms_per_step": 1e3 * (now - window) / every, "active_mb": mx.get_active_memory() / 2**20})
             window = now
-    t_decode = time.perf_counter() - t0
+    t_decode, c_decode = time.perf_counter() - t0, time.process_time() - c0
     kept, full = kv_bytes(caches)
     return {"spec": spec, "prefill_tps": prompt.shape[1] / t_prefill, "decode_tps": decode / t_decode,
+            "prefill_cpu_ms_per_token": 1e3 * c_prefill / prompt.shape[1], "decode_cpu_ms_per_token": 1e3 * c_decode / decode,
             "kv_bytes_kept": kept, "kv_bytes_full": full, "peak_memory_mb": mx.get_peak_memory() / 2**20, "points": points}
 
 
@@ -63,8 +64,10 @@ def median_run(runs):
     """The run with the median decode tokens/s, with the median prefill tokens/s and every round's numbers."""
     runs = sorted(runs, key=lambda r: r["decode_tps"])
     row = dict(runs[len(runs) // 2])
-    row["prefill_tps"] = sorted(r["prefill_tps"] for r in runs)[len(runs) // 2]
-    row["rounds"] = [{k: r[k] for k in ("prefill_tps", "decode_tps", "load")} for r in runs]
+    for k in ("prefill_tps", "prefill_cpu_ms_per_token", "decode_cpu_ms_per_token"):
+        row[k] = sorted(r[k] for r in runs)[len(runs) // 2]
+    keys = ("prefill_tps", "decode_tps", "prefill_cpu_ms_per_token", "decode_cpu_ms_per_token", "load")
+    row["rounds"] = [{k: r[k] for k in keys} for r in runs]
     return row
 
 
@@ -105,7 +108,11 @@ def main():
         if rot is not None:
             r["prefill_vs_rotating"] = r["prefill_tps"] / rot["prefill_tps"]
             r["decode_vs_rotating"] = r["decode_tps"] / rot["decode_tps"]
-        vs = f"  vs rotating: prefill x{r['prefill_vs_rotating']:.2f} decode x{r['decode_vs_rotating']:.2f}" if rot else ""
+        if rot is not None:  # CPU time per token (all threads): less sensitive to other processes than wall time
+            r["prefill_cpu_vs_rotating"] = rot["prefill_cpu_ms_per_token"] / r["prefill_cpu_ms_per_token"]
+            r["decode_cpu_vs_rotating"] = rot["decode_cpu_ms_per_token"] / r["decode_cpu_ms_per_token"]
+        vs = (f"  vs rotating: prefill x{r['prefill_vs_rotating']:.2f} decode x{r['decode_vs_rotating']:.2f}"
+              f" (CPU time: x{r['prefill_cpu_vs_rotating']:.2f}, x{r['decode_cpu_vs_rotating']:.2f})") if rot else ""
         print(f"{r['spec']:22} prefill {r['prefill_tps']:8.1f} tok/s (x{r['prefill_ratio']:.2f})  decode "
               f"{r['decode_tps']:6.2f} tok/s (x{r['decode_ratio']:.2f})  KV {r['kv_bytes_kept'] / 2**20:.1f}/"
               f"{r['kv_bytes_full'] / 2**20:.1f} MiB  peak {r['peak_memory_mb']:.0f} MB  load {r['load']:.1f}{vs}",

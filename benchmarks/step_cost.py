@@ -71,12 +71,16 @@ class Stepper:
         mx.eval(out)
 
 
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCK["wall"]
+
+
 def samples(fn, n):
     out = []
     for _ in range(n):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        out.append(time.perf_counter() - t)
+        out.append(clock() - t)
     return out
 
 
@@ -115,7 +119,11 @@ def main():
                    help="';'-separated: KVCache, RotatingKVCache or policy config strings (first is the baseline)")
     p.add_argument("--grid", default=None, help="budget:head_dim:kv_heads triples, comma-separated (e.g. 256:256:1)")
     p.add_argument("--tag", default="", help="suffix of the result file names")
+    p.add_argument("--clock", choices=sorted(CLOCK), default="wall",
+                   help="wall: elapsed time; cpu: this process's CPU time (all threads; less sensitive to other load)")
     args = p.parse_args()
+    global clock
+    clock = CLOCK[args.clock]
     if args.smoke:
         grid, steps, rounds = [(64, 32, 1)], 20, 2
     else:
@@ -141,7 +149,7 @@ def main():
     from pathlib import Path
 
     tag = "step_cost" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
-    path = write_json(tag, {"rows": rows, "kinds": kinds}, Path(args.out))
+    path = write_json(tag, {"rows": rows, "kinds": kinds, "clock": args.clock}, Path(args.out))
     if not args.smoke and {"h2o", "cam"} <= set(kinds):
         plot(rows, Path(args.out) / f"{tag}.png")
     print(f"wrote {path}")

@@ -4,9 +4,11 @@ For each cache (full, mlx-lm's RotatingKVCache, default h2o and cam at the same 
 one run: B prompts of different lengths (all longer than the budget) generated one after
 another with ``generate_step``, then the same B prompts together with mlx-lm's
 ``BatchGenerator`` (``batch_generate``'s engine). Reports tokens/s of both, their ratio, and
-whether every batched row produced the tokens of its sequential run.
+whether every batched row produced the tokens of its sequential run. ``--rounds`` repeats
+the whole comparison, every cache once per round (interleaved, so a load change on a shared
+machine hits every cache alike); the ratio reported is the median over rounds.
 
-    python benchmarks/batch_speed.py                     # B=8, 64-token budget, 16 new tokens
+    python benchmarks/batch_speed.py                     # B=8, 64-token budget, 16 new tokens, 2 rounds
     python benchmarks/batch_speed.py --batch 8 --new-tokens 32 --prompt-tokens 160
     python benchmarks/batch_speed.py --smoke             # tiny random model (the test suite runs this)
 
@@ -16,6 +18,7 @@ Writes benchmarks/results/batch_speed.json.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -58,12 +61,13 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=96, help="mean prompt length (rows vary +-25%%)")
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions (median ratio reported)")
     ap.add_argument("--model", help="mlx-lm model directory (default: the embedded Gemma 3 270M)")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, batch 3 (checks the program runs)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     if args.smoke:
-        args.batch, args.budget, args.prompt_tokens, args.new_tokens = 3, 8, 14, 4
+        args.batch, args.budget, args.prompt_tokens, args.new_tokens, args.rounds = 3, 8, 14, 4, 1
         from kvpolicy_core.testing import tiny_llama
 
         path, model = "tiny random llama", tiny_llama()
@@ -79,33 +83,44 @@ def main() -> None:
     specs = ["full", f"rotating:budget={args.budget}", f"h2o:budget={args.budget}", f"cam:budget={args.budget}"]
 
     native = model.__dict__.get("make_cache")
+    rounds = {spec: [] for spec in specs}
+    for r in range(args.rounds):
+        for spec in specs:
+            if parse_spec(spec)[0] == "policy":
+                attach(model, spec)  # every new sequence gets fresh policy caches
+            else:
+                model.make_cache = lambda spec=spec: make_caches(model, spec)
+            sequential(model, prompts[:1], 2)  # warm-up
+            seq_s, seq_tokens = sequential(model, prompts, args.new_tokens)
+            bat_s, bat_tokens = batched(model, prompts, args.new_tokens)
+            n = B * args.new_tokens
+            row = {"round": r, "sequential_s": seq_s, "batched_s": bat_s, "sequential_tok_s": n / seq_s,
+                   "batched_tok_s": n / bat_s, "speedup": seq_s / bat_s,
+                   "rows_identical": sum(a == b for a, b in zip(seq_tokens, bat_tokens))}
+            rounds[spec].append(row)
+            print(f"round {r}  {spec:22} sequential {row['sequential_tok_s']:6.2f} tok/s   batched "
+                  f"{row['batched_tok_s']:6.2f} tok/s   speed-up x{row['speedup']:.2f}   rows identical "
+                  f"{row['rows_identical']}/{B}", flush=True)
+            detach(model)
+            if native is None:
+                model.__dict__.pop("make_cache", None)
     results = []
     for spec in specs:
-        if parse_spec(spec)[0] == "policy":
-            attach(model, spec)  # every new sequence gets fresh policy caches
-        else:
-            model.make_cache = lambda spec=spec: make_caches(model, spec)
-        sequential(model, prompts[:1], 2)  # warm-up
-        seq_s, seq_tokens = sequential(model, prompts, args.new_tokens)
-        bat_s, bat_tokens = batched(model, prompts, args.new_tokens)
-        n = B * args.new_tokens
-        row = {
-            "spec": spec, "sequential_s": seq_s, "batched_s": bat_s,
-            "sequential_tok_s": n / seq_s, "batched_tok_s": n / bat_s, "speedup": seq_s / bat_s,
-            "rows_identical": sum(a == b for a, b in zip(seq_tokens, bat_tokens)),
-        }
-        results.append(row)
-        print(f"{spec:22} sequential {row['sequential_tok_s']:6.2f} tok/s   batched {row['batched_tok_s']:6.2f} tok/s"
-              f"   speed-up x{row['speedup']:.2f}   rows identical {row['rows_identical']}/{B}", flush=True)
-        detach(model)
-        if native is None:
-            model.__dict__.pop("make_cache", None)
+        rs = rounds[spec]
+        results.append({"spec": spec, "speedup": statistics.median(x["speedup"] for x in rs),
+                        "sequential_tok_s": statistics.median(x["sequential_tok_s"] for x in rs),
+                        "batched_tok_s": statistics.median(x["batched_tok_s"] for x in rs),
+                        "rows_identical": min(x["rows_identical"] for x in rs), "rounds": rs})
     base = results[0]["speedup"]
+    rotating = results[1]["speedup"]
     for r in results:
         r["speedup_vs_full_speedup"] = r["speedup"] / base
+        r["speedup_vs_rotating_speedup"] = r["speedup"] / rotating
+        print(f"median  {r['spec']:22} speed-up x{r['speedup']:.2f}   x{r['speedup_vs_rotating_speedup']:.2f} of "
+              f"RotatingKVCache's   rows identical {r['rows_identical']}/{B}", flush=True)
     out = write_json("batch_speed" + ("_smoke" if args.smoke else ""), {
         "model": str(path), "batch": B, "budget": args.budget, "prompt_lengths": lengths,
-        "new_tokens": args.new_tokens, "results": results,
+        "new_tokens": args.new_tokens, "rounds": args.rounds, "results": results,
         "note": "one run, side by side; batched RotatingKVCache rows ignore keep=4 (mlx-lm's BatchRotatingKVCache), "
                 "so its rows may differ from sequential ones",
     }, out_dir=Path(args.out))

@@ -100,6 +100,8 @@ def main():
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
     p.add_argument("--text", default="pydoc", help="pydoc (default corpus), stdlib, license, or a file")
     p.add_argument("--tag", default="", help="suffix of the result files")
+    p.add_argument("--start", type=int, default=0,
+                   help="first token of the slice evaluated (another slice of the same text: a second sample)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
@@ -108,7 +110,7 @@ def main():
     from kvpolicy_core.tasks.haystack import haystack_text
 
     model, tok = load(args.smoke, args.model)
-    ids = tok.encode(haystack_text(args.text))[: args.tokens]
+    ids = tok.encode(haystack_text(args.text))[args.start : args.start + args.tokens]
     chunk = 1 if args.mode == "token" else args.chunk
     budgets = [int(b) for b in args.budgets.split(",")]
     names = [m.strip() for m in args.methods.split(";" if ";" in args.methods else ",")]
@@ -159,7 +161,7 @@ def summary(rows):
 
 
 def save(out, tag, args, ids, rows):
-    write_json(tag, {"model": args.model, "text": args.text, "mode": args.mode, "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
+    write_json(tag, {"model": args.model, "text": args.text, "start": args.start, "mode": args.mode, "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
                      "rows": rows, "summary": summary(rows)}, out)
     with open(out / f"{tag}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

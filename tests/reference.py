@@ -71,10 +71,11 @@ def _pool_sorted(mass_by_pos, P):
 def reference_window(K, chunks, budget, n_sink, recent, W, P, Q=None, scale=None):
     """Per (batch, head) observation-window scoring with H2O's selector: {(b, h): {pos: score}}.
 
-    Each call: settle (evict the E lowest unprotected), append the chunk, then the chunk's
-    last min(W, S) rows (W == 0: all) add their attention mass (real queries Q over positions
-    <= t summed over the GQA group, or the new keys over positions < t), max-pooled over P
-    retained neighbours when S > 1.
+    Each call: settle (evict the E lowest unprotected), append the chunk, then score. Chunks of
+    S > 1 tokens with no eviction between them form a run, scored as one chunk: the run's last
+    min(W, T) rows (W == 0: all) give their attention mass (real queries Q over positions <= t
+    summed over the GQA group, or the new keys over positions < t), max-pooled over P retained
+    neighbours, added to the scores the run began with. A single token adds its mass unpooled.
     """
     B, H, T, D = K.shape
     out = {}
@@ -82,20 +83,27 @@ def reference_window(K, chunks, budget, n_sink, recent, W, P, Q=None, scale=None
         for h in range(H):
             kept = {}
             t0 = 0
+            run = None  # (first position of the run, scores when it began)
 
             def settle(offset):
                 E = len(kept) - budget
                 if E <= 0:
-                    return
+                    return False
                 cands = sorted((s, p) for p, s in kept.items() if not (p < n_sink or p >= offset - recent))
                 for _, p in cands[:E]:
                     del kept[p]
+                return True
 
             for S in chunks:
-                settle(t0)
+                if settle(t0) or S == 1:
+                    run = None
+                if S > 1 and run is None:
+                    run = (t0, dict(kept))
+                start = t0 if S == 1 else run[0]
                 for t in range(t0, t0 + S):
                     kept[t] = 0.0
-                rows = range(t0 + S - (S if W == 0 else min(W, S)), t0 + S)
+                n_rows = t0 + S - start
+                rows = range(t0 + S - (n_rows if W == 0 else min(W, n_rows)), t0 + S)
                 mass = {p: 0.0 for p in kept}
                 if Q is None:
                     for t in rows:
@@ -112,10 +120,13 @@ def reference_window(K, chunks, budget, n_sink, recent, W, P, Q=None, scale=None
                             w = _softmax(np.array([Q[b, g, t] @ K[b, h, p] * scale for p in seen]))
                             for p, wi in zip(seen, w):
                                 mass[p] += wi
-                if S > 1 and P > 1:
-                    mass = _pool_sorted(mass, P)
-                for p in kept:
-                    kept[p] += mass[p]
+                if S > 1:
+                    if P > 1:
+                        mass = _pool_sorted(mass, P)
+                    kept = {p: run[1].get(p, 0.0) + mass[p] for p in kept}
+                else:
+                    for p in kept:
+                        kept[p] += mass[p]
                 t0 += S
             settle(t0)
             out[(b, h)] = kept

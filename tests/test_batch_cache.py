@@ -16,6 +16,7 @@ from kvpolicy_core.batch_cache import BatchPolicyCache
 # cam's default merge (mass) keeps per-slot attention log-weights: its batched rows give the attention
 # additive masks (test_log_weight_rows_are_batched pins that it does); mass_blend keeps none
 SHIPPED = ["h2o", "cam", "cam:merge=mass_blend", "random", "streamingllm", "tova", "cam:merge=mean,gate=false",
+           "cam:merge=sim_weighted", "cam:merge=paper", "h2o:signal=proxy",  # gated merges: per-row random draws
            "h2o:signal=observed",
            "h2o:layers=unbounded"]  # the last: sliding layers keep mlx-lm's RotatingKVCache, batched by mlx-lm
 LENGTHS = (5, 23, 14)  # one under the budget, two over it
@@ -178,3 +179,62 @@ def test_merged_rows_keep_the_attention_hook_their_caches_hold():
     del batch, row
     gc.collect()
     assert all(h() is None for h in hooks)  # the last holders gone: the installs are undone
+
+
+def test_decode_steps_of_rows_at_their_budget_run_stacked_with_each_rows_counters(monkeypatch):
+    """Once every row is at its budget the rows take decode steps as one stacked step (batch_rows.py);
+    each row still ends with exactly its own state: slots, offset and its own merge/gate counters."""
+    from kvpolicy_core import batch_rows
+
+    stacked_steps = []
+    step = batch_rows.StackedRows.update_and_fetch
+    monkeypatch.setattr(batch_rows.StackedRows, "update_and_fetch",
+                        lambda self, k, v: stacked_steps.append(len(self)) or step(self, k, v))
+    model = tiny_gemma3(window=6, seed=7)
+    attach(model, "cam:budget=8,n_sink=2,merge=paper")  # gated: row b draws with its own key
+    try:
+        ps = prompts()
+        alone = []
+        for p in ps:
+            caches = model.make_cache()
+            tokens = [t for (t, _), _ in zip(generate_step(mx.array(p), model, max_tokens=10, prompt_cache=caches),
+                                             range(10))]
+            alone.append((tokens, caches))
+        gen = BatchGenerator(model, stop_tokens=None)
+        uids = gen.insert(ps, [10] * len(ps))
+        got = {u: [] for u in uids}
+        final = {}
+        while responses := gen.next_generated():
+            for r in responses:
+                got[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    final[r.uid] = r.prompt_cache
+        gen.close()
+    finally:
+        detach(model)
+    assert stacked_steps and set(stacked_steps) == {3}  # all three rows, stacked
+    for u, (tokens, caches) in zip(uids, alone):
+        assert got[u] == tokens
+        for mine, theirs in zip(final[u], caches):
+            if isinstance(theirs, PolicyCache):
+                assert mine.offset == theirs.offset and mine.stats() == theirs.stats()
+                for a, b in zip(mine.state[:4], theirs.state[:4]):
+                    assert mx.allclose(a, b, atol=1e-4, rtol=1e-4), "row state differs from its prompt alone"
+    assert sum(c.stats()["gate_draws"] for c in alone[1][1] if isinstance(c, PolicyCache)) > 0
+
+
+def test_stacked_rows_answer_the_contract_without_unstacking():
+    """A stacked batch (every row at its budget) answers offset and masks itself; reading the rows splits it."""
+    model = tiny_llama(seed=8)
+    caches = [KVCacheBuilder.for_model(model, "h2o:budget=6,n_sink=1") for _ in range(2)]
+    batch = [PolicyCache.merge([c[i] for c in caches]) for i in range(len(model.layers))]
+    model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3, 2, 1]]), cache=batch)
+    for t in range(2):
+        model(mx.array([[t + 1], [t + 2]]), cache=batch)
+    b = batch[0]
+    assert b._stacked is not None and b.offset.tolist() == [11, 11]
+    assert b.make_mask(1) is None and b.make_mask(1, return_array=True).shape == (2, 1, 1, 7)
+    assert b._stacked is not None  # still stacked
+    assert [r.offset for r in b.rows] == [11, 11] and [r.tokens_kept for r in b.rows] == [6, 6]
+    assert b._stacked is None  # split back into its rows
+    detach(model)

@@ -22,6 +22,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
     ("blas_speedup.py", "blas_speedup_smoke.json"),
     ("e2e_speed.py", "e2e_speed_smoke.json"),
     ("batch_speed.py", "batch_speed_smoke.json"),
+    ("batch_policy_step.py", "batch_policy_step_smoke.json"),
     ("needle.py", "needle_smoke.json"),
 ])
 def test_benchmark_smoke(tmp_path, script, result):

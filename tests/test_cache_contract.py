@@ -8,7 +8,10 @@ from mlx_lm.models.cache import KVCache
 
 from helpers import SHIPPED_METHODS, VOCAB, plain_caches, random_kv, run_chunks, tiny_gemma3, tiny_llama, with_fields
 from kvpolicy_core import ConfigError, KVCacheBuilder, ModelError, PolicyCache, attach, detach
+from kvpolicy_core import KVPolicyError
 from kvpolicy_core import attention as attention_hook
+from kvpolicy_core.batch_cache import BatchPolicyCache
+from kvpolicy_core.testing import feed
 
 @pytest.mark.parametrize("method", SHIPPED_METHODS)
 @pytest.mark.parametrize("chunks", [[40], [1] * 40, [13, 1, 1, 25], [7] * 5 + [1] * 5])
@@ -104,13 +107,12 @@ def test_contract_surface(tmp_path):
     assert cache.empty() and cache.nbytes == 0 and cache.state[:4] == (None,) * 4 and not hasattr(cache, "bits")
     k, v = random_kv(S=6, dtype=mx.float16)
     cache.update_and_fetch(k, v)
-    assert cache.is_trimmable() and cache.trim(2) == 2 and cache.offset == 4 and cache.size() == 4
+    assert not cache.is_trimmable() and cache.trim(0) == 0  # scores accumulate attention: see the trim tests
     cache.update_and_fetch(*random_kv(S=10, seed=3, dtype=mx.float16))
-    assert not cache.is_trimmable() and cache.trim(1) == 0
     keys, values, positions, scores = cache.state[:4]
     assert keys.dtype == mx.float16 and keys.shape == (2, 3, 8, 8) and positions.shape == scores.shape == (2, 3, 8)
     clone = PolicyCache.from_state(cache.state, cache.meta_state)
-    assert clone.offset == 14 and clone.tokens_kept == 8 and clone.policy.config == cache.policy.config
+    assert clone.offset == 16 and clone.tokens_kept == 8 and clone.policy.config == cache.policy.config
     assert mx.array_equal(clone.state[0], keys)
     assert cache.nbytes >= keys.nbytes + values.nbytes
 
@@ -208,3 +210,62 @@ def test_for_model_rejects_models_it_cannot_serve(llama_model):
     object.__setattr__(model, "make_cache", lambda: [KVCache(), ArraysCache(2)])
     with pytest.raises(ModelError, match="layer 1 uses ArraysCache"):
         KVCacheBuilder.for_model(model, "h2o")
+
+
+# ----------------------------------------------------------------------------- trim
+def _states(cache):
+    return [np.array(x) for x in cache.state[:4]]
+
+
+@pytest.mark.parametrize("method", ["random:budget=12,n_sink=2", "streamingllm:budget=12,n_sink=2"])
+def test_trim_is_exact_where_scores_are_per_token(method):
+    """Trimmed, then fed on, a cache is the cache that never saw the trimmed tokens: slots, positions,
+    scores, offset, also after evictions (trimming ends a run of prompt chunks, as a decode step does)."""
+    K, V = random_kv(B=1, H=2, S=40, seed=4)
+    trimmed, fresh = PolicyCache(method), PolicyCache(method)
+    feed(trimmed, K[:, :, :9], V[:, :, :9], (6, 3))
+    assert trimmed.is_trimmable() and trimmed.trim(4) == 4 and (trimmed.offset, trimmed.size()) == (5, 5)
+    feed(fresh, K[:, :, :5], V[:, :, :5], (5,))
+    for cache in (trimmed, fresh):  # the trimmed cache continues with tokens the fresh one never dropped
+        feed(cache, K[:, :, 9:], V[:, :, 9:], (7,) + (1,) * 24)
+    assert trimmed.offset == fresh.offset == 36
+    for a, b in zip(_states(trimmed), _states(fresh)):
+        np.testing.assert_array_equal(a, b)
+    assert not trimmed.is_trimmable()  # evicted: refused, saying why, and nothing changes
+    before = _states(trimmed)
+    with pytest.raises(KVPolicyError, match="evicted"):
+        trimmed.trim(1)
+    assert all(np.array_equal(a, b) for a, b in zip(before, _states(trimmed))) and trimmed.offset == 36
+
+
+@pytest.mark.parametrize("method", ["h2o:budget=12", "cam:budget=12", "h2o:budget=12,signal=proxy",
+                                    "tova:budget=12"])
+def test_trim_is_refused_where_scores_carry_the_attention_of_later_tokens(method):
+    cache = PolicyCache(method)
+    assert not cache.is_trimmable()  # already empty: mlx-lm's speculative decoding refuses it up front
+    feed(cache, *random_kv(B=1, H=2, S=6, seed=5), (6,))
+    before = _states(cache)
+    with pytest.raises(KVPolicyError, match="accumulates attention"):
+        cache.trim(2)
+    assert cache.offset == 6 and all(np.array_equal(a, b) for a, b in zip(before, _states(cache)))
+    assert cache.trim(0) == 0
+    batch = BatchPolicyCache([cache])
+    with pytest.raises(KVPolicyError, match="cannot trim this batch"):
+        batch.trim(1)
+
+
+def test_mlx_lm_refuses_speculative_decoding_and_trimming_for_attention_scored_caches():
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.models.cache import LRUPromptCache
+
+    model = tiny_llama(seed=2)
+    caches = KVCacheBuilder.for_model(model, "h2o:budget=16")
+    with pytest.raises(ValueError, match="trimmable"):
+        next(speculative_generate_step(mx.array([1, 2, 3]), model, model, prompt_cache=caches))
+    # mlx-lm's prompt cache: a stored longer prompt is not trimmed to serve a shorter one
+    model(mx.array([[1, 2, 3, 4, 5, 6]]), cache=caches)
+    lru = LRUPromptCache()
+    lru.insert_cache("m", [1, 2, 3, 4, 5, 6], caches)
+    cache, rest = lru.fetch_nearest_cache("m", [1, 2, 3, 9])
+    assert cache is None and rest == [1, 2, 3, 9]
+    detach(model)

@@ -40,8 +40,9 @@ def losers_of(view, E, seed):
     return mx.array(out)
 
 
-def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2):
-    """Loops: nearest non-sink survivor by cosine, then the docstring's equations per target."""
+def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2, min_sim=-1.0):
+    """Loops: nearest non-sink survivor by cosine (a loser below ``min_sim`` is dropped), then the
+    docstring's equations per target."""
     B, H, L, _ = K.shape
     K2, V2, s2 = K.copy(), V.copy(), s.copy()
     lw2 = None if lw is None else lw.copy()
@@ -57,7 +58,8 @@ def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2
                     c = K[b, h, l] @ K[b, h, j] / (np.linalg.norm(K[b, h, l]) * np.linalg.norm(K[b, h, j]))
                     if c > best:
                         best, tgt = c, j
-                groups.setdefault(tgt, []).append(l)
+                if best >= min_sim:
+                    groups.setdefault(tgt, []).append(l)
             for t, group in groups.items():
                 if log_weights:
                     m = lambda j: max(s[b, h, j], 0) / max(offset - pos[b, h, j], 1)  # noqa: E731
@@ -79,15 +81,16 @@ def apply(view, update):
     return store
 
 
+@pytest.mark.parametrize("min_sim", [-1.0, 0.5])
 @pytest.mark.parametrize("log_weights", [True, False])
 @pytest.mark.parametrize("E", [1, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_mass_merges_match_the_slow_reference(log_weights, E, seed):
+def test_mass_merges_match_the_slow_reference(log_weights, E, seed, min_sim):
     view, (K, V, pos, s, lw, offset) = random_view(seed, log_weights=log_weights)
     losers = losers_of(view, E, seed)
-    d = MassMergeDisposition(n_sink=2, log_weights=log_weights, gate=False)
+    d = MassMergeDisposition(n_sink=2, log_weights=log_weights, gate=False, min_sim=min_sim)
     store = apply(view, d.dispose(view, losers, mx.random.key(0)))
-    V2, s2, lw2 = reference_mass_merge(K, V, pos, s, lw, offset, np.array(losers), log_weights)
+    V2, s2, lw2 = reference_mass_merge(K, V, pos, s, lw, offset, np.array(losers), log_weights, min_sim=min_sim)
     np.testing.assert_allclose(np.array(store.values), V2, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.array(store.scores), s2, rtol=1e-6)
     if log_weights:
@@ -152,3 +155,31 @@ def test_mass_caches_hold_the_budget_stay_finite_and_count_merges(merge, chunks)
     assert mx.isfinite(values).all().item()
     assert (merge == "mass") == (cache.log_weights is not None)
     assert np.all(np.array(positions)[..., :2] == [0, 1])  # sinks kept
+
+
+@pytest.mark.parametrize("chunks", [[1] * 40, [15, 1, 1, 18, 5]])
+def test_min_sim_trades_merges_for_drops_and_above_one_is_h2o_exactly(chunks):
+    K, V = random_kv(B=2, H=2, S=40, D=8, seed=6)
+    base = "budget=10,n_sink=2,signal=proxy"
+    merges = []
+    for tau in (-1.0, 0.5, 0.8):
+        cache = PolicyCache(f"cam:{base},min_sim={tau}")
+        feed(cache, K, V, chunks)
+        merges.append(int(cache.merges))
+    assert merges[0] > merges[1] > merges[2] > 0  # a higher threshold merges fewer losers
+    never, h2o = PolicyCache(f"cam:{base},min_sim=1.5"), PolicyCache(f"h2o:{base}")
+    for c in (never, h2o):
+        feed(c, K, V, chunks)
+    assert never.merges == 0 and not mx.any(never.log_weights).item()
+    for x, y in zip(never.state[:4], h2o.state[:4]):
+        assert mx.array_equal(x, y)
+
+
+def test_min_sim_is_refused_for_merges_that_do_not_use_it():
+    from kvpolicy_core.config import parse_config
+    from kvpolicy_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="min_sim"):
+        parse_config("cam:merge=sim_weighted,min_sim=0.5")
+    with pytest.raises(ConfigError, match="min_sim"):
+        parse_config("cam:min_sim=3")

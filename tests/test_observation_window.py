@@ -13,7 +13,7 @@ from kvpolicy_core.policy import build_policy
 from reference import reference_window
 from test_h2o import as_dicts, assert_same, drive
 
-CHUNKS = [[24], [9, 1, 1, 1, 6, 1, 5], [16, 8], [3, 17, 1, 3]]
+CHUNKS = [[24], [9, 1, 1, 1, 6, 1, 5], [16, 8], [3, 17, 1, 3], [2, 3, 4, 15]]  # the last two: runs of chunks
 
 
 @pytest.mark.parametrize("chunks", CHUNKS)
@@ -33,6 +33,25 @@ def test_proxy_window_scores_match_the_reference(chunks):
     K, V = random_kv(B=1, H=2, S=24, D=8, seed=23)
     cache = drive(PolicyCache("h2o:budget=10,n_sink=2,recent=3,signal=proxy,obs_window=4,pool=3"), K, V, chunks)
     assert_same(as_dicts(cache), reference_window(np.array(K), chunks, 10, 2, 3, 4, 3))
+
+
+@pytest.mark.parametrize("W,P", [(32, 15), (4, 3), (0, 5)])
+@pytest.mark.parametrize("signal", ["observed", "proxy"])
+def test_a_prompt_in_chunks_scores_as_in_one_chunk_while_nothing_is_evicted(W, P, signal):
+    """However a prompt that fits the budget is split (prefill steps, a prefix reused from a prompt
+    cache), its scores, and so every later eviction, are those of the prompt in one chunk."""
+    K, V = random_kv(B=1, H=2, S=40, D=8, seed=26)
+    Q = mx.random.normal((1, 4, 40, 8), key=mx.random.key(27))
+    spec = f"h2o:budget=26,n_sink=2,signal={signal},obs_window={W},pool={P}"
+    runs = [drive(PolicyCache(spec), K, V, chunks + [1] * 16, Q, 0.3) for chunks in ([24], [5, 7, 12], [3, 21])]
+    want = runs[0].state[:4]
+    for cache in runs[1:]:
+        for a, b in zip(cache.state[:4], want):
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+    # after an eviction a new run starts: 30 tokens (4 evicted), then 4, is not the same as 34 at once
+    split = drive(PolicyCache(spec), K, V, [30, 4], Q, 0.3)
+    whole = drive(PolicyCache(spec), K, V, [34], Q, 0.3)
+    assert not np.array_equal(np.array(split.retained()[3]), np.array(whole.retained()[3]))
 
 
 def test_decode_steps_are_the_cumulative_scorer():

@@ -158,6 +158,20 @@ def test_save_and_load_continue_bit_for_bit(tmp_path, method):
     assert [c.offset for c in resumed] == [50, 50] and resumed[0].merges == whole[0].merges
 
 
+def test_a_cache_saved_between_prompt_chunks_continues_the_run(tmp_path):
+    """Saved between two chunks of a prompt that fits the budget (a run in progress), the loaded caches
+    score the next chunk as part of the same run: the same logits as never saving."""
+    model = tiny_llama(seed=7)
+    toks = mx.random.randint(0, VOCAB, (1, 40), key=mx.random.key(7))
+    whole = KVCacheBuilder.for_model(model, "h2o:budget=16,n_sink=2")
+    want = run_chunks(model, whole, toks, [6, 8] + [1] * 26)
+    first = KVCacheBuilder.for_model(model, "h2o:budget=16,n_sink=2")
+    run_chunks(model, first, toks[:, :6], [6])
+    resumed = load_caches(save_caches(tmp_path / "mid-run.safetensors", first))
+    got = run_chunks(model, resumed, toks[:, 6:], [8] + [1] * 26)
+    assert mx.array_equal(got, want[:, 6:])
+
+
 def test_mlx_lm_caches_and_mixed_sets_round_trip(tmp_path, gemma_model):
     toks = mx.random.randint(0, VOCAB, (1, 30), key=mx.random.key(8))
     caches = KVCacheBuilder.for_model(gemma_model, "cam:budget=12,layers=unbounded")

@@ -16,9 +16,9 @@ from server_kit import Server, save_tiny_model_dir
 
 from kvpolicy_core import attach, detach
 
-# Observed signal with v0.1 scoring (no observation window): with the window, two concurrent requests
-# through the server differ from the prompt alone (known, open: see docs/serving.md).
-METHOD = "cam:budget=8,n_sink=2,signal=observed,obs_window=0,pool=1"
+# The default scoring (observed signal, observation window 32, pool 15): every served answer below
+# must equal the prompt generated alone, prompt-cache reuse and concurrent batching included.
+METHOD = "cam:budget=8,n_sink=2"
 LONG = "the quick brown fox jumps over the lazy dog. hello world, how are you today? " * 3
 
 
@@ -154,12 +154,27 @@ def test_prompt_cache_reuse_after_evictions_is_never_stale(server, reference):
     assert_same(again[:2], first[:2])
 
 
+def test_a_prompt_that_extends_a_stored_prompt_equals_the_prompt_alone(server, reference):
+    # mlx-lm stores each batched prompt's cache before its last token; a later prompt that extends
+    # it is prefilled from there, in another chunk than alone. Nothing is evicted in the stored
+    # part (3 tokens, budget 8), so the two chunks are one run: scored as the prompt in one chunk.
+    short = "koala fox jumps"
+    completion(server, short, 2)
+    longer = short + " over the lazy dog. hello world, how are you today? the quick brown fox"
+    got = completion(server, longer, 12)
+    assert got[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the stored prefix was used
+    assert_same(got[:2], reference(longer, 12))
+
+
 def test_prompt_cache_is_not_trimmed_into_stale_scores(server, reference):
-    # a short request that stays within the budget: its cache has no evictions, so mlx-lm
-    # would trim it to serve a shorter prompt; but its scores carry attention from the trimmed
-    # tokens, which would steer later evictions. The served answer must equal a fresh run.
+    # a short request that stays within the budget: its cache has no evictions, but its scores carry
+    # attention from its last tokens, so it cannot be trimmed to serve a shorter prompt
+    # (PolicyCache.is_trimmable is False). mlx-lm also stored its cache before its last token, which
+    # is exactly the next prompt: an exact match leaves nothing to feed, so the server looks up the
+    # prompt without its last token instead (before, mlx-lm's generation thread died on it).
     completion(server, "quokka dog fox", 1)
     assert_same(completion(server, "quokka dog", 10)[:2], reference("quokka dog", 10))
+    assert_same(completion(server, "quokka dog", 10)[:2], reference("quokka dog", 10))  # served again
 
 
 def test_bad_requests_get_http_errors_and_the_server_keeps_serving(server):

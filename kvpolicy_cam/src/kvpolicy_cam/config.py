@@ -36,6 +36,15 @@ class CamConfig(AttentionPolicyConfig):
     merge_keys: bool = Field(
         False, validation_alias=AliasChoices("merge_keys", "keys"), description="Blend keys as well as values."
     )
+    merge_min_sim: float = Field(
+        -1.0,
+        ge=-1.0,
+        le=2.0,
+        allow_inf_nan=False,
+        validation_alias=AliasChoices("merge_min_sim", "min_sim"),
+        description="mass merges only: a loser merges only if its key cosine to the target is >= min_sim, "
+        "else it is dropped (-1: always merge; above 1: never, i.e. H2O).",
+    )
     merge_window: int = Field(
         16,
         ge=1,
@@ -51,6 +60,12 @@ class CamConfig(AttentionPolicyConfig):
             merge = data.get("merge", cls.model_fields["merge"].default)
             data = {**data, "merge_gate": merge not in MASS_MERGES}
         return data
+
+    @model_validator(mode="after")
+    def _min_sim_needs_a_mass_merge(self):
+        if self.merge_min_sim != -1.0 and self.merge not in MASS_MERGES:
+            raise ValueError(f"min_sim applies to the mass merges {MASS_MERGES}; merge={self.merge!r} does not use it")
+        return self
 
     @property
     def merge_mode(self) -> str:

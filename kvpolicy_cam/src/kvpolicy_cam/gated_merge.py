@@ -21,6 +21,11 @@ def take(x: mx.array, idx: mx.array) -> mx.array:
     return mx.take_along_axis(x, idx[..., None], axis=2)
 
 
+def per_row(flags: mx.array) -> mx.array:
+    """[B, ...] bool -> [B] int32 counts: counters per batch row (parts.base.BATCH_ROWS)."""
+    return flags.reshape(flags.shape[0], -1).astype(mx.int32).sum(axis=-1)
+
+
 def unit(keys: mx.array) -> mx.array:
     """keys [B, H, L, D] -> fp32 unit vectors; a zero key stays zero (cosine 0 with anything)."""
     k = keys.astype(mx.float32)
@@ -93,6 +98,8 @@ def bernoulli(p: mx.array, key: mx.array, head_offset: int = 0, heads_total: Opt
     function of (key, global head), the same whichever rank holds it, and unsharded draws are
     unchanged.
     """
+    if key.ndim == 2:  # stacked rows (parts.base.BATCH_ROWS): row b draws with its own key, as alone
+        return mx.concatenate([bernoulli(p[b : b + 1], key[b], head_offset, heads_total) for b in range(p.shape[0])])
     if heads_total is None or (head_offset == 0 and heads_total == p.shape[1]):
         return mx.random.uniform(shape=p.shape, key=key) < p
     B, H, E = p.shape
@@ -119,6 +126,7 @@ class GatedMergeDisposition(Disposition):
 
     uses_key_norms = True  # the cache keeps key norms: merge_targets needs no pass over every key
     compile_decode = True  # decode steps: one compiled graph instead of ~40 small ops
+    batch_rows = True  # per-row keys, counters per row (parts.base.BATCH_ROWS)
 
     def __init__(self, n_sink: int = 4, mode: str = "sim_weighted", gate: bool = True, merge_keys: bool = False):
         if mode not in ("sim_weighted", "mean"):
@@ -140,9 +148,9 @@ class GatedMergeDisposition(Disposition):
             has_target = has_target & ~take(view.dead, losers)
         if self.gate:
             merge = has_target & bernoulli(gate_probability(s_l, s_t), key, view.head_offset, view.heads_total)
-            draws = has_target.sum()
+            draws = per_row(has_target)
         else:
-            merge, draws = has_target, mx.array(0)
+            merge, draws = has_target, mx.zeros((has_target.shape[0],), mx.int32)
         w = mx.clip(cos, 0.0, 1.0) if self.mode == "sim_weighted" else mx.full(cos.shape, 0.5)
         w = mx.where(merge, w, 0.0)
         B, H, L = view.scores.shape
@@ -159,5 +167,5 @@ class GatedMergeDisposition(Disposition):
             d_keys=delta(view.keys) if self.merge_keys else None,
             d_values=delta(view.values),
             d_scores=mx.where(merge, s_l, 0.0),
-            stats={"gate_draws": draws, "merges": merge.sum()},
+            stats={"gate_draws": draws, "merges": per_row(merge)},
         )

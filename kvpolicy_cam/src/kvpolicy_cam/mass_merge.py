@@ -21,7 +21,7 @@ import mlx.core as mx
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
 from kvpolicy_core.parts.merge import per_target_sum
 
-from .gated_merge import STATS, bernoulli, finite_rows, gate_probability, merge_targets, take
+from .gated_merge import STATS, bernoulli, finite_rows, gate_probability, merge_targets, per_row, take
 
 _MAX_RATIO = 1e4  # bounds one merge's log-weight step to log(1 + 1e4) ~ 9.2
 
@@ -49,7 +49,9 @@ class MassMergeDisposition(Disposition):
     so that, for a query whose attention shares match the slots' past rates, the merged slot
     draws the attention of both sides (``exp(q.k_t + lw_t') = exp(q.k_t + lw_t) (r_t + r_l) / r_t``)
     and returns their attention-weighted mean value: the attention output is unchanged.
-    ``M_l`` is the specification's Bernoulli gate (``gate=True``) or 1. Keys are blended with the
+    ``M_l`` is the specification's Bernoulli gate (``gate=True``) or 1, times the similarity
+    threshold ``[cos(k_l, k_t) >= min_sim]`` (``min_sim=-1``: always; a loser below it is dropped,
+    as H2O drops it, so ``min_sim > 1`` is H2O exactly). Keys are blended with the
     same weights only with ``merge_keys``. A side with zero mass leaves the target unchanged.
     Losers outside a sliding window or with non-finite keys/values are dropped.
     """
@@ -57,30 +59,35 @@ class MassMergeDisposition(Disposition):
     uses_key_norms = True  # the cache keeps key norms: merge_targets needs no pass over every key
     compile_decode = True  # decode steps: one compiled graph instead of ~40 small ops
 
-    def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False):
-        self.n_sink, self.gate, self.merge_keys = n_sink, gate, merge_keys
+    batch_rows = True  # per-row keys and offsets, counters per row (parts.base.BATCH_ROWS)
+
+    def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False,
+                 min_sim: float = -1.0):
+        self.n_sink, self.gate, self.merge_keys, self.min_sim = n_sink, gate, merge_keys, float(min_sim)
         self.with_log_weights = log_weights
         self.uses_log_weights = log_weights
 
     @classmethod
     def from_config(cls, config) -> "MassMergeDisposition":
         return cls(n_sink=config.n_sink, log_weights=config.merge == "mass", gate=config.merge_gate,
-                   merge_keys=config.merge_keys)
+                   merge_keys=config.merge_keys, min_sim=config.merge_min_sim)
 
     def stats(self):
         return STATS
 
     def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> MergeUpdate:
-        target, _, has_target = merge_targets(view, losers, self.n_sink)
+        target, cos, has_target = merge_targets(view, losers, self.n_sink)
+        if self.min_sim > -1.0:
+            has_target = has_target & (cos >= self.min_sim)
         has_target = has_target & finite_rows(view.keys, losers) & finite_rows(view.values, losers)
         if view.dead is not None:
             has_target = has_target & ~take(view.dead, losers)
         s_l, s_t = take(view.scores, losers), take(view.scores, target)
         if self.gate:
             merge = has_target & bernoulli(gate_probability(s_l, s_t), key)
-            draws = has_target.sum()
+            draws = per_row(has_target)
         else:
-            merge, draws = has_target, mx.array(0)
+            merge, draws = has_target, mx.zeros((has_target.shape[0],), mx.int32)
         mass = attention_rate(view) if self.with_log_weights else mx.maximum(view.scores, 0.0)
         m_l = mx.where(merge, take(mass, losers), 0.0)  # [B, H, E]
         m_t = take(mass, target)
@@ -105,6 +112,6 @@ class MassMergeDisposition(Disposition):
             d_keys=delta(view.keys) if self.merge_keys else None,
             d_values=delta(view.values),
             d_scores=mx.where(merge, s_l, 0.0),
-            stats={"gate_draws": draws, "merges": merge.sum()},
+            stats={"gate_draws": draws, "merges": per_row(merge)},
             d_log_weights=d_lw,
         )

@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
 
-from .gated_merge import STATS, bernoulli, finite_rows, gate_probability, loser_mask, take
+from .gated_merge import STATS, bernoulli, per_row, finite_rows, gate_probability, loser_mask, take
 
 _INT_MAX = 2**31 - 1
 
@@ -24,6 +24,8 @@ class PaperMergeDisposition(Disposition):
     Keys and scores are untouched (as in the paper's code). A loser with no following
     survivor, or with a non-finite value, is dropped. Not normalised: ``m`` stays the divisor when |N(l)| < m.
     """
+
+    batch_rows = True  # per-row keys, counters per row (parts.base.BATCH_ROWS)
 
     def __init__(self, m: int = 16, gate: bool = True) -> None:
         self.m, self.gate = m, gate
@@ -56,9 +58,9 @@ class PaperMergeDisposition(Disposition):
         has = (count > 0) & finite_rows(view.values, losers)
         if self.gate:
             merge = has & bernoulli(gate_probability(s_l, mean_next), key, view.head_offset, view.heads_total)
-            draws = has.sum()
+            draws = per_row(has)
         else:
-            merge, draws = has, mx.array(0)
+            merge, draws = has, mx.zeros((has.shape[0],), mx.int32)
         v_l = take(view.values, losers).astype(mx.float32)  # [B, H, E, Dv]
         mask = (merge[..., None] & valid)[..., None]  # [B, H, E, k, 1]
         add = mx.where(mask, v_l[:, :, :, None, :] / self.m, 0.0)  # [B, H, E, k, Dv]
@@ -67,5 +69,5 @@ class PaperMergeDisposition(Disposition):
             d_keys=None,
             d_values=add.reshape(B, H, E * k, -1).astype(view.values.dtype),
             d_scores=None,
-            stats={"gate_draws": draws, "merges": merge.sum()},
+            stats={"gate_draws": draws, "merges": per_row(merge)},
         )

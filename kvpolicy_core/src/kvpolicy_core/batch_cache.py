@@ -22,8 +22,11 @@ where ``lo_b`` is the row's left padding in this call and ``S_b`` its real token
 ``offset`` is the array ``[B]`` of each row's absolute position of its first new token,
 so mlx-lm's RoPE rotates every row at its own positions.
 
-Cost: the rows' policy work is a Python loop over the batch (B small updates per layer
-and step); the model's matmuls, the attention and the sampling run batched.
+Cost: prefill and rows that differ (lengths, budgets not yet reached) run the rows' policy
+work as a loop over the batch (B small updates per layer and step). The steady state of
+decoding, every row at its budget with the same number of slots, runs as one vectorised
+step over the stacked rows (:mod:`.batch_rows`), with the same result per row; the model's
+matmuls, the attention and the sampling always run batched.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .batch_rows import StackedRows, can_stack
 from .cache_state import CacheState
 from .errors import KVPolicyError
 from .parts.attention_scorer import causal_allowed
@@ -66,10 +70,28 @@ class BatchPolicyCache:
                     f"BatchPolicyCache row {i}: a row holds one sequence, but this cache holds "
                     f"a batch of {r.keys.shape[0]}"
                 )
-        self.rows: List[Row] = list(rows)
+        self._rows: List[Row] = list(rows)
+        self._stacked: Optional[StackedRows] = None  # the rows stacked for decode steps (batch_rows.py)
         self._skip = [0] * len(self.rows)  # left padding still to drop from the next input, per row
         self._real: Optional[List[int]] = None  # real tokens left in right-padded input, per row
         self._step: List[Tuple[int, int, int]] = []  # per row this call: (lo, S_b, L_b)
+
+    @property
+    def rows(self) -> List[Row]:
+        """The row caches (brought up to date first if the rows are stacked)."""
+        if self._stacked is not None:
+            self._stacked.split()
+            self._stacked = None
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: List[Row]) -> None:
+        self._stacked = None
+        self._rows = rows
+
+    def _decoding(self, S: int) -> bool:
+        """One real token for every row, no padding: a decode step the stacked rows can take."""
+        return S == 1 and self._real is None and not any(self._skip)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -116,6 +138,8 @@ class BatchPolicyCache:
     @property
     def offset(self) -> mx.array:
         """[B] int32: each row's absolute position of its next real token (for RoPE)."""
+        if self._stacked is not None and not any(self._skip):
+            return self._stacked.offset
         return mx.array([r.offset - s for r, s in zip(self.rows, self._skip)], dtype=mx.int32)
 
     def _plan(self, S: int) -> List[Tuple[int, int, int]]:
@@ -132,8 +156,14 @@ class BatchPolicyCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         """keys [B, H, S, D], values [B, H, S, Dv] -> [B, H, Lmax, D], [B, H, Lmax, Dv] (rows left-padded)."""
         B, H, S, _ = keys.shape
-        if B != len(self.rows):
-            raise ValueError(f"BatchPolicyCache holds {len(self.rows)} rows but got a batch of {B}")
+        if B != len(self._rows):
+            raise ValueError(f"BatchPolicyCache holds {len(self._rows)} rows but got a batch of {B}")
+        if self._decoding(S):
+            if self._stacked is None and can_stack(self._rows):
+                self._stacked = StackedRows(self._rows)
+            if self._stacked is not None and self._stacked.fits(keys, values):
+                self._step = []
+                return self._stacked.update_and_fetch(keys, values)
         plan = self._plan(S)
         outs = []
         for b, (r, (lo, n, _)) in enumerate(zip(self.rows, plan)):
@@ -164,6 +194,8 @@ class BatchPolicyCache:
         None only when every row is a plain decode step over the same length. Sliding-window
         layers get their per-row window masks from the attention hook (:meth:`before_attention`).
         """
+        if self._stacked is not None and N == 1 and self._decoding(N):  # every row attends to its n = budget + 1 slots
+            return mx.ones((len(self._stacked), 1, 1, self._stacked.slots.n), mx.bool_) if return_array else None
         plan = self._plan(N)
         L = max(p[2] for p in plan)
         if N == 1 and not return_array and all(p == (0, 1, L) for p in plan):
@@ -206,6 +238,10 @@ class BatchPolicyCache:
         real queries and the mask the model would give it alone; its returned mask replaces
         its part of the batch mask.
         """
+        if self._stacked is not None:
+            if queries.shape[0] != len(self._stacked) or queries.shape[2] != 1:
+                return mask
+            return self._stacked.before_attention(queries, scale, mask)
         plan = self._step
         if not plan or queries.shape[0] != len(plan):
             return mask
@@ -245,8 +281,10 @@ class BatchPolicyCache:
         return all(r.is_trimmable() for r in self.rows)
 
     def trim(self, n: int) -> int:
-        if not self.is_trimmable():
-            return 0
+        """Trim every row (see :meth:`PolicyCache.trim`); all-or-nothing: refused unless every row can."""
+        if n > 0 and not self.is_trimmable():
+            raise KVPolicyError("cannot trim this batch: a row's policy cache cannot be trimmed exactly "
+                                "(see PolicyCache.is_trimmable); check is_trimmable() first")
         return min((r.trim(n) for r in self.rows), default=0)
 
     def size(self) -> int:
@@ -260,7 +298,7 @@ class BatchPolicyCache:
         return sum(r.nbytes for r in self.rows)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self._rows)
 
     def __repr__(self) -> str:
         return f"BatchPolicyCache(rows={len(self.rows)}, kept={[r.tokens_kept for r in self.rows]})"

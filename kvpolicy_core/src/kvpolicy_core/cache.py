@@ -17,6 +17,13 @@ the loop that ties them to mlx-lm. ``update_and_fetch(k, v)`` with S new tokens:
 
 ``offset`` is the number of tokens seen: mlx-lm rotates queries with it, so RoPE stays
 exact after evictions without any re-rotation.
+
+*Runs.* Consecutive prompt chunks (updates of ``S > 1`` tokens) with no eviction between them
+form one run; the scorer gets a dict (``CacheView.run``) that the cache carries across the
+run's chunks, so a scorer can score the run as one chunk (the observation window does: a
+prompt fed as 3 + 54 tokens, e.g. after mlx-lm's server reused a stored prefix, is scored
+as the 57 tokens in one chunk). An eviction, a single-token update, ``trim`` and restoring
+``state`` end the run; the next chunk starts a new one with an empty dict.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from . import interop
 from .batch_cache import BatchPolicyCache
 from .cache_diagnostics import CacheDiagnostics
 from .cache_state import CacheState
+from .errors import KVPolicyError
 from .parts.attention_scorer import causal_allowed
 from .policy import Policy, build_policy
 from .policy_step import PolicyStep
@@ -77,6 +85,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
         self._attended, self._last_S, self._updates = True, 0, 0
+        self._run: dict = {}  # the scorer's state for the current run of prompt chunks (CacheView.run)
+        self._run_open = False  # the last update was a chunk (S > 1) and nothing was evicted since
         self.attention_hook = None  # the attention hook install this cache keeps alive, if it needs one
 
     # ------------------------------------------------------------------ mlx-lm contract
@@ -88,6 +98,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         S = keys.shape[2]
         with self._transaction():
             over = self.n - self.budget
+            self._run = dict(self._run) if (self._run_open and S > 1 and over <= 0) else {}
+            self._run_open = S > 1
             if over == 1 and S == 1:
                 self._slots.write_into(self._evict(1), keys, values, self.offset)
             else:
@@ -96,7 +108,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
                 self._slots.append(keys, values, self.offset, self.budget)
             self.offset += S
             new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
-            self.scores = self._step.on_append(self._view(S), keys, new_positions)
+            self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
             self._attended = False
         self._bound_graph()
         return self._slots.valid()
@@ -115,19 +127,37 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return "causal"
 
     def is_trimmable(self) -> bool:
-        """Trimmable only while nothing was ever evicted (then it is a plain cache)."""
-        return self.n == self.offset and self.n <= self.budget
+        """Whether :meth:`trim` is exact: nothing was ever evicted and the scorer's scores are
+        per token (``Scorer.trim_exact``; not so for attention-accumulating scorers such as
+        H2O's and CaM's, whose survivors' scores keep the attention of the trimmed tokens).
+
+        mlx-lm asks this before it trims: its prompt cache then reuses an untrimmable cache only
+        as a prefix, and speculative decoding refuses the cache up front.
+        """
+        return self.n == self.offset and self.n <= self.budget and bool(getattr(self.policy.scorer, "trim_exact", False))
 
     def trim(self, n: int) -> int:
+        """Drop the newest ``min(n, tokens)`` tokens, exactly: slots, positions and scores are those
+        of a cache that never saw them (the run of prompt chunks ends). Returns the number dropped.
+
+        Raises :class:`~kvpolicy_core.errors.KVPolicyError` (nothing changed) when the cache is not
+        :meth:`is_trimmable` and ``n > 0``, rather than leaving stale scores behind.
+        """
         if n < 0:
             raise ValueError(f"layer {self.layer}: trim(n) needs n >= 0 (got {n})")
-        if not self.is_trimmable():
-            return 0
         n = min(self.n, n)
+        if n == 0:
+            return 0
+        if not self.is_trimmable():
+            why = ("it has evicted tokens, which cannot come back" if self.n != self.offset or self.n > self.budget
+                   else f"its scorer ({self.policy.owners['scorer']}) accumulates attention, so the survivors' "
+                        "scores would keep the trimmed tokens' attention")
+            raise KVPolicyError(f"layer {self.layer}: cannot trim this policy cache: {why}; check is_trimmable() "
+                                "first, or rebuild the cache from the shorter prompt")
         self.n -= n
         self.offset -= n
-        if self.scores is not None:
-            self.scores = self.scores[..., : self.n]
+        self._run, self._run_open = {}, False
+        self.scores = self.scores[..., : self.n]
         if self._slots.log_weights is not None:
             self._slots.log_weights = self._slots.log_weights[..., : self.n]
         return n
@@ -187,7 +217,9 @@ class PolicyCache(CacheState, CacheDiagnostics):
         """
         mask = self._attention_mask(queries, mask)
         if self.policy.scorer.needs_attention:
-            self.scores = self._step.on_attention(self._view(queries.shape[2]), queries, scale, mask)
+            run = dict(self._run)  # adopted only if the scorer succeeds
+            self.scores = self._step.on_attention(self._view(queries.shape[2], run), queries, scale, mask)
+            self._run = run
             self._bound_graph()
         self._attended = True
         return mask
@@ -207,7 +239,9 @@ class PolicyCache(CacheState, CacheDiagnostics):
             return fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
         mask = self._attention_mask(queries, mask)
         out, weights = attention_with_weights(queries, keys, values, scale, mask)
-        self.scores = self._step.on_attention_weights(self._view(queries.shape[2]), weights)
+        run = dict(self._run)  # adopted only if the scorer succeeds (as in before_attention)
+        self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)
+        self._run = run
         self._bound_graph()
         self._attended = True
         return out
@@ -221,15 +255,17 @@ class PolicyCache(CacheState, CacheDiagnostics):
             mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
         return mask
 
-    def _view(self, n_new: int):
+    def _view(self, n_new: int, run: Optional[dict] = None):
         dead = None
         if self.window is not None and self.offset > self.window and n_new == 0:
             dead = outside_window(self.positions[..., : self.n], self.offset, self.window)
-        return self._slots.view(self.offset, n_new, dead, self.head_shard)
+        view = self._slots.view(self.offset, n_new, dead, self.head_shard)
+        return view if run is None else view._replace(run=run)
 
     def _evict(self, n_evict: int) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors."""
         view = self._view(0)
+        self._run, self._run_open = {}, False  # an eviction ends the run
         losers, pending = self._step.losers(view, n_evict)
         update, counts = self._step.dispose(view, losers, self.offset, pending)
         if update is not None:
@@ -249,12 +285,12 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
         Every update is functional (MLX arrays are values), so references are a complete snapshot.
         """
-        saved = (self._slots.snapshot(), self.offset, self._counters, self._attended)
+        saved = (self._slots.snapshot(), self.offset, self._counters, self._attended, self._run, self._run_open)
         try:
             yield
         except BaseException:
             self._slots.restore(saved[0])
-            self.offset, self._counters, self._attended = saved[1:]
+            self.offset, self._counters, self._attended, self._run, self._run_open = saved[1:]
             raise
 
     def _bound_graph(self) -> None:

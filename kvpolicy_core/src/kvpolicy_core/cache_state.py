@@ -64,6 +64,7 @@ class CacheState:
 
     @state.setter
     def state(self, v) -> None:
+        self._run, self._run_open = {}, False  # a restored cache starts a new run of chunks
         if not v or v[0] is None:
             self._slots.restore((None, None, None, None, 0))
         else:

@@ -37,7 +37,7 @@ def _view(arrays, layout) -> CacheView:
     head_offset, heads_total, n_new, present = layout
     extra = dict(zip([f for f, p in zip(_OPTIONAL_VIEW, present) if p], optional))
     return CacheView(keys, values, positions, scores, offset, n_new, extra.get("dead"), head_offset,
-                     heads_total, extra.get("log_weights"), extra.get("key_norms"))
+                     heads_total, extra.get("log_weights"), key_norms=extra.get("key_norms"))
 
 
 def _layout(view: CacheView):

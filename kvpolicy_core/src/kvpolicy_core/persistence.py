@@ -73,6 +73,10 @@ def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] 
                                f"{i}.positions": c.positions[..., :n], f"{i}.scores": c.scores})
                 if c.log_weights is not None:
                     arrays[f"{i}.log_weights"] = c.log_weights
+            if c._run_open:  # a run of prompt chunks in progress: its scorer state (arrays) continues too
+                run = {k: v for k, v in c._run.items() if isinstance(v, mx.array)}
+                entry["run"] = sorted(run)
+                arrays.update({f"{i}.run.{k}": v for k, v in run.items()})
         elif type(c) is KVCache:
             entry = {"class": "KVCache", "offset": c.offset}
             if c.keys is not None:
@@ -172,6 +176,9 @@ def load_caches(path, *, shard: Optional[Tuple[int, int]] = None, model=None,
                 if get("log_weights") is not None:
                     state += (get("log_weights"),)
                 caches.append(PolicyCache.from_state(state, (entry["meta"],)))
+            if "run" in entry:
+                caches[-1]._run = {k: get(f"run.{k}") for k in entry["run"]}
+                caches[-1]._run_open = True
         elif kind == "KVCache":
             c = KVCache()
             if get("keys") is not None:

@@ -57,7 +57,17 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _step_hash(seed: int, layer: int, step: int) -> int:
+    return _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ layer) ^ step)
+
+
 def step_key(seed: int, layer: int, step: int) -> mx.array:
     """The PRNG key of one eviction: a pure function of (seed, layer, step)."""
-    h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ layer) ^ step)
-    return mx.random.key(h)
+    return mx.random.key(_step_hash(seed, layer, step))
+
+
+def step_keys(seed: int, layer: int, steps) -> mx.array:
+    """[B, 2] uint32: row b's key is ``step_key(seed, layer, steps[b])`` (``mx.random.key(h)`` is
+    ``[h >> 32, h & 0xFFFFFFFF]``), built as one array for a batch of rows."""
+    hs = [_step_hash(seed, layer, s) for s in steps]
+    return mx.array([[h >> 32, h & 0xFFFFFFFF] for h in hs], dtype=mx.uint32)

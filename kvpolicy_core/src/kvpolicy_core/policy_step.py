@@ -18,7 +18,7 @@ from .compiled_parts import compiled, compiled_select, wants_compile
 from .value_checks import loser_flags, target_flags
 from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, MergeUpdate, Selector, pick_lowest
-from .policy import Policy, step_key
+from .policy import Policy, step_key, step_keys
 from .slots import LOG_WEIGHT_BOUND
 
 Counters = Dict[str, mx.array]
@@ -176,14 +176,18 @@ class PolicyStep:
                 losers = dead_first(view.dead, losers, n_evict)
         return losers, pending
 
-    def dispose(self, view: CacheView, losers: mx.array, offset: int,
+    def dispose(self, view: CacheView, losers: mx.array, offset,
                 pending=()) -> Tuple[Optional[MergeUpdate], Counters]:
         """The disposition's update for the survivors (or None) and the counters it reports.
 
         ``pending``: the value checks of :meth:`losers`; they and the update's are evaluated in one host
         sync here, before the cache writes anything (a selector's broken rule is reported first).
+        ``offset``: the cache's tokens seen (one key, counters summed), or a list of B per-row
+        offsets for a view of B stacked rows (:mod:`.batch_rows`: keys [B, 2], counters [B]).
         """
-        key = step_key(self.policy.config.seed, self.layer, offset)
+        rows = len(offset) if isinstance(offset, (list, tuple)) else None
+        seed = self.policy.config.seed
+        key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
         disposition = self.policy.disposition
         pending = list(pending)
         try:
@@ -205,7 +209,7 @@ class PolicyStep:
         self._raise_broken(pending)
         if update is None:
             return None, {}
-        counts = self._counts(update.stats)
+        counts = self._counts(update.stats, rows)
         if update.draws is not None or update.merges is not None:
             if not self._warned:
                 self._warned = True
@@ -218,8 +222,11 @@ class PolicyStep:
                 counts.setdefault(name, value)
         return update, counts
 
-    def _counts(self, stats) -> Counters:
-        """A disposition's counters as int32 scalars: each an int or a one-element numeric mx.array."""
+    def _counts(self, stats, rows: Optional[int] = None) -> Counters:
+        """A disposition's counters as int32 scalars (summed over a batch), or per row ``[rows]``.
+
+        Each an int or a numeric mx.array; per row (stacked rows), an array of ``rows`` elements.
+        """
         owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
         if stats is None:
             return {}
@@ -230,14 +237,18 @@ class PolicyStep:
             if value is None:
                 continue
             ok = (isinstance(value, int) and not isinstance(value, bool)) or (
-                isinstance(value, mx.array) and value.size == 1 and value.dtype != mx.complex64)
+                isinstance(value, mx.array) and value.dtype != mx.complex64)
+            if rows is not None and not (isinstance(value, mx.array) and value.size == rows):
+                raise PluginError(f"{owner} returned counter {name!r} of shape {getattr(value, 'shape', ())} for "
+                                  f"{rows} stacked rows; a batch_rows disposition counts per row ([B])")
             if not ok:
                 raise PluginError(f"{owner} returned counter {name!r} = {value!r} of type {type(value).__name__}; "
-                                  "expected an int or a one-element mx.array")
-            if isinstance(value, mx.array) and value.dtype == mx.int32 and value.ndim == 0:
+                                  "expected an int or a numeric mx.array")
+            if rows is None and isinstance(value, mx.array) and value.dtype == mx.int32 and value.ndim == 0:
                 out[str(name)] = value  # already what the counters hold: no conversion ops
-            else:
-                out[str(name)] = mx.array(value).astype(mx.int32).reshape(())
+                continue
+            value = mx.array(value).astype(mx.int32)
+            out[str(name)] = value.reshape(rows) if rows is not None else value.sum()
         return out
 
     def _checked_update(self, view: CacheView, u):

@@ -15,17 +15,17 @@ One method per server. mlx-lm builds caches in its generation thread from the mo
 method cannot be honoured without replacing that loop; a request that asks for one (a
 ``kvpolicy`` field) is refused with HTTP 400 instead of being silently ignored.
 
-Prompt-cache reuse: a stored cache is handed out as a deep copy and reused only when its
-tokens are exactly a prefix of the new prompt (or equal to it). It is never trimmed to serve
-a shorter prompt, even before any eviction: its scores carry attention from the trimmed
-tokens, which would steer later evictions away from what a fresh run does.
+Prompt-cache reuse is mlx-lm's own: a stored cache is handed out as a deep copy; mlx-lm trims
+a longer one to serve a shorter prompt only if ``is_trimmable()``, which a policy cache answers
+truthfully (:meth:`PolicyCache.is_trimmable`: only while nothing was evicted and its scores
+are per token, so never for H2O/CaM, whose scores carry the attention of the tokens a trim
+would drop). Otherwise a stored cache is reused only as an exact prefix of the new prompt.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import functools
 import json
 import os
@@ -142,10 +142,9 @@ def _server_classes():
     import mlx.core as mx
     from mlx_lm import server as mls
     from mlx_lm.generate import BatchGenerator
-    from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+    from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
     from .builder import attach
-    from .cache import PolicyCache
 
     class PolicyModelProvider(mls.ModelProvider):
         """mlx-lm's model provider; every model it loads gets the server's method attached."""
@@ -185,21 +184,23 @@ def _server_classes():
             self.stats = stats
 
         def fetch_nearest_cache(self, model, tokens):
-            """mlx-lm's look-up, except that a cache holding policy caches is never trimmed.
+            """mlx-lm's look-up, but never "all of the prompt is cached, nothing to feed".
 
-            A policy cache's scores carry attention from every query it saw, so trimming its
-            last tokens leaves scores (hence later evictions) that a fresh run of the shorter
-            prompt would not have. Exact matches and stored prefixes are reused as upstream.
+            mlx-lm answers an exact match with the stored cache and no tokens left, and its batched
+            path then fails ("empty prompt", killing the generation thread). With trimmable caches
+            that rarely happens (mlx-lm drops a trimmable cache's stored prefixes); policy caches
+            keep theirs (they cannot be trimmed exactly), e.g. the cache mlx-lm stores before a
+            prompt's last token. So an exact match gives back its last token: trimmed off when the
+            cache can be trimmed, else the look-up is repeated for the prompt without it.
             """
-            result = self._trie.search(model, tokens)
-            if result.exact is None and result.longer is not None:
-                entry = self._trie.get(result.model, result.longer)
-                if any(isinstance(c, PolicyCache) for c in entry.prompt_cache):
-                    if result.shorter is None:
-                        return None, tokens
-                    entry = self._trie.get(result.model, result.shorter)
-                    return copy.deepcopy(entry.prompt_cache), tokens[len(result.shorter):]
-            return super().fetch_nearest_cache(model, tokens)
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+            if cache is None or rest or not tokens:
+                return cache, rest
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                return cache, tokens[-1:]
+            cache, rest = self.fetch_nearest_cache(model, tokens[:-1])
+            return cache, list(rest) + tokens[-1:]
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type: Optional[str] = None):
             if cache_type is None:

@@ -119,10 +119,10 @@ class SlotStore:
         norms = self._norms()
         if n == self.keys.shape[2]:  # the buffer is full (decode's steady state): no slice nodes
             return CacheView(self.keys, self.values, self.positions, self.scores, offset, n_new, dead,
-                             rank * H, size * H, self.log_weights, norms)
+                             rank * H, size * H, self.log_weights, key_norms=norms)
         return CacheView(self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n],
                          self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights,
-                         None if norms is None else norms[..., :n])
+                         key_norms=None if norms is None else norms[..., :n])
 
     def valid(self) -> Tuple[mx.array, mx.array]:
         """(keys, values) of the n valid slots (the buffers themselves when full)."""

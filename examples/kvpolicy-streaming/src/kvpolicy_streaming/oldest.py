@@ -27,3 +27,5 @@ class OldestSelector(Selector):
 
 class ConstantScorer(Scorer):
     """No scores: every token keeps 0 (the selector decides by position)."""
+
+    trim_exact = True  # nothing depends on later tokens: the cache can drop its newest tokens exactly

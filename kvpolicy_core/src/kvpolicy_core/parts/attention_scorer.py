@@ -81,7 +81,7 @@ def proxy_weights(keys: mx.array, positions: mx.array, new_keys: mx.array, new_p
     q = new_keys.astype(mx.float32)
     k = keys.astype(mx.float32)
     logits = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(D))  # [B, H, S, L]
-    allowed = positions[:, :, None, :] < new_positions[None, None, :, None]
+    allowed = positions[:, :, None, :] < new_positions[..., :, None]  # new_positions [S] or [B, 1, S]
     return masked_softmax(logits, allowed)[:, :, None]
 
 
@@ -95,6 +95,7 @@ class AttentionScorer(Scorer):
 
     last_query_only = False
     default_signal = "proxy"
+    batch_rows = True  # per-row offsets/positions broadcast (see parts.base.BATCH_ROWS)
 
     def __init__(self, signal: str = None) -> None:
         signal = self.default_signal if signal is None else signal
@@ -115,7 +116,7 @@ class AttentionScorer(Scorer):
         if self.signal != "proxy":
             return view.scores
         if self.last_query_only:
-            new_keys, new_positions = new_keys[:, :, -1:], new_positions[-1:]
+            new_keys, new_positions = new_keys[:, :, -1:], new_positions[..., -1:]
         return self.combine(view.scores, proxy_weights(view.keys, view.positions, new_keys, new_positions))
 
     def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:

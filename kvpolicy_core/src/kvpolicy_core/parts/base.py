@@ -13,6 +13,15 @@ from typing import Dict, NamedTuple, Optional
 import mlx.core as mx
 
 
+#: The ``batch_rows`` contract (since 0.3.0). A part that sets ``batch_rows = True`` is correct on a
+#: view that stacks B independent sequences (a batch's decode step, :mod:`kvpolicy_core.batch_rows`),
+#: where ``view.offset`` is an int32 array [B, 1, 1] (each row's tokens seen; it broadcasts against
+#: ``positions``), ``new_positions`` is [B, 1, S], a disposition's ``key`` is [B, 2] (row b's own key)
+#: and its ``stats`` values are [B] arrays (row b's counts): row b's result must be exactly what the
+#: part returns for row b alone. Parts without it are run one row at a time (still exact, slower).
+BATCH_ROWS = "batch_rows"
+
+
 class CacheView(NamedTuple):
     """What a part sees of one layer's cache. Read-only by convention."""
 
@@ -30,6 +39,11 @@ class CacheView(NamedTuple):
     #: [B, H, L] float32 per-slot attention log-weights (added to the slot's attention logit), or
     #: None when the disposition does not use them (``Disposition.uses_log_weights``). Since 0.3.0.
     log_weights: Optional[mx.array] = None
+    #: the scorer's own state for the current *run* (since 0.3.0): a dict the cache keeps across
+    #: consecutive prompt chunks (updates of S > 1 tokens) while nothing is evicted between them,
+    #: and replaces with an empty one when a run starts (the first chunk, a chunk after an
+    #: eviction, every single-token update). None when the cache does not provide one.
+    run: Optional[dict] = None
     #: [B, H, L] float32 L2 norm of each slot's key, kept by the cache when the disposition declares
     #: ``uses_key_norms`` (else None: compute them from ``keys`` if needed). Since 0.3.0.
     key_norms: Optional[mx.array] = None
@@ -93,6 +107,13 @@ class Scorer:
     """
 
     needs_attention: bool = False
+    #: True when a token's score depends on that token alone, never on later tokens or queries
+    #: (since 0.3.0). Only then can the cache drop its newest tokens exactly (``PolicyCache.trim``):
+    #: with scores accumulated from attention, the survivors' scores would keep the trimmed
+    #: tokens' attention. Default False (safe for any scorer).
+    trim_exact: bool = False
+    #: True when correct on a view of B stacked independent rows (since 0.3.0; see :data:`BATCH_ROWS`)
+    batch_rows: bool = False
 
     @classmethod
     def from_config(cls, config) -> "Scorer":
@@ -114,6 +135,8 @@ class Selector:
     the lowest-ranked of the rest. Selectors written for 0.1.0 implement :meth:`select`
     instead; the cache still moves window-dead slots to the front of their choice.
     """
+
+    batch_rows: bool = False  #: see :data:`BATCH_ROWS` (since 0.3.0)
 
     @classmethod
     def from_config(cls, config) -> "Selector":
@@ -146,9 +169,10 @@ class Disposition:
     #: O(L·D) pass per step. Since 0.3.0.
     uses_key_norms: bool = False
     #: True: decode steps (one loser per row) run ``dispose`` as one compiled MLX graph
-    #: (:mod:`kvpolicy_core.compiled_dispose`); ``view.offset`` is then an int32 scalar array, so use it only
+    #: (:mod:`kvpolicy_core.compiled_parts`); ``view.offset`` is then an int32 scalar array, so use it only
     #: in MLX arithmetic, and no host syncs (``.item()``) inside ``dispose``. Since 0.3.0.
     compile_decode: bool = False
+    batch_rows: bool = False  #: see :data:`BATCH_ROWS` (since 0.3.0)
 
     @classmethod
     def from_config(cls, config) -> "Disposition":

@@ -7,3 +7,5 @@ from .base import Disposition
 
 class DropDisposition(Disposition):
     """Drop: survivors are untouched, ``x_j' = x_j`` for every survivor j (H2O)."""
+
+    batch_rows = True

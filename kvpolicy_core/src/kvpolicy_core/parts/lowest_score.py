@@ -29,6 +29,7 @@ class LowestScoreSelector(Selector):
     """
 
     compile_decode = True  # decode steps: rank, argmin and the value checks as one compiled graph
+    batch_rows = True  # view.offset may be [B, 1, 1]: protected_mask broadcasts
 
     def __init__(self, n_sink: int = 4, recent: int = 0) -> None:
         self.n_sink, self.recent = n_sink, recent

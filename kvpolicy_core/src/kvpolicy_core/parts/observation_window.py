@@ -6,9 +6,11 @@ that ask it), max-pooled over ``P`` neighbouring positions so that a span the qu
 needs (a number, a name) is kept or lost as a whole. Decode steps (one query) add that
 query's attention, as H2O does.
 
-It only knows the question if the question is in the same chunk as the window: with
-chunked prefill, every chunk before the last one is scored by its own last ``W``
-queries, which have not seen the question (see docs/methods/h2o.md).
+Chunked prompts: consecutive chunks with no eviction between them are one *run* and are
+scored as one chunk (the window is the run's last ``W`` queries), so how a prompt was
+split (``prefill_step_size``, a prefix reused from mlx-lm's prompt cache) does not change
+its scores while it fits the budget. After an eviction a new run starts: a chunk scored
+then cannot see the question of a later chunk (see docs/methods/h2o.md).
 """
 
 from __future__ import annotations
@@ -68,15 +70,23 @@ def _decode_add(scores: mx.array, weights: mx.array) -> mx.array:
 class ObservationWindowScorer(AttentionScorer):
     """Scores from the last ``W`` queries of each step, max-pooled over ``P`` positions.
 
-    For a step with S new tokens, queries ``q_{g,i}`` (G query heads per KV head h) and
-    the rows ``I = {S - min(W, S), ..., S - 1}`` (the observation window)::
+    A *run* is a sequence of prompt chunks (S > 1) with no eviction between them (the
+    cache says so through ``CacheView.run``); its queries ``q_{g,i}`` (G query heads per
+    KV head h), numbered over the whole run ``i = 0 .. T - 1``, each with the mask it had
+    in its own chunk. With the observation window ``I = {T - min(W, T), ..., T - 1}``
+    (the run's last W queries) and ``s^0`` the scores when the run began (0 for tokens
+    that arrived in it), after each chunk of the run::
 
         a_{h,j} = sum_{g in group(h)} sum_{i in I} softmax_j( q_{g,i} . k_j * scale + mask_ij )
-        s_{h,j} += pool_P(a_h)_j          if S > 1   (prefill chunks)
-        s_{h,j} += a_{h,j}                if S == 1  (decode: H2O's accumulation)
+        s_{h,j} = s^0_{h,j} + pool_P(a_h)_j              (prompt chunks, S > 1)
+        s_{h,j} += a_{h,j}                              (decode, S == 1: H2O's accumulation)
 
-    ``pool_P`` is :func:`pool_by_position`. New tokens enter with 0 and receive their
-    own step's mass. ``signal="proxy"`` uses the new keys as the queries (over earlier
+    so a run scores exactly as its tokens would in one chunk (a query never attends to a
+    later key, so its row over the run's later tokens is 0). ``pool_P`` is
+    :func:`pool_by_position`. New tokens enter with 0 and receive their own run's mass.
+    The run's state (``view.run``): ``rows`` [B, H, min(W, T), L] the window's attention
+    rows summed over G (``W = 0``: their sum, [B, H, 1, L]) and ``base`` [B, H, L] = ``s^0``.
+    A view without a run (None) scores each chunk as a run of its own. ``signal="proxy"`` uses the new keys as the queries (over earlier
     positions only, as the cumulative proxy does) and needs no attention hook.
     ``W = 0`` means every row; with ``W = 0, P = 1`` this is exactly
     :class:`~kvpolicy_core.parts.cumulative_attention.CumulativeAttentionScorer`.
@@ -106,16 +116,28 @@ class ObservationWindowScorer(AttentionScorer):
         return scores + weights.sum(axis=(2, 3))
 
     def _add(self, view: CacheView, weights: mx.array, S: int) -> mx.array:
+        """weights [B, H, G, R, L] of this step's window rows -> new scores [B, H, L] (see the class)."""
         if S == 1:
             return self.combine(view.scores, weights)
-        return view.scores + pool_by_position(weights.sum(axis=(2, 3)), view.positions, self.pool)
+        rows = weights.sum(axis=2)  # [B, H, R, L]
+        if self.window == 0:
+            rows = rows.sum(axis=2, keepdims=True)
+        run = view.run if view.run is not None else {}
+        base = view.scores
+        if "rows" in run:  # a later chunk of the run: the slots of earlier chunks are unchanged, new ones appended
+            grow = rows.shape[-1] - run["rows"].shape[-1]
+            earlier = mx.pad(run["rows"], [(0, 0), (0, 0), (0, 0), (0, grow)])
+            base = mx.pad(run["base"], [(0, 0), (0, 0), (0, grow)])
+            rows = earlier + rows if self.window == 0 else mx.concatenate([earlier, rows], axis=2)[:, :, -self.window:]
+        run["rows"], run["base"] = rows, base
+        return base + pool_by_position(rows.sum(axis=2), view.positions, self.pool)
 
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
         if self.signal != "proxy":
             return view.scores
         S = new_keys.shape[2]
         W = self._rows(S)
-        weights = proxy_weights(view.keys, view.positions, new_keys[:, :, S - W :], new_positions[S - W :])
+        weights = proxy_weights(view.keys, view.positions, new_keys[:, :, S - W :], new_positions[..., S - W :])
         return self._add(view, weights, S)
 
     def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:

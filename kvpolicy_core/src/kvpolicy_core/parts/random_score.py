@@ -28,6 +28,9 @@ def hash01(positions: mx.array, salt: int, head_offset: int = 0) -> mx.array:
 class RandomScorer(Scorer):
     """``s_j = hash(pos_j, global head, salt)`` in [0, 1), fixed when the token arrives; never updated."""
 
+    trim_exact = True  # a token's score is its own: dropping the newest tokens leaves the others exact
+    batch_rows = True
+
     def __init__(self, salt: int = 0) -> None:
         self.salt = salt
 
@@ -36,5 +39,5 @@ class RandomScorer(Scorer):
         return cls(salt=getattr(config, "salt", 0))
 
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
-        new = view.positions >= new_positions[0]
+        new = view.positions >= new_positions[..., :1]  # new_positions [S] or [B, 1, S]
         return mx.where(new, hash01(view.positions, self.salt, view.head_offset), view.scores)

@@ -11,8 +11,9 @@ the loop that ties them to mlx-lm. ``update_and_fetch(k, v)`` with S new tokens:
    ``E == 1``) writes the new token straight into the loser's slot; otherwise survivors
    are compacted in temporal order.
 2. *Append* the S new tokens (positions ``offset .. offset+S-1``, score 0).
-3. *Score*: ``scorer.on_append`` (and, for observed signals, ``on_attention`` from the
-   attention hook just before the model's attention).
+3. *Score*: ``scorer.on_append`` (and, for observed signals, from the attention hook: the
+   model's own attention weights through :meth:`PolicyCache.attend`, computed once with the
+   output, or ``on_attention`` before mlx-lm's kernel for scorers without ``on_attention_weights``).
 4. Return everything this step attends to: ``min(n, budget) + S`` slots.
 
 ``offset`` is the number of tokens seen: mlx-lm rotates queries with it, so RoPE stays

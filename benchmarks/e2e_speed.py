@@ -4,9 +4,11 @@
     python benchmarks/e2e_speed.py --long 3000      # also a long generation: memory and step time
     python benchmarks/e2e_speed.py --long 2000 --long-methods full,cam --decode 32
     python benchmarks/e2e_speed.py --smoke          # tiny random model
+    python benchmarks/e2e_speed.py --rounds 3 --decode 64   # interleaved rounds, medians (a shared machine)
 
 Measured in one run, one method after the other: prefill tokens/s (the prompt in one chunk),
-decode tokens/s, ratios to the full cache, KV bytes kept and peak memory (mx.get_peak_memory).
+decode tokens/s, ratios to the full cache and to ``RotatingKVCache`` at the same budget, KV bytes kept
+and peak memory (mx.get_peak_memory), and the load average after each run.
 ``--long N`` decodes N tokens per method recording step time and active memory every 100 steps.
 Writes benchmarks/results/e2e_speed.json (and e2e_long.png with --long).
 """
@@ -14,6 +16,7 @@ Writes benchmarks/results/e2e_speed.json (and e2e_long.png with --long).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -37,12 +40,12 @@ def load(smoke):
 def run(model, spec, prompt, decode, every=100):
     caches = make_caches(model, spec)
     mx.reset_peak_memory()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     logits = model(prompt, cache=caches)
     tok = mx.argmax(logits[:, -1:], axis=-1)
     mx.eval(tok)
-    t_prefill = time.perf_counter() - t
-    points, t0, window = [], time.perf_counter(), time.perf_counter()
+    t_prefill, c_prefill = time.perf_counter() - t, time.process_time() - c
+    points, t0, window, c0 = [], time.perf_counter(), time.perf_counter(), time.process_time()
     for step in range(1, decode + 1):
         tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
         mx.eval(tok)
@@ -50,10 +53,22 @@ def run(model, spec, prompt, decode, every=100):
             now = time.perf_counter()
             points.append({"step": step, "ms_per_step": 1e3 * (now - window) / every, "active_mb": mx.get_active_memory() / 2**20})
             window = now
-    t_decode = time.perf_counter() - t0
+    t_decode, c_decode = time.perf_counter() - t0, time.process_time() - c0
     kept, full = kv_bytes(caches)
     return {"spec": spec, "prefill_tps": prompt.shape[1] / t_prefill, "decode_tps": decode / t_decode,
+            "prefill_cpu_ms_per_token": 1e3 * c_prefill / prompt.shape[1], "decode_cpu_ms_per_token": 1e3 * c_decode / decode,
             "kv_bytes_kept": kept, "kv_bytes_full": full, "peak_memory_mb": mx.get_peak_memory() / 2**20, "points": points}
+
+
+def median_run(runs):
+    """The run with the median decode tokens/s, with the median prefill tokens/s and every round's numbers."""
+    runs = sorted(runs, key=lambda r: r["decode_tps"])
+    row = dict(runs[len(runs) // 2])
+    for k in ("prefill_tps", "prefill_cpu_ms_per_token", "decode_cpu_ms_per_token"):
+        row[k] = sorted(r[k] for r in runs)[len(runs) // 2]
+    keys = ("prefill_tps", "decode_tps", "prefill_cpu_ms_per_token", "decode_cpu_ms_per_token", "load")
+    row["rounds"] = [{k: r[k] for k in keys} for r in runs]
+    return row
 
 
 def main():
@@ -63,6 +78,9 @@ def main():
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--long", type=int, default=0)
     p.add_argument("--long-methods", default="all", help="comma-separated subset of full,rotating,h2o,cam for --long")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the methods (medians reported)")
+    p.add_argument("--methods", default=None,
+                   help="';'-separated specs (default: full, rotating, h2o, cam at --budget; a bare name gets the budget)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
@@ -71,15 +89,34 @@ def main():
     model = load(args.smoke)
     prompt = mx.random.randint(0, 1000 if not args.smoke else 97, (1, args.prompt), key=mx.random.key(0))
     specs = ["full", f"rotating:budget={args.budget}", f"h2o:budget={args.budget}", f"cam:budget={args.budget}"]
-    run(model, specs[0], prompt[:, :16], 4)  # warm-up
-    rows = [run(model, s, prompt, args.decode) for s in specs]
+    if args.methods:
+        specs = [s if ":" in s or s == "full" else f"{s}:budget={args.budget}" for s in args.methods.split(";")]
+        specs = [s.replace("{budget}", str(args.budget)) for s in specs]
+    for s in specs:
+        run(model, s, prompt[:, :16], 4)  # warm-up (and the compiled graphs traced)
+    runs = {s: [] for s in specs}
+    for _ in range(args.rounds):  # interleaved: a load change hits every method alike
+        for s in specs:
+            runs[s].append(run(model, s, prompt, args.decode))
+            runs[s][-1]["load"] = os.getloadavg()[0]
+    rows = [median_run(runs[s]) for s in specs]
     base = rows[0]
+    rot = next((r for r in rows if r["spec"].startswith("rotating")), None)
     for r in rows:
         r["prefill_ratio"] = r["prefill_tps"] / base["prefill_tps"]
         r["decode_ratio"] = r["decode_tps"] / base["decode_tps"]
+        if rot is not None:
+            r["prefill_vs_rotating"] = r["prefill_tps"] / rot["prefill_tps"]
+            r["decode_vs_rotating"] = r["decode_tps"] / rot["decode_tps"]
+        if rot is not None:  # CPU time per token (all threads): less sensitive to other processes than wall time
+            r["prefill_cpu_vs_rotating"] = rot["prefill_cpu_ms_per_token"] / r["prefill_cpu_ms_per_token"]
+            r["decode_cpu_vs_rotating"] = rot["decode_cpu_ms_per_token"] / r["decode_cpu_ms_per_token"]
+        vs = (f"  vs rotating: prefill x{r['prefill_vs_rotating']:.2f} decode x{r['decode_vs_rotating']:.2f}"
+              f" (CPU time: x{r['prefill_cpu_vs_rotating']:.2f}, x{r['decode_cpu_vs_rotating']:.2f})") if rot else ""
         print(f"{r['spec']:22} prefill {r['prefill_tps']:8.1f} tok/s (x{r['prefill_ratio']:.2f})  decode "
               f"{r['decode_tps']:6.2f} tok/s (x{r['decode_ratio']:.2f})  KV {r['kv_bytes_kept'] / 2**20:.1f}/"
-              f"{r['kv_bytes_full'] / 2**20:.1f} MiB  peak {r['peak_memory_mb']:.0f} MB", flush=True)
+              f"{r['kv_bytes_full'] / 2**20:.1f} MiB  peak {r['peak_memory_mb']:.0f} MB  load {r['load']:.1f}{vs}",
+              flush=True)
     long_rows = []
     if args.long:
         wanted = None if args.long_methods == "all" else set(args.long_methods.split(","))

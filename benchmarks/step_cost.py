@@ -1,27 +1,39 @@
 """Per-step cost of one cache update (+ eviction) and one attention pass, one layer, side by side.
 
-    python benchmarks/step_cost.py            # full grid
+    python benchmarks/step_cost.py            # the issue's grid: L = 256..4096, head_dim 128, 1/4/8 KV heads
     python benchmarks/step_cost.py --smoke    # tiny grid (the test suite runs this)
+    python benchmarks/step_cost.py --grid 1024:128:4 --rounds 5
 
-For each (budget, head_dim, kv_heads): a decode step = ``update_and_fetch`` of one token plus
-``mx.fast.scaled_dot_product_attention`` over what it returns, evaluated. Caches at the same
-retained length: mlx-lm ``KVCache`` (trimmed to stay at ``budget``), ``RotatingKVCache(budget+1)``,
-H2O and CaM. Also: the proxy scoring alone versus one attention pass. Ratios are to ``KVCache``,
-measured in one run. Writes benchmarks/results/step_cost.json and step_cost.png.
+For each (budget, head_dim, kv_heads): a decode step = ``update_and_fetch`` of one token plus the
+attention over what it returns, called exactly as the model calls it: through mlx-lm's
+``scaled_dot_product_attention`` wrapped by kvpolicy's attention hook (for mlx-lm's caches the hook
+calls the original unchanged). So a policy with the observed signal or attention log-weights pays
+here what it pays in the model. Caches at the same retained length: mlx-lm ``KVCache`` (trimmed to
+stay at ``budget``), ``RotatingKVCache(budget+1)`` and policy configs as given (defaults: the
+observed signal). Kinds are interleaved in ``--rounds`` rounds; each time is the median over all
+rounds' steps. Also: the proxy scoring alone versus one attention pass. Ratios are to the first
+kind, measured in one run. Writes benchmarks/results/step_cost[_tag].json (and step_cost.png).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import time
 
 from _common import RESULTS, mx, timed, write_json
 
+from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvpolicy_core import PolicyCache
+from kvpolicy_core.attention import _wrap
 from kvpolicy_core.parts.base import CacheView
 from kvpolicy_core.parts.cumulative_attention import CumulativeAttentionScorer
+
+#: what the model calls: mlx-lm's attention behind kvpolicy's hook
+sdpa = _wrap(getattr(mlx_base.scaled_dot_product_attention, "__wrapped__", mlx_base.scaled_dot_product_attention))
 
 
 def make(kind: str, budget: int):
@@ -29,35 +41,58 @@ def make(kind: str, budget: int):
         return KVCache()
     if kind == "RotatingKVCache":
         return RotatingKVCache(max_size=budget + 1, keep=4)
-    return PolicyCache(f"{kind}{',' if ':' in kind else ':'}budget={budget},signal=proxy")  # no model: the proxy signal
+    return PolicyCache(f"{kind}{',' if ':' in kind else ':'}budget={budget}")
 
 
-def step_time(kind, budget, D, H, steps, q_heads):
-    B = 1
-    key = mx.random.key(0)
-    cache = make(kind, budget)
-    pre = mx.random.normal((B, H, budget, D), key=key)
-    cache.update_and_fetch(pre, pre)
-    if isinstance(cache, PolicyCache):
-        cache.before_attention(mx.repeat(pre, q_heads // H, axis=1), D**-0.5, "causal")
-    toks = mx.random.normal((steps + 1, B, H, 1, D), key=mx.random.key(1))
-    q = mx.random.normal((B, q_heads, 1, D), key=mx.random.key(2))
-    mx.eval(toks, q, *[x for x in (getattr(cache, "keys", None),) if x is not None])
-    i = [0]
+class Stepper:
+    """One cache filled to ``budget`` tokens, then one decode step (update + attention) per call."""
 
-    def one():
-        k = toks[i[0] % steps]
-        i[0] += 1
-        keys, values = cache.update_and_fetch(k, k)
-        mask = cache.before_attention(q, D**-0.5, None) if isinstance(cache, PolicyCache) else None  # the hook's work
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask)
-        if kind == "KVCache":
-            cache.trim(1)  # stay at the same retained length
+    def __init__(self, kind, budget, D, H, q_heads, steps):
+        self.kind, self.D = kind, D
+        self.cache = make(kind, budget)
+        scale = D**-0.5
+        pre = mx.random.normal((1, H, budget, D), key=mx.random.key(0))
+        qpre = mx.random.normal((1, q_heads, budget, D), key=mx.random.key(4))
+        for t in range(0, budget, 512):  # the prompt in chunks of 512 (bounded attention matrices)
+            k, v = self.cache.update_and_fetch(pre[:, :, t : t + 512], pre[:, :, t : t + 512])
+            mx.eval(sdpa(qpre[:, :, t : t + 512], k, v, self.cache, scale, "causal"))
+        self.toks = mx.random.normal((steps + 1, 1, H, 1, D), key=mx.random.key(1))
+        self.q = mx.random.normal((1, q_heads, 1, D), key=mx.random.key(2))
+        mx.eval(self.toks, self.q)
+        self.i, self.steps = 0, steps
+
+    def __call__(self):
+        k = self.toks[self.i % self.steps]
+        self.i += 1
+        keys, values = self.cache.update_and_fetch(k, k)
+        out = sdpa(self.q, keys, values, self.cache, self.D**-0.5, None)
+        if self.kind == "KVCache":
+            self.cache.trim(1)  # stay at the same retained length
         mx.eval(out)
 
-    for _ in range(10):
-        one()
-    return timed(one, steps)
+
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCK["wall"]
+
+
+def samples(fn, n):
+    out = []
+    for _ in range(n):
+        t = clock()
+        fn()
+        out.append(clock() - t)
+    return out
+
+
+def step_times(kinds, budget, D, H, steps, q_heads, rounds):
+    steppers = {k: Stepper(k, budget, D, H, q_heads, steps) for k in kinds}
+    for s in steppers.values():
+        samples(s, 10)  # warm-up: past the first evictions and the eager checks
+    got = {k: [] for k in kinds}
+    for _ in range(rounds):  # interleaved: load changes hit every kind alike
+        for k, s in steppers.items():
+            got[k] += samples(s, max(steps // rounds, 1))
+    return {k: sorted(v)[len(v) // 2] for k, v in got.items()}
 
 
 def scoring_vs_attention(budget, D, H, steps, q_heads):
@@ -77,38 +112,46 @@ def scoring_vs_attention(budget, D, H, steps, q_heads):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=300, help="decode steps timed per kind (over all rounds)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the kinds")
     p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--kinds", default="KVCache;RotatingKVCache;h2o;cam",
+    p.add_argument("--kinds", default="KVCache;RotatingKVCache;h2o;cam;h2o:signal=proxy;cam:signal=proxy",
                    help="';'-separated: KVCache, RotatingKVCache or policy config strings (first is the baseline)")
     p.add_argument("--grid", default=None, help="budget:head_dim:kv_heads triples, comma-separated (e.g. 256:256:1)")
     p.add_argument("--tag", default="", help="suffix of the result file names")
+    p.add_argument("--clock", choices=sorted(CLOCK), default="wall",
+                   help="wall: elapsed time; cpu: this process's CPU time (all threads; less sensitive to other load)")
     args = p.parse_args()
+    global clock
+    clock = CLOCK[args.clock]
     if args.smoke:
-        grid, steps = [(64, 32, 1)], 20
+        grid, steps, rounds = [(64, 32, 1)], 20, 2
     else:
-        grid, steps = list(itertools.product([256, 512, 1024, 2048], [64, 128, 256], [1, 4, 8])), args.steps
+        grid = list(itertools.product([256, 1024, 4096], [128], [1, 4, 8])) + [(512, 128, 4), (2048, 128, 4)]
+        steps, rounds = args.steps, args.rounds
     if args.grid:
         grid = [tuple(int(x) for x in g.split(":")) for g in args.grid.split(",")]
     kinds = args.kinds.split(";")
     rows = []
     for budget, D, H in grid:
         q_heads = max(H, 4)
-        times = {k: step_time(k, budget, D, H, steps, q_heads) for k in kinds}
+        times = step_times(kinds, budget, D, H, steps, q_heads, rounds)
         t_score, t_attn = scoring_vs_attention(budget, D, H, steps, q_heads)
-        row = {"budget": budget, "head_dim": D, "kv_heads": H, **{f"us_{k}": 1e6 * t for k, t in times.items()},
+        row = {"budget": budget, "head_dim": D, "kv_heads": H, "q_heads": q_heads,
+               "load": os.getloadavg()[0], **{f"us_{k}": 1e6 * t for k, t in times.items()},
                **{f"ratio_{k}": times[k] / times[kinds[0]] for k in kinds[1:]},
                "us_scoring": 1e6 * t_score, "us_attention": 1e6 * t_attn, "scoring_over_attention": t_score / t_attn}
         rows.append(row)
-        print(f"budget={budget:5d} D={D:3d} H={H}: " + "  ".join(f"{k} {1e6 * t:7.1f}us" for k, t in times.items())
-              + "  | " + " ".join(f"{k}/{kinds[0]} {row['ratio_' + k]:.2f}" for k in kinds[1:])
+        print(f"budget={budget:5d} D={D:3d} H={H} load {row['load']:.1f}: "
+              + "  ".join(f"{k} {1e6 * t:7.1f}us" for k, t in times.items())
+              + "  | " + " ".join(f"{k} {row['ratio_' + k]:.2f}x" for k in kinds[1:])
               + f" | scoring/attention {row['scoring_over_attention']:.2f}", flush=True)
     from pathlib import Path
 
     tag = "step_cost" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
-    path = write_json(tag, {"rows": rows, "kinds": kinds}, Path(args.out))
+    path = write_json(tag, {"rows": rows, "kinds": kinds, "clock": args.clock}, Path(args.out))
     if not args.smoke and {"h2o", "cam"} <= set(kinds):
-        plot(rows, Path(args.out) / "step_cost.png")
+        plot(rows, Path(args.out) / f"{tag}.png")
     print(f"wrote {path}")
 
 
@@ -119,15 +162,15 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for D in sorted({r["head_dim"] for r in rows}):
-        sub = [r for r in rows if r["head_dim"] == D and r["kv_heads"] == 4]
+    for H in sorted({r["kv_heads"] for r in rows}):
+        sub = sorted((r for r in rows if r["kv_heads"] == H and r["head_dim"] == 128), key=lambda r: r["budget"])
         for kind, style in (("h2o", "-"), ("cam", "--")):
-            ax[0].plot([r["budget"] for r in sub], [r[f"ratio_{kind}"] for r in sub], style, marker="o", label=f"{kind} D={D}")
-        ax[1].plot([r["budget"] for r in sub], [r["scoring_over_attention"] for r in sub], marker="o", label=f"D={D}")
+            ax[0].plot([r["budget"] for r in sub], [r[f"ratio_{kind}"] for r in sub], style, marker="o", label=f"{kind} H={H}")
+        ax[1].plot([r["budget"] for r in sub], [r["scoring_over_attention"] for r in sub], marker="o", label=f"H={H}")
     ax[0].axhline(1.0, color="gray", lw=0.8)
-    ax[0].set(xscale="log", xlabel="budget (retained tokens)", ylabel="step time / KVCache", title="decode step, 4 KV heads")
+    ax[0].set(xscale="log", xlabel="budget (retained tokens)", ylabel="step time / KVCache", title="decode step, head_dim 128")
     ax[1].axhline(1.0, color="gray", lw=0.8)
-    ax[1].set(xscale="log", xlabel="budget", ylabel="proxy scoring / attention pass", title="scoring cost, 4 KV heads")
+    ax[1].set(xscale="log", xlabel="budget", ylabel="proxy scoring / attention pass", title="scoring cost, head_dim 128")
     ax[0].legend(fontsize=7)
     ax[1].legend(fontsize=7)
     fig.tight_layout()

@@ -5,9 +5,9 @@ from kvpolicy_core import PolicyCache
 from kvpolicy_core.policy_step import PolicyStep
 from kvpolicy_core.testing import random_kv
 
-orig = PolicyStep._indices
-def unchecked(self, kind, what, idx, shape, L, distinct, also=()):
-    return idx.astype(mx.int32)
+orig = PolicyStep._raise_broken
+def unchecked(self, pending):  # the value checks are built but never evaluated (no host sync)
+    return None
 
 def run(method, steps=600):
     K, V = random_kv(B=1, H=8, S=256 + steps, D=64, seed=1)
@@ -23,7 +23,7 @@ for method in ("h2o:budget=256", "cam:budget=256"):
     res = {"on": [], "off": []}
     for rep in range(3):
         for mode in ("on", "off"):
-            PolicyStep._indices = orig if mode == "on" else unchecked
+            PolicyStep._raise_broken = orig if mode == "on" else unchecked
             res[mode].append(run(method))
     on, off = min(res["on"]), min(res["off"])
     print(f"{method}: ms/step validated {on:.3f}, unvalidated {off:.3f}, ratio {on/off:.3f}")

@@ -33,6 +33,24 @@ def unit(keys: mx.array) -> mx.array:
     return k / mx.maximum(norm, 1e-12)
 
 
+def cosine_to_all(view: CacheView, rows: mx.array) -> mx.array:
+    """cos(k_r, k_j) [B, H, E, L] float32 for the slots ``rows`` [B, H, E] against every slot::
+
+        cos(k_r, k_j) = (k_r . k_j) / (max(|k_r|, eps) max(|k_j|, eps))
+
+    The norms come from ``view.key_norms`` (kept by the cache for a disposition with
+    ``uses_key_norms``), so a step costs one [E, D] x [D, L] product, not a pass that
+    normalises every key; a zero key has cosine 0 with anything.
+    """
+    k = view.keys if view.keys.dtype == mx.float32 else view.keys.astype(mx.float32)
+    norms = getattr(view, "key_norms", None)
+    if norms is None:
+        norms = mx.sqrt((k * k).sum(axis=-1))
+    norms = mx.maximum(norms, 1e-12)
+    dots = take(k, rows) @ k.swapaxes(-1, -2)
+    return dots / (take(norms, rows)[..., None] * norms[:, :, None, :])
+
+
 def loser_mask(losers: mx.array, L: int) -> mx.array:
     """bool [B, H, L]: True at the loser slots."""
     zeros = mx.zeros((*losers.shape[:2], L), dtype=mx.bool_)
@@ -48,8 +66,7 @@ def merge_targets(view: CacheView, losers: mx.array, n_sink: int):
     candidate -> has_target False.
     """
     L = view.keys.shape[2]
-    kn = unit(view.keys)
-    sim = take(kn, losers) @ kn.swapaxes(-1, -2)  # [B, H, E, L]
+    sim = cosine_to_all(view, losers)  # [B, H, E, L]
     invalid = (view.positions < n_sink) | loser_mask(losers, L)
     if view.dead is not None:
         invalid = invalid | view.dead
@@ -107,6 +124,8 @@ class GatedMergeDisposition(Disposition):
     are dropped, not merged: a finite survivor never absorbs NaN or Inf.
     """
 
+    uses_key_norms = True  # the cache keeps key norms: merge_targets needs no pass over every key
+    compile_decode = True  # decode steps: one compiled graph instead of ~40 small ops
     batch_rows = True  # per-row keys, counters per row (parts.base.BATCH_ROWS)
 
     def __init__(self, n_sink: int = 4, mode: str = "sim_weighted", gate: bool = True, merge_keys: bool = False):

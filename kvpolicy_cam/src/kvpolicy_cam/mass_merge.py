@@ -56,6 +56,9 @@ class MassMergeDisposition(Disposition):
     Losers outside a sliding window or with non-finite keys/values are dropped.
     """
 
+    uses_key_norms = True  # the cache keeps key norms: merge_targets needs no pass over every key
+    compile_decode = True  # decode steps: one compiled graph instead of ~40 small ops
+
     batch_rows = True  # per-row keys and offsets, counters per row (parts.base.BATCH_ROWS)
 
     def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False,

@@ -5,7 +5,10 @@ mlx-lm model modules import ``scaled_dot_product_attention`` by name from
 the mask meet. :func:`install` replaces the name in the modules a given model uses
 with a wrapper that, for kvpolicy caches only, lets the cache see the queries (for
 ``signal="observed"``) and substitute a per-layer sliding-window mask; for any other
-cache it calls the original unchanged. Installs are reference counted per module and
+cache it calls the original unchanged. A single-sequence cache whose scorer takes the model's
+weights computes the attention once and hands the weights to the scorer
+(:meth:`PolicyCache.attend <kvpolicy_core.cache.PolicyCache.attend>`); attention sinks (gpt-oss)
+always take mlx-lm's kernel. Installs are reference counted per module and
 undone by :meth:`AttentionHook.remove`, or when the handle is garbage: the caches that need
 the hook hold its handle, so the hook lives exactly as long as they do (one user's
 ``detach`` cannot break another user's caches).
@@ -29,6 +32,9 @@ ATTR = "scaled_dot_product_attention"
 
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
+        sinks = args[0] if args else kwargs.get("sinks")
+        if isinstance(cache, PolicyCache) and sinks is None and len(args) <= 1:
+            return cache.attend(queries, keys, values, scale, mask, original)
         if isinstance(cache, (PolicyCache, BatchPolicyCache)):
             mask = cache.before_attention(queries, scale, mask)
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)

@@ -66,7 +66,8 @@ class StackedRows:
         self.policy, self.layer, self.window, self.budget = r0.policy, r0.layer, r0.window, r0.budget
         self.head_shard, self.uses_log_weights = r0.head_shard, bool(getattr(r0, "uses_log_weights", False))
         self.step = r0._step
-        self.slots = SlotStore(r0.step, track_log_weights=self.uses_log_weights)
+        self.slots = SlotStore(r0.step, track_log_weights=self.uses_log_weights,
+                               track_key_norms=r0._slots.track_key_norms)
         n = r0.n
         snaps = [r._slots.snapshot() for r in rows]
         stacked = []
@@ -117,8 +118,8 @@ class StackedRows:
         try:
             offs = self._offsets()
             view = self._view(0, offs)
-            losers = self.step.losers(view, 1)
-            update, counts = self.step.dispose(view, losers, list(self.offsets))
+            losers, pending = self.step.losers(view, 1)
+            update, counts = self.step.dispose(view, losers, list(self.offsets), pending)
             if update is not None:
                 self.slots.add(update)
             if counts:

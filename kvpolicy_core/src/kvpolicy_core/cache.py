@@ -11,8 +11,9 @@ the loop that ties them to mlx-lm. ``update_and_fetch(k, v)`` with S new tokens:
    ``E == 1``) writes the new token straight into the loser's slot; otherwise survivors
    are compacted in temporal order.
 2. *Append* the S new tokens (positions ``offset .. offset+S-1``, score 0).
-3. *Score*: ``scorer.on_append`` (and, for observed signals, ``on_attention`` from the
-   attention hook just before the model's attention).
+3. *Score*: ``scorer.on_append`` (and, for observed signals, from the attention hook: the
+   model's own attention weights through :meth:`PolicyCache.attend`, computed once with the
+   output, or ``on_attention`` before mlx-lm's kernel for scorers without ``on_attention_weights``).
 4. Return everything this step attends to: ``min(n, budget) + S`` slots.
 
 ``offset`` is the number of tokens seen: mlx-lm rotates queries with it, so RoPE stays
@@ -45,6 +46,7 @@ from .policy_step import PolicyStep
 from .sharding import check_head_shard
 from .slots import FIELDS, SlotStore
 from .attention_bias import with_log_weights
+from .attention_weights import attend_once, attention_with_weights
 from .window import outside_window, window_mask
 
 
@@ -78,7 +80,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self.budget, self.layer, self.window = self.policy.budget, layer, window
         #: the disposition keeps per-slot attention log-weights (added to the logits by the hook)
         self.uses_log_weights = bool(getattr(self.policy.disposition, "uses_log_weights", False))
-        self._slots = SlotStore(self.step, track_log_weights=self.uses_log_weights)
+        self._slots = SlotStore(self.step, track_log_weights=self.uses_log_weights,
+                                track_key_norms=bool(getattr(self.policy.disposition, "uses_key_norms", False)))
         self._step = PolicyStep(self.policy, layer)
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
@@ -109,7 +112,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
             self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
             self._attended = False
         self._bound_graph()
-        return self.keys[..., : self.n, :], self.values[..., : self.n, :]
+        return self._slots.valid()
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         """The mask for N new tokens attending to ``min(n, budget) + N`` slots.
@@ -213,10 +216,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         query at position p may attend to key at position q iff ``p - W < q <= p``.
         A policy with log-weights gets them added to the logits (:func:`.attention_bias.with_log_weights`).
         """
-        if self.window is not None and self.offset > self.window:
-            mask = window_mask(self.positions[..., : self.n], self.offset, self._last_S, self.window, queries.shape[1])
-        if self.uses_log_weights:
-            mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
+        mask = self._attention_mask(queries, mask)
         if self.policy.scorer.needs_attention:
             run = dict(self._run)  # adopted only if the scorer succeeds
             self.scores = self._step.on_attention(self._view(queries.shape[2], run), queries, scale, mask)
@@ -225,7 +225,37 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._attended = True
         return mask
 
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, fused):
+        """The attention hook's entry: the attention output [B, Hq, S, Dv] of this step.
+
+        ``fused(queries, keys, values, cache, scale, mask)`` is mlx-lm's attention. A scorer that can
+        take the model's weights (``on_attention_weights``: the shipped observed scorers) gets them from
+        the one pass that computes the output (:func:`.attention_weights.attention_with_weights`, on CPU
+        bit-identical to the fused kernel) where that is faster (:func:`.attention_weights.attend_once`);
+        otherwise this is :meth:`before_attention` then ``fused``.
+        """
+        scorer = self.policy.scorer
+        once = scorer.needs_attention and getattr(scorer, "on_attention_weights", None) is not None
+        if not (once and attend_once(queries.shape[2])):
+            return fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
+        mask = self._attention_mask(queries, mask)
+        out, weights = attention_with_weights(queries, keys, values, scale, mask)
+        run = dict(self._run)  # adopted only if the scorer succeeds (as in before_attention)
+        self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)
+        self._run = run
+        self._bound_graph()
+        self._attended = True
+        return out
+
     # ------------------------------------------------------------------ internals
+    def _attention_mask(self, queries: mx.array, mask):
+        """The mask this layer's attention uses: its own sliding window, plus the slots' log-weights."""
+        if self.window is not None and self.offset > self.window:
+            mask = window_mask(self.positions[..., : self.n], self.offset, self._last_S, self.window, queries.shape[1])
+        if self.uses_log_weights:
+            mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
+        return mask
+
     def _view(self, n_new: int, run: Optional[dict] = None):
         dead = None
         if self.window is not None and self.offset > self.window and n_new == 0:
@@ -237,14 +267,13 @@ class PolicyCache(CacheState, CacheDiagnostics):
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors."""
         view = self._view(0)
         self._run, self._run_open = {}, False  # an eviction ends the run
-        losers = self._step.losers(view, n_evict)
-        update, counts = self._step.dispose(view, losers, self.offset)
+        losers, pending = self._step.losers(view, n_evict)
+        update, counts = self._step.dispose(view, losers, self.offset, pending)
         if update is not None:
             self._slots.add(update)
         if counts:
             zero = mx.array(0, dtype=mx.int32)
-            self._counters = {**self._counters, **{
-                k: self._counters.get(k, zero) + mx.array(v).astype(mx.int32) for k, v in counts.items()}}
+            self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
         return losers
 
     def _check_observation(self) -> None:

@@ -14,6 +14,8 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
+from .compiled_parts import compiled, compiled_select, wants_compile
+from .value_checks import loser_flags, target_flags
 from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, MergeUpdate, Selector, pick_lowest
 from .policy import Policy, step_key, step_keys
@@ -42,6 +44,8 @@ class PolicyStep:
         #: MLX evaluates it (e.g. a gather with float indices) is caught inside the transaction (prefill and
         #: the first decode steps, where a sync costs nothing noticeable); later steps add no host sync
         self.eager_checks = 4
+        #: (selector, disposition) may run compiled on decode steps; False after a compiled call failed
+        self._compiled_ok = [True, True]
 
     def counter_names(self) -> Dict[str, str]:
         """Counters the parts declare through ``stats()`` (name -> meaning)."""
@@ -83,7 +87,7 @@ class PolicyStep:
                 f"layer {self.layer}: {self.policy.owners['scorer']} returned scores of shape "
                 f"{getattr(scores, 'shape', type(scores).__name__)}, expected {tuple(shape)}"
             )
-        scores = mx.nan_to_num(scores.astype(mx.float32), nan=0.0)
+        scores = mx.nan_to_num(scores if scores.dtype == mx.float32 else scores.astype(mx.float32), nan=0.0)
         if self.eager_checks > 0:
             self.eager_checks -= 1
             self.evaluated("scorer", "scores", scores)
@@ -105,15 +109,12 @@ class PolicyStep:
         return self.scores(self.call("scorer", self.policy.scorer.on_attention, view, queries, scale, mask),
                            view.scores.shape)
 
-    def _indices(self, kind: str, what: str, idx, shape: Tuple[int, ...], L: int, distinct: bool,
-                 also=()) -> mx.array:
-        """Check slot indices a part returned before anything gathers or scatters with them.
+    def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
+        return self.scores(self.call("scorer", self.policy.scorer.on_attention_weights, view, weights),
+                           view.scores.shape)
 
-        MLX does not bounds-check gathers and scatters, so an index outside [0, L) would corrupt
-        memory. Checked: an integer mx.array of ``shape``, every entry in [0, L), and (``distinct``)
-        no repeats per (batch, head) row; ``also``: further (bool mx.array, rule) checks folded
-        into the same host sync. One host sync on a few vectorised reductions.
-        """
+    def _index_meta(self, kind: str, what: str, idx, shape: Tuple[int, ...]) -> mx.array:
+        """Metadata checks of slot indices a part returned (an integer mx.array of ``shape``); int32 indices."""
         owner = f"layer {self.layer}: {self.policy.owners[kind]}"
         if not isinstance(idx, mx.array) or tuple(idx.shape) != tuple(shape):
             raise PluginError(f"{owner} returned {what} of shape {getattr(idx, 'shape', type(idx).__name__)}, "
@@ -121,60 +122,93 @@ class PolicyStep:
         if not mx.issubdtype(idx.dtype, mx.integer):
             dtype = str(idx.dtype).removeprefix("mlx.core.")
             raise PluginError(f"{owner} returned {what} of dtype {dtype}, expected an integer dtype")
-        idx = idx.astype(mx.int32)
-        bad = mx.any((idx < 0) | (idx >= L))
-        if distinct and shape[-1] > 1:
-            ordered = mx.sort(idx, axis=-1)
-            bad = bad | mx.any(ordered[..., 1:] == ordered[..., :-1])
-        checks = [(c(idx) if callable(c) else c, rule) for c, rule in also]
-        in_range = bad
-        for flag, _ in checks:
-            bad = bad | flag
-        self.evaluated(kind, what, bad)
-        if bad.item():
-            if in_range.item():  # the error path: find which rule was broken
-                rule = "in [0, L) and distinct per (batch, head)" if distinct else "in [0, L)"
-                raise PluginError(f"{owner} returned {what} outside the cache: each must be {rule}, with L = {L}")
-            raise PluginError(f"{owner} returned {next(rule for flag, rule in checks if flag.item())}")
-        return idx
+        return idx if idx.dtype == mx.int32 else idx.astype(mx.int32)
 
-    def losers(self, view: CacheView, n_evict: int) -> mx.array:
-        """[B, H, n_evict] int32: window-dead slots first, then the selector's choice.
+    def _raise_broken(self, pending) -> None:
+        """Evaluate every pending value check of this eviction in one host sync; raise the first broken rule.
 
-        Besides the index checks, no loser may be a sink (position < n_sink) unless it is
-        window-dead: the contract of ``n_sink``, checked in the same host sync.
+        ``pending``: (kind, flags [k] bool mx.array, k messages) per part, in the order the parts ran.
         """
-        losers = self.call("selector", self.policy.selector.select, view, n_evict)
+        flags = [f for _, f, _ in pending]
+        if not flags:
+            return
+        try:
+            mx.eval(*flags)
+        except Exception:  # an error MLX raises only at evaluation: name the part whose output it is
+            for kind, f, _ in pending:
+                self.evaluated(kind, "output", f)
+            raise
+        values = (mx.concatenate(flags) if len(flags) > 1 else flags[0]).tolist()
+        for (kind, _, messages), broken in zip(pending, _split(values, [len(m) for _, _, m in pending])):
+            for msg, bad in zip(messages, broken):
+                if bad:
+                    raise PluginError(msg)
+
+    def losers(self, view: CacheView, n_evict: int):
+        """Losers [B, H, n_evict] int32 (window-dead slots first, then the selector's choice) and the
+        pending value checks to pass to :meth:`dispose`, which evaluates them before anything is written.
+
+        Checked: every index in [0, L) and distinct per (batch, head), and no loser a sink (position
+        < n_sink) unless it is window-dead (the contract of ``n_sink``). Until then the returned losers
+        are clamped into [0, L), so the disposition's gathers stay in bounds whatever the selector returned.
+        """
         L = view.scores.shape[-1]
         n_sink = getattr(self.policy.config.policy, "n_sink", 0)
-
-        def sinks(idx):
-            safe = mx.clip(idx, 0, L - 1)  # evaluated before the range check: keep the gather in bounds
-            sink = mx.take_along_axis(view.positions, safe, axis=2) < n_sink
+        selector, flags = self.policy.selector, None
+        if self.ranked_selection and wants_compile(selector, n_evict) and self._compiled_ok[0]:
+            try:  # choice and value flags in one compiled graph
+                losers, flags = compiled_select(selector, n_sink)(view, n_evict)
+            except Exception:  # not compilable (or a part error): the eager call below decides
+                self._compiled_ok[0] = False
+        if flags is None:
+            losers = self.call("selector", selector.select, view, n_evict)
+        losers = self._index_meta("selector", "losers", losers, (*view.scores.shape[:2], n_evict))
+        if flags is None:
+            flags = loser_flags(losers, view.positions, n_sink, view.dead)
+        owner = f"layer {self.layer}: {self.policy.owners['selector']}"
+        pending = [("selector", flags, [
+            f"{owner} returned losers outside the cache: each must be in [0, L) and distinct per (batch, head), "
+            f"with L = {L}",
+            f"{owner} returned losers that include a sink (position < n_sink = {n_sink}); sinks are never evicted"])]
+        if not self.ranked_selection:  # a select() of the part's own: clamp until checked
+            losers = mx.clip(losers, 0, L - 1)
             if view.dead is not None:
-                sink = sink & ~mx.take_along_axis(view.dead, safe, axis=2)
-            return mx.any(sink)
+                losers = dead_first(view.dead, losers, n_evict)
+        return losers, pending
 
-        also = [(sinks, f"losers that include a sink (position < n_sink = {n_sink}); sinks are never evicted")]
-        losers = self._indices("selector", "losers", losers, (*view.scores.shape[:2], n_evict), L, distinct=True,
-                               also=also if n_sink > 0 else ())
-        if view.dead is not None and not self.ranked_selection:
-            losers = dead_first(view.dead, losers, n_evict)
-        return losers
-
-    def dispose(self, view: CacheView, losers: mx.array, offset) -> Tuple[Optional[MergeUpdate], Counters]:
+    def dispose(self, view: CacheView, losers: mx.array, offset,
+                pending=()) -> Tuple[Optional[MergeUpdate], Counters]:
         """The disposition's update for the survivors (or None) and the counters it reports.
 
+        ``pending``: the value checks of :meth:`losers`; they and the update's are evaluated in one host
+        sync here, before the cache writes anything (a selector's broken rule is reported first).
         ``offset``: the cache's tokens seen (one key, counters summed), or a list of B per-row
         offsets for a view of B stacked rows (:mod:`.batch_rows`: keys [B, 2], counters [B]).
         """
         rows = len(offset) if isinstance(offset, (list, tuple)) else None
         seed = self.policy.config.seed
         key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
-        update = self.call("disposition", self.policy.disposition.dispose, view, losers, key)
+        disposition = self.policy.disposition
+        pending = list(pending)
+        try:
+            update = None
+            if wants_compile(disposition, losers.shape[-1]) and self._compiled_ok[1]:
+                try:
+                    update = compiled(disposition)(view, losers, key)
+                except Exception:  # not compilable (or a part error): the eager call below decides
+                    self._compiled_ok[1] = False
+            if update is None:
+                update = self.call("disposition", disposition.dispose, view, losers, key)
+            if update is not None:
+                update, checks = self._checked_update(view, update)
+                pending.append(checks)
+        except PluginError:
+            if pending:
+                self._raise_broken(pending[:1])  # the selector's outputs were wrong first
+            raise
+        self._raise_broken(pending)
         if update is None:
             return None, {}
-        update = self._checked_update(view, update)
         counts = self._counts(update.stats, rows)
         if update.draws is not None or update.merges is not None:
             if not self._warned:
@@ -210,12 +244,16 @@ class PolicyStep:
             if not ok:
                 raise PluginError(f"{owner} returned counter {name!r} = {value!r} of type {type(value).__name__}; "
                                   "expected an int or a numeric mx.array")
+            if rows is None and isinstance(value, mx.array) and value.dtype == mx.int32 and value.ndim == 0:
+                out[str(name)] = value  # already what the counters hold: no conversion ops
+                continue
             value = mx.array(value).astype(mx.int32)
             out[str(name)] = value.reshape(rows) if rows is not None else value.sum()
         return out
 
-    def _checked_update(self, view: CacheView, u) -> MergeUpdate:
-        """A disposition's MergeUpdate checked: targets in range, deltas shaped like their rows."""
+    def _checked_update(self, view: CacheView, u):
+        """A disposition's MergeUpdate with its metadata checked (deltas shaped like their rows, real dtypes),
+        and its pending value checks (targets in range, finite deltas for finite rows)."""
         owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
         if not isinstance(u, MergeUpdate):
             raise PluginError(f"{owner} returned {type(u).__name__}, expected a MergeUpdate or None")
@@ -237,23 +275,23 @@ class PolicyStep:
         for name, x in deltas:
             if not (mx.issubdtype(x.dtype, mx.floating) or mx.issubdtype(x.dtype, mx.integer)):
                 raise PluginError(f"{owner} returned {name} of dtype {x.dtype}, expected a real dtype")
-        rows = {"d_keys": view.keys, "d_values": view.values, "d_scores": view.scores}
-
-        def contaminates(x, base):
-            """Whether a delta is non-finite where its target row is finite (a token already non-finite
-            may stay so: it cannot contaminate more than itself)."""
-            def check(idx):
-                safe = mx.clip(idx, 0, L - 1)  # evaluated before the range check: keep the gather in bounds
-                target = mx.take_along_axis(base, safe[..., None] if base.ndim == 4 else safe, axis=2)
-                return mx.any(~mx.isfinite(x) & mx.isfinite(target))
-            return check
-
-        also = [(contaminates(x, rows[name]), f"{name} with non-finite values (NaN or inf) for finite survivors; "
-                 "deltas must be finite") for name, x in deltas if mx.issubdtype(x.dtype, mx.floating)]
-        targets = self._indices("disposition", "merge targets", u.targets, (B, H, max(T, 0)), L, distinct=False,
-                                also=also)
+        bases = {"d_keys": view.keys, "d_values": view.values, "d_scores": view.scores}
+        targets = self._index_meta("disposition", "merge targets", u.targets, (B, H, max(T, 0)))
+        finite = [(name, x) for name, x in deltas if mx.issubdtype(x.dtype, mx.floating)]
+        flags = target_flags(targets, L, [(x, bases[name]) for name, x in finite])
+        messages = [f"{owner} returned merge targets outside the cache: each must be in [0, L), with L = {L}"] + [
+            f"{owner} returned {name} with non-finite values (NaN or inf) for finite survivors; deltas must be finite"
+            for name, _ in finite]
         if u.d_log_weights is not None:
             # finite without a host sync: NaN adds 0, +-inf and huge values are clipped (see LOG_WEIGHT_BOUND)
             d = mx.nan_to_num(u.d_log_weights.astype(mx.float32), nan=0.0)
             u = u._replace(d_log_weights=mx.clip(d, -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND))
-        return u._replace(targets=targets)
+        return u._replace(targets=targets), ("disposition", flags, messages)
+
+
+def _split(values, sizes):
+    out, i = [], 0
+    for n in sizes:
+        out.append(values[i : i + n])
+        i += n
+    return out

@@ -3,7 +3,10 @@
 Layout: ``keys`` [B, H, cap, D], ``values`` [B, H, cap, Dv], ``positions`` [B, H, cap] int32
 (absolute position of each slot), ``scores`` [B, H, n] float32 and, only when the policy uses
 them (``track_log_weights``), attention ``log_weights`` [B, H, n] float32 (0 for a new token);
-the first ``n`` slots are valid. Slots are not in temporal order after an in-place decode write; :meth:`compact`
+the first ``n`` slots are valid. Only when the disposition asks for them (``track_key_norms``):
+``key_norms`` [B, H, cap] float32, the L2 norm of each slot's key, kept in step with every edit of the
+keys (O(D) per written slot instead of an O(L·D) pass per step), recomputed once from the keys after
+they are assigned from outside (a restore, a state load). Slots are not in temporal order after an in-place decode write; :meth:`compact`
 restores temporal order. Every edit is functional (MLX arrays are values), so a tuple of
 references (:meth:`snapshot`) is a complete, cheap snapshot.
 """
@@ -24,14 +27,37 @@ SNAPSHOT = FIELDS + ("log_weights",)
 LOG_WEIGHT_BOUND = 64.0
 
 
+def key_norm(keys: mx.array) -> mx.array:
+    """keys [B, H, S, D] -> float32 [B, H, S]: ``||k||_2`` of each key."""
+    k = keys.astype(mx.float32)
+    return mx.sqrt((k * k).sum(axis=-1))
+
+
 class SlotStore:
     """Buffers of one layer's retained tokens; knows nothing about policies."""
 
-    def __init__(self, step: int = 256, track_log_weights: bool = False) -> None:
+    def __init__(self, step: int = 256, track_log_weights: bool = False, track_key_norms: bool = False) -> None:
         self.step = step
-        self.track_log_weights = track_log_weights
+        self.track_log_weights, self.track_key_norms = track_log_weights, track_key_norms
         self.keys = self.values = self.positions = self.scores = self.log_weights = None
         self.n = 0
+
+    @property
+    def keys(self) -> Optional[mx.array]:
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: Optional[mx.array]) -> None:
+        """Keys assigned from outside the store's edits: their norms are recomputed when next needed."""
+        self._keys, self.key_norms = value, None
+
+    def _norms(self) -> Optional[mx.array]:
+        """``key_norms`` [B, H, cap] when tracked (computed from the keys if unknown), else None."""
+        if not self.track_key_norms or self._keys is None:
+            return None
+        if self.key_norms is None:
+            self.key_norms = key_norm(self._keys)
+        return self.key_norms
 
     def snapshot(self) -> Tuple:
         return tuple(getattr(self, f) for f in SNAPSHOT)
@@ -51,7 +77,9 @@ class SlotStore:
         Only ``mx.array`` of a floating dtype is accepted (TypeError otherwise): mlx-lm always passes
         those, and a numpy array or integer keys would be silently converted or rounded.
         """
-        for name, x in (("keys", keys), ("values", values)):
+        known = (self.keys is not None and isinstance(keys, mx.array) and isinstance(values, mx.array)
+                 and keys.dtype == self.keys.dtype and values.dtype == self.values.dtype)  # floating, checked before
+        for name, x in () if known else (("keys", keys), ("values", values)):
             if not isinstance(x, mx.array):
                 raise TypeError(f"layer {layer}: {name} must be an mlx.core.array (got {type(x).__module__}."
                                 f"{type(x).__name__}); convert with mx.array(...)")
@@ -67,6 +95,9 @@ class SlotStore:
             raise ValueError(f"layer {layer}: update_and_fetch needs at least one new token (got S=0)")
         if self.keys is None:
             return
+        if (keys.dtype == self.keys.dtype and values.dtype == self.values.dtype and keys.shape[:2] == self.keys.shape[:2]
+                and keys.shape[3] == self.keys.shape[3] and values.shape[3] == self.values.shape[3]):
+            return  # the common case, decided without building the error's tuples
         have = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
         got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
         if have != got:
@@ -85,8 +116,19 @@ class SlotStore:
         """The parts' view of the n valid slots; ``head_shard`` = (rank, size) of a tensor-parallel
         split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``."""
         n, H, (rank, size) = self.n, self.keys.shape[1], head_shard
+        norms = self._norms()
+        if n == self.keys.shape[2]:  # the buffer is full (decode's steady state): no slice nodes
+            return CacheView(self.keys, self.values, self.positions, self.scores, offset, n_new, dead,
+                             rank * H, size * H, self.log_weights, key_norms=norms)
         return CacheView(self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n],
-                         self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights)
+                         self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights,
+                         key_norms=None if norms is None else norms[..., :n])
+
+    def valid(self) -> Tuple[mx.array, mx.array]:
+        """(keys, values) of the n valid slots (the buffers themselves when full)."""
+        if self.n == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[..., : self.n, :], self.values[..., : self.n, :]
 
     def append(self, keys: mx.array, values: mx.array, offset: int, budget: int) -> None:
         """Write S new tokens (positions ``offset .. offset+S-1``, score 0) after the n valid slots.
@@ -108,12 +150,16 @@ class SlotStore:
                 self.scores = mx.zeros((B, H, 0), mx.float32)
             else:
                 n = self.n
-                self.keys = mx.concatenate([self.keys[..., :n, :], k_new], axis=2)
+                if self.key_norms is not None:
+                    self.key_norms = mx.concatenate([self.key_norms[..., :n], mx.zeros((B, H, grow), mx.float32)], axis=2)
+                self._keys = mx.concatenate([self.keys[..., :n, :], k_new], axis=2)
                 self.values = mx.concatenate([self.values[..., :n, :], v_new], axis=2)
                 self.positions = mx.concatenate([self.positions[..., :n], p_new], axis=2)
         n = self.n
         at = mx.array([0, 0, n, 0])
-        self.keys = mx.slice_update(self.keys, keys, at, axes=(0, 1, 2, 3))
+        if self.key_norms is not None:
+            self.key_norms = mx.slice_update(self.key_norms, key_norm(keys), at[:3], axes=(0, 1, 2))
+        self._keys = mx.slice_update(self.keys, keys, at, axes=(0, 1, 2, 3))
         self.values = mx.slice_update(self.values, values, at, axes=(0, 1, 2, 3))
         new_pos = mx.broadcast_to(mx.arange(offset, offset + S, dtype=mx.int32), (B, H, S))
         self.positions = mx.slice_update(self.positions, new_pos, at[:3], axes=(0, 1, 2))
@@ -126,13 +172,15 @@ class SlotStore:
     def write_into(self, slots: mx.array, keys: mx.array, values: mx.array, offset: int) -> None:
         """Decode: the new token [B, H, 1, D] (position ``offset``, score 0) takes the slots [B, H, 1]."""
         idx = slots[..., None]  # [B, H, 1, 1]
-        self.keys = mx.put_along_axis(self.keys, idx, keys, axis=2)
+        if self.key_norms is not None:
+            self.key_norms = mx.put_along_axis(self.key_norms, slots, key_norm(keys), axis=2)
+        self._keys = mx.put_along_axis(self.keys, idx, keys, axis=2)
         self.values = mx.put_along_axis(self.values, idx, values, axis=2)
-        pos = mx.full(slots.shape, offset, dtype=mx.int32)
-        self.positions = mx.put_along_axis(self.positions, slots, pos, axis=2)
-        self.scores = mx.put_along_axis(self.scores, slots, mx.zeros(slots.shape, mx.float32), axis=2)
+        self.positions = mx.put_along_axis(self.positions, slots, mx.array(offset, dtype=mx.int32), axis=2)
+        zero = mx.array(0.0, dtype=mx.float32)
+        self.scores = mx.put_along_axis(self.scores, slots, zero, axis=2)
         if self.log_weights is not None:
-            self.log_weights = mx.put_along_axis(self.log_weights, slots, mx.zeros(slots.shape, mx.float32), axis=2)
+            self.log_weights = mx.put_along_axis(self.log_weights, slots, zero, axis=2)
 
     def compact(self, losers: mx.array) -> None:
         """Remove the slots ``losers`` [B, H, E]; survivors move, in temporal order, to [0, n - E)."""
@@ -141,7 +189,9 @@ class SlotStore:
         gone = mx.put_along_axis(mx.zeros(pos.shape, mx.bool_), losers, mx.array(True), axis=2)
         order = mx.argsort(mx.where(gone, _INT_MAX, pos), axis=-1)[..., :keep_n]
         take = lambda x: mx.take_along_axis(x[..., :n, :], order[..., None], axis=2)  # noqa: E731
-        self.keys, self.values = take(self.keys), take(self.values)
+        if self.key_norms is not None:
+            self.key_norms = mx.take_along_axis(self.key_norms[..., :n], order, axis=-1)
+        self._keys, self.values = take(self.keys), take(self.values)
         self.positions = mx.take_along_axis(pos, order, axis=-1)
         self.scores = mx.take_along_axis(self.scores, order, axis=-1)
         if self.log_weights is not None:
@@ -155,7 +205,10 @@ class SlotStore:
         t = u.targets.astype(mx.int32)
         self.values = self.values.at[bi, hi, t].add(u.d_values.astype(self.values.dtype))
         if u.d_keys is not None:
-            self.keys = self.keys.at[bi, hi, t].add(u.d_keys.astype(self.keys.dtype))
+            self._keys = self.keys.at[bi, hi, t].add(u.d_keys.astype(self.keys.dtype))
+            if self.key_norms is not None:  # the changed rows only (duplicate targets write the same norm)
+                self.key_norms = mx.put_along_axis(self.key_norms, t, key_norm(mx.take_along_axis(
+                    self._keys, t[..., None], axis=2)), axis=2)
         if u.d_scores is not None:
             self.scores = self.scores.at[bi, hi, t].add(u.d_scores.astype(mx.float32))
         if getattr(u, "d_log_weights", None) is not None:
@@ -184,4 +237,5 @@ class SlotStore:
         if self.keys is None:
             return 0
         lw = 0 if self.log_weights is None else self.log_weights.nbytes
-        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + self.scores.nbytes + lw
+        kn = 0 if self.key_norms is None else self.key_norms.nbytes
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + self.scores.nbytes + lw + kn

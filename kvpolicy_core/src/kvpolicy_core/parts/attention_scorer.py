@@ -25,6 +25,12 @@ def masked_softmax(logits: mx.array, allowed: mx.array) -> mx.array:
     return mx.where(allowed, probs, mx.zeros_like(probs))
 
 
+def finite_weights(weights: mx.array) -> mx.array:
+    """The model's attention weights as float32 with NaN as 0: a row that a non-finite key poisoned in the
+    model's own attention adds nothing, instead of wiping every score of the layer."""
+    return mx.nan_to_num(weights.astype(mx.float32), nan=0.0)
+
+
 def causal_allowed(n_queries: int, n_keys: int) -> mx.array:
     """mlx-lm's "causal" mask for S queries at the end of L keys: bool [S, L]."""
     q = mx.arange(n_keys - n_queries, n_keys)[:, None]
@@ -119,3 +125,17 @@ class AttentionScorer(Scorer):
         if self.last_query_only:
             queries, mask = queries[:, :, -1:], last_row(mask)
         return self.combine(view.scores, observed_weights(queries, view.keys, scale, mask))
+
+    def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
+        """The same update from the weights the model's attention computed (the hook's one pass).
+
+        ``weights`` [B, H, G, S, L]: softmax(scale * q k^T + mask) of this step's S queries, any float
+        dtype (:func:`kvpolicy_core.attention_weights.attention_with_weights`). For finite logits in float32
+        this is bit for bit :meth:`on_attention` of the same queries and mask; a query row the model's
+        attention made NaN (a NaN or +inf logit) adds nothing (:meth:`on_attention` drops the key instead).
+        """
+        if self.signal != "observed":
+            return view.scores
+        if self.last_query_only:
+            weights = weights[..., -1:, :]
+        return self.combine(view.scores, finite_weights(weights))

@@ -44,6 +44,9 @@ class CacheView(NamedTuple):
     #: and replaces with an empty one when a run starts (the first chunk, a chunk after an
     #: eviction, every single-token update). None when the cache does not provide one.
     run: Optional[dict] = None
+    #: [B, H, L] float32 L2 norm of each slot's key, kept by the cache when the disposition declares
+    #: ``uses_key_norms`` (else None: compute them from ``keys`` if needed). Since 0.3.0.
+    key_norms: Optional[mx.array] = None
 
 
 class MergeUpdate(NamedTuple):
@@ -161,6 +164,14 @@ class Disposition:
     """
 
     uses_log_weights: bool = False
+    #: True makes the cache keep each slot's key norm up to date (``view.key_norms``): for dispositions
+    #: that compare keys by cosine every step (CaM), an O(D) update per written slot instead of an
+    #: O(L·D) pass per step. Since 0.3.0.
+    uses_key_norms: bool = False
+    #: True: decode steps (one loser per row) run ``dispose`` as one compiled MLX graph
+    #: (:mod:`kvpolicy_core.compiled_parts`); ``view.offset`` is then an int32 scalar array, so use it only
+    #: in MLX arithmetic, and no host syncs (``.item()``) inside ``dispose``. Since 0.3.0.
+    compile_decode: bool = False
     batch_rows: bool = False  #: see :data:`BATCH_ROWS` (since 0.3.0)
 
     @classmethod

@@ -28,6 +28,7 @@ class LowestScoreSelector(Selector):
     (score 0) is evicted at once and whose kept set freezes on the prompt.
     """
 
+    compile_decode = True  # decode steps: rank, argmin and the value checks as one compiled graph
     batch_rows = True  # view.offset may be [B, 1, 1]: protected_mask broadcasts
 
     def __init__(self, n_sink: int = 4, recent: int = 0) -> None:

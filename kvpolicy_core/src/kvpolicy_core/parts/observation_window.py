@@ -19,7 +19,7 @@ import math
 
 import mlx.core as mx
 
-from .attention_scorer import AttentionScorer, observed_weights, proxy_weights
+from .attention_scorer import AttentionScorer, finite_weights, observed_weights, proxy_weights
 from .base import CacheView
 
 
@@ -59,6 +59,12 @@ def pool_by_position(x: mx.array, positions: mx.array, P: int) -> mx.array:
         if k != r:
             pooled = mx.maximum(pooled, padded[..., k : k + L])
     return mx.put_along_axis(mx.zeros_like(x), order, pooled, axis=-1)
+
+
+@mx.compile
+def _decode_add(scores: mx.array, weights: mx.array) -> mx.array:
+    """scores [B, H, L] + the finite weights [B, H, G, 1, L] summed over G: a decode step's update."""
+    return scores + finite_weights(weights).sum(axis=(2, 3))
 
 
 class ObservationWindowScorer(AttentionScorer):
@@ -141,3 +147,13 @@ class ObservationWindowScorer(AttentionScorer):
         W = self._rows(S)
         weights = observed_weights(queries[:, :, S - W :], view.keys, scale, window_rows(mask, S, W))
         return self._add(view, weights, S)
+
+    def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
+        """:meth:`on_attention` from the model's weights [B, H, G, S, L] of the step (see the base class)."""
+        if self.signal != "observed":
+            return view.scores
+        S = weights.shape[3]
+        if S == 1:  # decode: one compiled graph (NaN rows to 0, sum over heads, add)
+            return _decode_add(view.scores, weights)
+        W = self._rows(S)
+        return self._add(view, finite_weights(weights if W == S else weights[..., S - W :, :]), S)

@@ -1,0 +1,133 @@
+"""Decode steps of parts as compiled MLX graphs (``compile_decode``): a selector's choice with its
+value checks, and a disposition's update.
+
+On CPU each MLX op has a fixed cost of ~5-10 µs, and a merge step is ~40 small ops over [B, H, L]
+arrays; :func:`mx.compile` fuses them (CaM's mass merge at L = 1024: ~600 µs eager, ~200 µs compiled,
+docs/benchmarks.md). Only decode steps (one loser per row) are compiled: their shapes stay fixed once
+the budget is reached, so the graph is traced once per (shape, layout) and reused by every layer.
+The offset enters the graph as an int32 scalar array (a Python int would be a constant and retrace
+every step), so a compiled disposition must use ``view.offset`` only in MLX arithmetic.
+
+The results are the part's own, field for field: the selector's losers (with the value flags of
+:func:`kvpolicy_core.value_checks.loser_flags` computed in the same graph), the disposition's
+:class:`~kvpolicy_core.parts.base.MergeUpdate`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from .parts.base import CacheView, MergeUpdate
+
+_FIELDS = ("targets", "d_keys", "d_values", "d_scores", "draws", "merges", "d_log_weights")
+_OPTIONAL_VIEW = ("dead", "log_weights", "key_norms")
+_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def wants_compile(part, n_evict: int) -> bool:
+    """Decode steps of a part that declares ``compile_decode = True``."""
+    return n_evict == 1 and bool(getattr(part, "compile_decode", False))
+
+
+def _view(arrays, layout) -> CacheView:
+    keys, values, positions, scores, offset, *optional = arrays
+    head_offset, heads_total, n_new, present = layout
+    extra = dict(zip([f for f, p in zip(_OPTIONAL_VIEW, present) if p], optional))
+    return CacheView(keys, values, positions, scores, offset, n_new, extra.get("dead"), head_offset,
+                     heads_total, extra.get("log_weights"), key_norms=extra.get("key_norms"))
+
+
+def _layout(view: CacheView):
+    present = tuple(getattr(view, f) is not None for f in _OPTIONAL_VIEW)
+    arrays = [view.keys, view.values, view.positions, view.scores, mx.array(view.offset, dtype=mx.int32)]
+    arrays += [getattr(view, f) for f, p in zip(_OPTIONAL_VIEW, present) if p]
+    return (view.head_offset, view.heads_total, view.n_new, present), arrays
+
+
+class _CompiledSelect:
+    """A ranked selector's decode choice and its value flags, one trace per view layout."""
+
+    def __init__(self, selector, n_sink: int) -> None:
+        self.selector, self.n_sink = selector, n_sink
+        self._fns: Dict[Tuple, Callable] = {}
+
+    def __call__(self, view: CacheView, n_evict: int):
+        from .value_checks import _loser_flags, scalar
+
+        layout, arrays = _layout(view)
+        fn = self._fns.get(layout)
+        if fn is None:
+            def fn(n_sink, last, *arrays):
+                v = _view(arrays, layout)
+                losers = self.selector.select(v, n_evict)
+                if not isinstance(losers, mx.array) or losers.ndim != 3 or not mx.issubdtype(losers.dtype, mx.integer):
+                    raise TypeError("not an integer [B, H, E] array")  # the eager call reports what it is
+                losers = losers.astype(mx.int32)
+                return losers, _loser_flags(losers, v.positions, n_sink, last, v.dead)
+            fn = self._fns[layout] = mx.compile(fn)
+        return fn(scalar(self.n_sink), scalar(view.scores.shape[-1] - 1), *arrays)
+
+
+def compiled_select(selector, n_sink: int) -> Callable:
+    """``f(view, n_evict) -> (losers int32, flags)``: the compiled choice of a ranked ``selector``."""
+    key = ("select", n_sink)
+    try:
+        per = _cache.setdefault(selector, {})
+    except TypeError:
+        return _CompiledSelect(selector, n_sink)
+    if key not in per:
+        per[key] = _CompiledSelect(selector, n_sink)
+    return per[key]
+
+
+class _Compiled:
+    """One disposition's compiled ``dispose``, one trace per view layout (which optional fields are set)."""
+
+    def __init__(self, disposition) -> None:
+        self.disposition = disposition
+        self._fns: Dict[Tuple, Tuple[Callable, List]] = {}
+
+    def _build(self, layout: Tuple) -> Tuple[Callable, List]:
+        spec: List = []  # filled while tracing: which fields are set and the stats' names
+
+        def fn(losers, key, *arrays):
+            view = _view(arrays, layout)
+            u = self.disposition.dispose(view, losers, key)
+            if not isinstance(u, MergeUpdate) or (u.stats is not None and not isinstance(u.stats, dict)):
+                spec[:] = [("raw", u)]
+                return [mx.array(0)]
+            fields = [f for f in _FIELDS if getattr(u, f) is not None]
+            stats = [(k, v.astype(mx.int32).reshape(()) if v.size == 1 and v.dtype != mx.complex64 else v)
+                     for k, v in (u.stats or {}).items() if isinstance(v, mx.array)]  # counters as int32 scalars
+            spec[:] = [("update", fields, [k for k, _ in stats],
+                        {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)}, u.stats is None)]
+            return [getattr(u, f) for f in fields] + [v for _, v in stats]
+
+        return mx.compile(fn), spec
+
+    def __call__(self, view: CacheView, losers: mx.array, key: mx.array):
+        layout, arrays = _layout(view)
+        if layout not in self._fns:
+            self._fns[layout] = self._build(layout)
+        fn, spec = self._fns[layout]
+        out = fn(losers, key, *arrays)
+        if spec[0][0] == "raw":  # not a MergeUpdate: the eager call gives the part's own result to check
+            return self.disposition.dispose(view, losers, key)
+        _, fields, stat_names, constants, no_stats = spec[0]
+        update = dict(zip(fields, out[: len(fields)]))
+        stats: Optional[dict] = None if no_stats else {**constants, **dict(zip(stat_names, out[len(fields):]))}
+        return MergeUpdate(**update, stats=stats)
+
+
+def compiled(disposition) -> Callable:
+    """The compiled ``dispose`` of ``disposition`` (shared by every layer's cache)."""
+    try:
+        per = _cache.setdefault(disposition, {})
+    except TypeError:  # not weak-referenceable: compile for this call only
+        return _Compiled(disposition)
+    if "dispose" not in per:
+        per["dispose"] = _Compiled(disposition)
+    return per["dispose"]

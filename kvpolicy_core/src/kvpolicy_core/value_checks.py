@@ -1,0 +1,77 @@
+"""The value checks of part outputs (issue 13) as compiled MLX graphs: one small fused graph per check.
+
+Each function returns bool flags (True = the rule is broken) for :class:`~kvpolicy_core.policy_step.PolicyStep`,
+which evaluates every flag of one eviction in a single host sync. On CPU each MLX op has a fixed cost
+of ~5-10 µs and these checks are ~25 tiny reductions per merge step; compiled, they are a few
+(docs/benchmarks.md). Sizes enter as input arrays, not Python constants: MLX compiles fused CPU kernels
+with the system C++ compiler once per distinct kernel (cached under its temporary directory), so a
+constant per budget would compile new kernels for every budget. Indices are clamped into ``[0, L)`` before any gather here, so a check never reads
+out of bounds whatever it is given.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+
+def _out_of_range(idx: mx.array, last: mx.array, distinct: bool) -> mx.array:
+    bad = mx.any((idx < 0) | (idx > last))
+    if distinct and idx.shape[-1] > 1:
+        ordered = mx.sort(idx, axis=-1)
+        bad = bad | mx.any(ordered[..., 1:] == ordered[..., :-1])
+    return bad
+
+
+def _rows(x: mx.array, safe: mx.array) -> mx.array:
+    return mx.take_along_axis(x, safe[..., None] if x.ndim == 4 else safe, axis=2)
+
+
+def _loser_flags(idx: mx.array, positions: mx.array, n_sink: mx.array, last: mx.array,
+                 dead: Optional[mx.array]) -> mx.array:
+    """[2] bool: (an index outside [0, L) or repeated in its row, a sink among the losers that is not window-dead).
+
+    ``n_sink`` and ``last = L - 1`` are int32 scalar arrays (inputs, not constants of the compiled kernels).
+    """
+    safe = mx.clip(idx, 0, last)
+    sink = _rows(positions, safe) < n_sink
+    if dead is not None:
+        sink = sink & ~_rows(dead, safe)
+    return mx.stack([_out_of_range(idx, last, True), mx.any(sink)])
+
+
+def _target_flags(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.array, mx.array]]) -> mx.array:
+    """[1 + len(pairs)] bool: (a target outside [0, L), then per (delta, base) a non-finite delta for a finite row)."""
+    safe = mx.clip(targets, 0, last)
+    flags = [_out_of_range(targets, last, False)]
+    for delta, base in pairs:
+        flags.append(mx.any(~mx.isfinite(delta) & mx.isfinite(_rows(base, safe))))
+    return mx.stack(flags)
+
+
+_compiled_losers = mx.compile(lambda idx, positions, n_sink, last: _loser_flags(idx, positions, n_sink, last, None))
+_compiled_losers_dead = mx.compile(_loser_flags)
+
+
+def scalar(x: int) -> mx.array:
+    return mx.array(x, dtype=mx.int32)
+_compiled_targets = {}
+
+
+def loser_flags(idx: mx.array, positions: mx.array, n_sink: int, dead: Optional[mx.array]) -> mx.array:
+    """Flags of :func:`_loser_flags` (compiled); ``n_sink`` enters as an array (no retrace per value)."""
+    n, last = scalar(n_sink), scalar(positions.shape[-1] - 1)
+    if dead is None:
+        return _compiled_losers(idx, positions, n, last)
+    return _compiled_losers_dead(idx, positions, n, last, dead)
+
+
+def target_flags(targets: mx.array, L: int, pairs: List[Tuple[mx.array, mx.array]]) -> mx.array:
+    """Flags of :func:`_target_flags` (compiled once per number of (delta, base) pairs)."""
+    fn = _compiled_targets.get(len(pairs))
+    if fn is None:
+        def flat(targets, last, *xs):
+            return _target_flags(targets, last, list(zip(xs[0::2], xs[1::2])))
+        fn = _compiled_targets[len(pairs)] = mx.compile(flat)
+    return fn(targets, scalar(L - 1), *[x for pair in pairs for x in pair])

@@ -147,7 +147,7 @@ def test_mass_blend_barely_moves_a_heavy_survivor():
 @pytest.mark.parametrize("chunks", [[1] * 40, [15, 1, 1, 18, 5]])
 def test_mass_caches_hold_the_budget_stay_finite_and_count_merges(merge, chunks):
     K, V = random_kv(B=2, H=2, S=40, D=8, seed=5)
-    cache = PolicyCache(f"cam:budget=10,n_sink=2,merge={merge},signal=observed,gate=false")
+    cache = PolicyCache(f"cam:budget=10,n_sink=2,merge={merge},signal=observed,gate=false,min_sim=-1")
     feed(cache, K, V, chunks)
     cache.settle()
     keys, values, positions, _ = cache.retained()
@@ -160,14 +160,14 @@ def test_mass_caches_hold_the_budget_stay_finite_and_count_merges(merge, chunks)
 @pytest.mark.parametrize("chunks", [[1] * 40, [15, 1, 1, 18, 5]])
 def test_min_sim_trades_merges_for_drops_and_above_one_is_h2o_exactly(chunks):
     K, V = random_kv(B=2, H=2, S=40, D=8, seed=6)
-    base = "budget=10,n_sink=2,signal=proxy"
+    base = "budget=10,n_sink=2,signal=proxy,prompt=true"
     merges = []
     for tau in (-1.0, 0.5, 0.8):
         cache = PolicyCache(f"cam:{base},min_sim={tau}")
         feed(cache, K, V, chunks)
         merges.append(int(cache.merges))
     assert merges[0] > merges[1] > merges[2] > 0  # a higher threshold merges fewer losers
-    never, h2o = PolicyCache(f"cam:{base},min_sim=1.5"), PolicyCache(f"h2o:{base}")
+    never, h2o = PolicyCache(f"cam:{base},min_sim=1.5"), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
     for c in (never, h2o):
         feed(c, K, V, chunks)
     assert never.merges == 0 and not mx.any(never.log_weights).item()
@@ -183,3 +183,20 @@ def test_min_sim_is_refused_for_merges_that_do_not_use_it():
         parse_config("cam:merge=sim_weighted,min_sim=0.5")
     with pytest.raises(ConfigError, match="min_sim"):
         parse_config("cam:min_sim=3")
+
+
+def test_the_default_merges_only_at_decode_steps_so_a_prompt_is_compressed_as_h2o_compresses_it():
+    """cam's default (prompt=false): a prompt chunk's losers are dropped, bit for bit H2O's cache; decode merges."""
+    K, V = random_kv(B=2, H=2, S=48, D=8, seed=8)
+    cam, h2o = PolicyCache("cam:budget=12,n_sink=2,signal=proxy"), PolicyCache("h2o:budget=12,n_sink=2,signal=proxy")
+    for c in (cam, h2o):
+        feed(c, K[:, :, :40], V[:, :, :40], [30, 10])  # two prompt chunks, both evict
+    assert cam.merges == 0
+    for x, y in zip(cam.state[:4], h2o.state[:4]):
+        assert mx.array_equal(x, y)
+    for c in (cam, h2o):
+        feed(c, K[:, :, 40:], V[:, :, 40:], [1] * 8)  # decode steps: losers within min_sim merge
+    assert cam.merges > 0 and not mx.array_equal(cam.state[1], h2o.state[1])
+    prompts = PolicyCache("cam:budget=12,n_sink=2,signal=proxy,prompt=true,min_sim=-1")
+    feed(prompts, K[:, :, :40], V[:, :, :40], [30, 10])
+    assert prompts.merges > 0  # prompt=true merges prompt losers too

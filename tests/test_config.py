@@ -40,8 +40,11 @@ def test_defaults_match_the_specification_except_the_measured_scorer_and_merge()
     assert (spec.merge, spec.merge_gate, spec.merge_keys) == ("sim_weighted", True, False)
     assert parse_config("cam:merge=mass,gate=true").policy.merge_gate
     # the mass merge's measured defaults (keys blended, min_sim) are its own: other merges keep the specification's
+    assert p.merge_prompt is False  # the default merges at decode steps only
     blend = parse_config("cam:merge=mass_blend").policy
-    assert (blend.merge_keys, blend.merge_min_sim) == (False, -1.0)
+    assert (blend.merge_keys, blend.merge_min_sim, blend.merge_prompt) == (False, -1.0, True)
+    with pytest.raises(ConfigError, match="prompt=false applies to the mass merges"):
+        parse_config("cam:merge=sim_weighted,prompt=false")
     for spec in ("cam:keys=false", "cam:min_sim=-1", "cam:budget=64,min_sim=0.7,gate=true"):
         c = parse_config(spec)
         assert parse_config(c.to_string()) == c  # labels give the config back, implied defaults included

@@ -47,6 +47,13 @@ class CamConfig(AttentionPolicyConfig):
         description="mass merges only: a loser merges only if its key cosine to the target is >= min_sim, "
         "else it is dropped (-1: always merge; above 1: never, i.e. H2O).",
     )
+    merge_prompt: bool = Field(
+        True,
+        validation_alias=AliasChoices("merge_prompt", "prompt"),
+        description="mass merges: merge the losers of prompt chunks too (false: only evictions of one loser "
+        "per row, i.e. decode steps, merge; a prompt chunk's losers are dropped, as H2O drops them). "
+        "Default off for mass.",
+    )
     merge_window: int = Field(
         16,
         ge=1,
@@ -58,7 +65,8 @@ class CamConfig(AttentionPolicyConfig):
     @classmethod
     def _merge_defaults(cls, data):
         """Defaults that depend on the merge: the gate is off for the mass merges and on for the others;
-        ``merge="mass"`` blends keys and merges only above ``MASS_MIN_SIM`` (measured, docs/methods/cam.md)."""
+        ``merge="mass"`` blends keys, merges only above ``MASS_MIN_SIM`` and only at decode steps
+        (measured, docs/methods/cam.md)."""
         if not isinstance(data, dict):
             return data
         merge = data.get("merge", cls.model_fields["merge"].default)
@@ -69,12 +77,17 @@ class CamConfig(AttentionPolicyConfig):
             data = {**data, "merge_keys": True}
         if merge == "mass" and not ({"merge_min_sim", "min_sim"} & given):
             data = {**data, "merge_min_sim": MASS_MIN_SIM}
+        if merge == "mass" and not ({"merge_prompt", "prompt"} & given):
+            data = {**data, "merge_prompt": False}
         return data
 
     @model_validator(mode="after")
     def _min_sim_needs_a_mass_merge(self):
         if self.merge_min_sim != -1.0 and self.merge not in MASS_MERGES:
             raise ValueError(f"min_sim applies to the mass merges {MASS_MERGES}; merge={self.merge!r} does not use it")
+        if not self.merge_prompt and self.merge not in MASS_MERGES:
+            raise ValueError(f"prompt=false applies to the mass merges {MASS_MERGES}; merge={self.merge!r} "
+                             "always merges prompt losers")
         return self
 
     @property

@@ -51,7 +51,9 @@ class MassMergeDisposition(Disposition):
     and returns their attention-weighted mean value: the attention output is unchanged.
     ``M_l`` is the specification's Bernoulli gate (``gate=True``) or 1, times the similarity
     threshold ``[cos(k_l, k_t) >= min_sim]`` (``min_sim=-1``: always; a loser below it is dropped,
-    as H2O drops it, so ``min_sim > 1`` is H2O exactly). Keys are blended with the
+    as H2O drops it, so ``min_sim > 1`` is H2O exactly), times ``[E == 1]`` when
+    ``merge_prompt=False``: only an eviction of one loser per row (a decode step's) merges; the
+    E > 1 losers of a prompt chunk are dropped. Keys are blended with the
     same weights only with ``merge_keys``. A side with zero mass leaves the target unchanged.
     Losers outside a sliding window or with non-finite keys/values are dropped.
     """
@@ -62,15 +64,16 @@ class MassMergeDisposition(Disposition):
     batch_rows = True  # per-row keys and offsets, counters per row (parts.base.BATCH_ROWS)
 
     def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False,
-                 min_sim: float = -1.0):
+                 min_sim: float = -1.0, merge_prompt: bool = True):
         self.n_sink, self.gate, self.merge_keys, self.min_sim = n_sink, gate, merge_keys, float(min_sim)
+        self.merge_prompt = merge_prompt
         self.with_log_weights = log_weights
         self.uses_log_weights = log_weights
 
     @classmethod
     def from_config(cls, config) -> "MassMergeDisposition":
         return cls(n_sink=config.n_sink, log_weights=config.merge == "mass", gate=config.merge_gate,
-                   merge_keys=config.merge_keys, min_sim=config.merge_min_sim)
+                   merge_keys=config.merge_keys, min_sim=config.merge_min_sim, merge_prompt=config.merge_prompt)
 
     def stats(self):
         return STATS
@@ -79,6 +82,8 @@ class MassMergeDisposition(Disposition):
         target, cos, has_target = merge_targets(view, losers, self.n_sink)
         if self.min_sim > -1.0:
             has_target = has_target & (cos >= self.min_sim)
+        if not self.merge_prompt and losers.shape[-1] != 1:  # several losers: a prompt chunk's, dropped as H2O does
+            has_target = mx.zeros_like(has_target)
         has_target = has_target & finite_rows(view.keys, losers) & finite_rows(view.values, losers)
         if view.dead is not None:
             has_target = has_target & ~take(view.dead, losers)

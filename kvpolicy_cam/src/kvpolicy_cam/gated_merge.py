@@ -81,6 +81,24 @@ def finite_rows(x: mx.array, idx: mx.array) -> mx.array:
     return mx.isfinite(take(x, idx)).all(axis=-1)
 
 
+def blend_update(view: CacheView, losers: mx.array, target: mx.array, merge: mx.array, coef: mx.array,
+                 s_l: mx.array, draws: mx.array, merge_keys: bool, d_log_weights=None) -> MergeUpdate:
+    """The MergeUpdate of a blend ``x_t' = x_t + coef (x_l - x_t)`` for each merged loser (``merge`` [B, H, E]
+    bool, ``coef`` [B, H, E]): values always, keys with ``merge_keys``; ``s_t' = s_t + s_l``."""
+    def delta(x):  # where(), not a product: 0 * NaN would still be NaN
+        d = coef[..., None] * (take(x, losers).astype(mx.float32) - take(x, target).astype(mx.float32))
+        return mx.where(merge[..., None], d, 0.0).astype(x.dtype)
+
+    return MergeUpdate(
+        targets=target,
+        d_keys=delta(view.keys) if merge_keys else None,
+        d_values=delta(view.values),
+        d_scores=mx.where(merge, s_l, 0.0),
+        stats={"gate_draws": draws, "merges": per_row(merge)},
+        d_log_weights=d_log_weights,
+    )
+
+
 def gate_probability(s_loser: mx.array, s_target: mx.array) -> mx.array:
     """p = clamp(s_loser / s_target, 0, 1); for s_target <= 0: p = 1 if s_loser > 0 else 0."""
     safe = mx.where(s_target > 0, s_target, mx.ones_like(s_target))
@@ -156,16 +174,5 @@ class GatedMergeDisposition(Disposition):
         B, H, L = view.scores.shape
         bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
         w_sum = mx.zeros((B, H, L), mx.float32).at[bi, hi, target].add(w)
-        coef = (w / mx.maximum(take(w_sum, target), 1.0))[..., None]
-
-        def delta(x):  # where(), not a product: 0 * NaN would still be NaN
-            d = coef * (take(x, losers).astype(mx.float32) - take(x, target).astype(mx.float32))
-            return mx.where(merge[..., None], d, 0.0).astype(x.dtype)
-
-        return MergeUpdate(
-            targets=target,
-            d_keys=delta(view.keys) if self.merge_keys else None,
-            d_values=delta(view.values),
-            d_scores=mx.where(merge, s_l, 0.0),
-            stats={"gate_draws": draws, "merges": per_row(merge)},
-        )
+        coef = w / mx.maximum(take(w_sum, target), 1.0)
+        return blend_update(view, losers, target, merge, coef, s_l, draws, self.merge_keys)

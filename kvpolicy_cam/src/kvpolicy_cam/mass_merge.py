@@ -21,7 +21,7 @@ import mlx.core as mx
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
 from kvpolicy_core.parts.merge import per_target_sum
 
-from .gated_merge import STATS, bernoulli, finite_rows, gate_probability, merge_targets, per_row, take
+from .gated_merge import STATS, bernoulli, blend_update, finite_rows, gate_probability, merge_targets, per_row, take
 
 _MAX_RATIO = 1e4  # bounds one merge's log-weight step to log(1 + 1e4) ~ 9.2
 
@@ -100,11 +100,7 @@ class MassMergeDisposition(Disposition):
         one = losers.shape[-1] == 1  # decode: one loser, no other loser shares its target
         absorbed = m_l if one else take(per_target_sum(m_l, target, L), target)  # sum_{l'->t} m_l' per loser
         denom = m_t + absorbed
-        coef = mx.where(denom > 0, m_l / mx.where(denom > 0, denom, 1.0), 0.0)[..., None]
-
-        def delta(x):  # where(), not a product: 0 * NaN would still be NaN
-            d = coef * (take(x, losers).astype(mx.float32) - take(x, target).astype(mx.float32))
-            return mx.where(merge[..., None], d, 0.0).astype(x.dtype)
+        coef = mx.where(denom > 0, m_l / mx.where(denom > 0, denom, 1.0), 0.0)
 
         d_lw = None
         if self.with_log_weights:
@@ -112,11 +108,4 @@ class MassMergeDisposition(Disposition):
             step = mx.log1p(mx.minimum(ratio, _MAX_RATIO))  # the target's whole log-weight step
             n_merged = 1.0 if one else take(per_target_sum(merge.astype(mx.float32), target, L), target)
             d_lw = mx.where(merge, step / mx.maximum(n_merged, 1.0), 0.0)  # shared by its losers
-        return MergeUpdate(
-            targets=target,
-            d_keys=delta(view.keys) if self.merge_keys else None,
-            d_values=delta(view.values),
-            d_scores=mx.where(merge, s_l, 0.0),
-            stats={"gate_draws": draws, "merges": per_row(merge)},
-            d_log_weights=d_lw,
-        )
+        return blend_update(view, losers, target, merge, coef, s_l, draws, self.merge_keys, d_lw)

@@ -33,7 +33,8 @@ DISPOSITIONS = {
     "sim_weighted gated": "merge=sim_weighted,gate=true",
     "sim_weighted ungated": "merge=sim_weighted,gate=false",
     "paper": "merge=paper,gate=true",
-    "mass": "merge=mass,gate=false",
+    "mass": "merge=mass,gate=false",  # CaM's default: keys, min_sim 0.85, decode-step merges only
+    "mass every loser": "merge=mass,gate=false,min_sim=-1,prompt=true,keys=false",
     "mass_blend": "merge=mass_blend,gate=false",
 }
 

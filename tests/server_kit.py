@@ -128,7 +128,7 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=60)  # Ctrl-C waits for the generation step in flight (slow on a loaded machine)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

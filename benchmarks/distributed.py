@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -69,26 +68,14 @@ def worker(args) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
-def free_port_pair() -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free pair of ports on 127.0.0.1")
-
-
 def run_config(label, ranks, parallel, model_dir, work, args):
     out = work / f"{label}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model-dir", str(model_dir),
            "--out-file", str(out), "--parallel", parallel, "--methods", ";".join(args.specs),
            "--prompt", str(args.prompt), "--decode", str(args.decode)]
     if ranks > 1:
+        from kvpolicy_core.distributed import free_port_pair
+
         launcher = str(Path(sys.executable).parent / "mlx.launch")
         cmd = [launcher, "--backend", "ring", "-n", str(ranks), "-p", str(free_port_pair()), "--", *cmd]
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=args.timeout,

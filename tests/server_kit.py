@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
@@ -69,6 +70,11 @@ class Server:
         cmd = [sys.executable, "-m", "kvpolicy_core.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # drain the server's log as it is written: an undrained pipe fills (64 KiB) and blocks the
+        # server's next log line, and with it the generation thread that writes it
+        self._lines: List[str] = []
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -132,8 +138,9 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stdout.closed:
-            return ""
-        out = self.proc.stdout.read()
-        self.proc.stdout.close()
-        return out
+        self._reader.join(timeout=10)
+        return "".join(self._lines)
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.append(line)

@@ -15,7 +15,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 from helpers import SHIPPED_METHODS, with_fields
 from kvpolicy_core.cache import PolicyCache
 from kvpolicy_core.cli import main as cli
+from kvpolicy_core.distributed import free_port_pair
 from kvpolicy_core.model.tiny import write_model_dir
 from kvpolicy_core.persistence import load_caches
 
@@ -40,28 +40,13 @@ class Hung(AssertionError):
     pass
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (the ring backend listens on one port per rank)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free pair of ports on 127.0.0.1")
-
-
 def launch(command, timeout: float = TIMEOUT, cwd=None):
     """Run ``command`` on 2 local ranks; returns (stdout, stderr). Kills every rank on timeout.
 
     ``mlx.launch`` exits 0 even when a rank fails (it prints a warning instead), so a rank's
     failure is detected from that warning.
     """
-    argv = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", "-p", str(_free_port_pair()), "--", *command]
+    argv = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", "-p", str(free_port_pair()), "--", *command]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=cwd, start_new_session=True, text=True)
     try:

@@ -13,6 +13,7 @@ import contextlib
 import glob
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -187,3 +188,19 @@ def check_shard(path: Path, saved, shard: Tuple[int, int], error) -> None:
         "own heads or layers; load each rank's file on the same rank of a run with the same world size "
         f"(or pass shard=({s_rank}, {s_size}) to inspect this file)"
     )
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 (mlx.launch's ring backend listens on one port per
+    rank from ``-p``): for launching local ranks in tests and benchmarks."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free pair of ports on 127.0.0.1")

@@ -68,8 +68,11 @@ class Server:
     def __init__(self, args: List[str], timeout: float = 120.0) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "kvpolicy_core.cli", "serve", "--port", str(self.port), *args]
+        # SIGINT restored to its default in the child, as at a terminal: a test run started in the
+        # background by a non-interactive shell inherits SIGINT ignored, and Ctrl-C (stop()) would do nothing
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         # drain the server's log as it is written: an undrained pipe fills (64 KiB) and blocks the
         # server's next log line, and with it the generation thread that writes it
         self._lines: List[str] = []

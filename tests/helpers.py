@@ -62,7 +62,8 @@ def write_tiny_model_dir(path, seed: int = 0):
     import json
 
     from mlx.utils import tree_flatten
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    from kvpolicy_core.model.tiny import write_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     model = tiny_llama(seed=seed)
@@ -73,13 +74,5 @@ def write_tiny_model_dir(path, seed: int = 0):
     }
     (path / "config.json").write_text(json.dumps(config))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    chars = [chr(c) for c in range(32, 32 + VOCAB - 3)]
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{ch: i + 3 for i, ch in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-    }))
+    write_tokenizer(path, VOCAB)
     return path

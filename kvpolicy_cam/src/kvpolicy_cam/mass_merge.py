@@ -16,6 +16,8 @@ log-weight). With several losers of one chunk sharing a target, sums run over ``
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
@@ -78,12 +80,12 @@ class MassMergeDisposition(Disposition):
     def stats(self):
         return STATS
 
-    def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> MergeUpdate:
+    def dispose(self, view: CacheView, losers: mx.array, key: mx.array) -> Optional[MergeUpdate]:
+        if not self.merge_prompt and losers.shape[-1] != 1:
+            return None  # several losers: a prompt chunk's, dropped as H2O drops them (no target search)
         target, cos, has_target = merge_targets(view, losers, self.n_sink)
         if self.min_sim > -1.0:
             has_target = has_target & (cos >= self.min_sim)
-        if not self.merge_prompt and losers.shape[-1] != 1:  # several losers: a prompt chunk's, dropped as H2O does
-            has_target = mx.zeros_like(has_target)
         has_target = has_target & finite_rows(view.keys, losers) & finite_rows(view.values, losers)
         if view.dead is not None:
             has_target = has_target & ~take(view.dead, losers)

@@ -16,6 +16,7 @@ from kvpolicy_core import (
     attach, detach, hookimpl, load_caches, save_caches,
 )
 from kvpolicy_core.parts.base import Scorer, Selector
+from kvpolicy_core.parts.lowest_score import LowestScoreSelector
 from kvpolicy_core.plugins import register_plugin, unregister_plugin
 from kvpolicy_core.testing import feed
 
@@ -180,10 +181,19 @@ class BadMerge:
         return {"dict": {"targets": t}}.get(BadMerge.mode, MergeUpdate(t, None, dv, None))
 
 
+class SinkEatingSelector(LowestScoreSelector):
+    """A plugin's subclass of core's selector that ranks sinks lowest: it inherits ``valid_by_construction``
+    from core's class but is a plugin part, so its output is checked like any plugin's."""
+
+    def rank(self, view):
+        return mx.where(view.positions < self.n_sink, -math.inf, super().rank(view))
+
+
 class BadPlugin:
     @hookimpl
     def register_selectors(self, register):
         register("bad_sel", BadSelector)
+        register("bad_lowest", SinkEatingSelector)
 
     @hookimpl
     def register_dispositions(self, register):
@@ -193,6 +203,7 @@ class BadPlugin:
     def register_methods(self, register):
         register(MethodSpec("badsel", PolicyConfig, "cumulative_attention", "bad_sel", "drop"))
         register(MethodSpec("badmerge", PolicyConfig, "cumulative_attention", "lowest_score", "bad_merge"))
+        register(MethodSpec("badlowest", PolicyConfig, "cumulative_attention", "bad_lowest", "drop"))
 
 
 @pytest.fixture
@@ -214,6 +225,30 @@ def test_bad_loser_indices_are_a_plugin_error_and_the_cache_stays_usable(bad_plu
         feed(cache, keys[:, :, 12:], values[:, :, 12:], chunks[1:])
     assert cache.offset == 12 and cache.n == 12  # rolled back: nothing half-applied, nothing corrupted
     assert mx.array_equal(cache.keys[..., :12, :], keys[:, :, :12]) and cache.scores.shape[-1] == 12
+
+
+def test_a_plugin_subclass_of_cores_selector_is_still_checked(bad_plugin):
+    """Core's own selector skips its decode checks (valid by construction); a plugin's subclass does not."""
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("badlowest:budget=8,n_sink=1,recent=1")
+    feed(cache, keys[:, :, :8], values[:, :, :8], (8,))
+    with pytest.raises(PluginError, match="sink"):
+        feed(cache, keys[:, :, 8:12], values[:, :, 8:12], (1, 1, 1, 1))
+
+
+def test_cores_selector_adds_no_host_sync_to_a_decode_step(monkeypatch):
+    """H2O's decode eviction (core's selector, drop) evaluates nothing inside the cache: no check to read."""
+    from kvpolicy_core.policy_step import PolicyStep
+
+    read = []
+    real = PolicyStep._raise_broken
+    monkeypatch.setattr(PolicyStep, "_raise_broken", lambda self, pending, noop=None: (
+        read.append(len(pending) + (noop is not None)), real(self, pending, noop))[1])
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("h2o:budget=8,n_sink=1,recent=2,signal=proxy")
+    feed(cache, keys, values, [12] + [1] * 8)
+    assert cache.n == 9 and len(read) == 8 and read[0] > 0  # the prompt chunk's 4 losers: checked
+    assert read[1:] == [0] * 7  # one-loser decode evictions: nothing pending
 
 
 @pytest.mark.parametrize("mode, needle", [("big", "merge targets outside"), ("shape", "d_values of shape"),

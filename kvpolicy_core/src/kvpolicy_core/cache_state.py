@@ -69,6 +69,8 @@ class CacheState:
             self._slots.restore((None, None, None, None, 0))
         else:
             keys, values, positions, scores = v[:4]
+            # the scores' invariant (as PolicyStep.scores keeps it): float32, NaN as 0, +-inf as the largest finite
+            scores = mx.nan_to_num(scores.astype(mx.float32), nan=0.0) if isinstance(scores, mx.array) else scores
             log_weights = v[5] if len(v) > 5 and isinstance(v[5], mx.array) else None
             if log_weights is not None and not self._slots.track_log_weights:
                 raise KVPolicyError("state carries attention log-weights, but this cache's policy does not use them")

@@ -15,13 +15,21 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 
 from .compiled_parts import compiled, compiled_select, wants_compile
-from .value_checks import loser_flags, target_flags
+from .value_checks import loser_flags, no_change, target_flags
 from .errors import KVPolicyError, ModelError, PluginError
-from .parts.base import CacheView, MergeUpdate, Selector, pick_lowest
+from .parts.base import CacheView, Disposition, MergeUpdate, Selector, pick_lowest
 from .policy import Policy, step_key, step_keys
 from .slots import LOG_WEIGHT_BOUND
 
 Counters = Dict[str, mx.array]
+
+
+def valid_by_construction(part) -> bool:
+    """Whether ``part`` is one of kvpolicy-core's own parts whose decode output is valid by construction, so
+    its value checks (and their host sync) are skipped: the class itself (not a subclass defined elsewhere)
+    declares ``valid_by_construction`` and lives in kvpolicy_core. Plugins' parts are always checked."""
+    cls = type(part)
+    return cls.__dict__.get("valid_by_construction", False) is True and cls.__module__.startswith("kvpolicy_core.")
 
 
 def dead_first(dead: mx.array, chosen: mx.array, n_evict: int) -> mx.array:
@@ -79,9 +87,12 @@ class PolicyStep:
                 f"layer {self.layer}: {self.policy.owners[kind]} raised {type(exc).__name__}: {exc}"
             ) from exc
 
-    def scores(self, scores, shape: Tuple[int, int, int]) -> mx.array:
+    def scores(self, scores, shape: Tuple[int, int, int], current: Optional[mx.array] = None) -> mx.array:
         """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0 and +-inf as the largest finite
-        float32, so that no score can tie with the +-inf a selector's rank uses for protection."""
+        float32, so that no score can tie with the +-inf a selector's rank uses for protection.
+        ``current``: the view's scores (already checked); returned as they are when the scorer returned them."""
+        if current is not None and scores is current:
+            return scores
         if not isinstance(scores, mx.array) or tuple(scores.shape) != tuple(shape):
             raise PluginError(
                 f"layer {self.layer}: {self.policy.owners['scorer']} returned scores of shape "
@@ -103,7 +114,7 @@ class PolicyStep:
 
     def on_append(self, view: CacheView, keys: mx.array, new_positions: mx.array) -> mx.array:
         return self.scores(self.call("scorer", self.policy.scorer.on_append, view, keys, new_positions),
-                           view.scores.shape)
+                           view.scores.shape, view.scores)
 
     def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:
         return self.scores(self.call("scorer", self.policy.scorer.on_attention, view, queries, scale, mask),
@@ -124,25 +135,27 @@ class PolicyStep:
             raise PluginError(f"{owner} returned {what} of dtype {dtype}, expected an integer dtype")
         return idx if idx.dtype == mx.int32 else idx.astype(mx.int32)
 
-    def _raise_broken(self, pending) -> None:
+    def _raise_broken(self, pending, noop: Optional[mx.array] = None) -> bool:
         """Evaluate every pending value check of this eviction in one host sync; raise the first broken rule.
 
         ``pending``: (kind, flags [k] bool mx.array, k messages) per part, in the order the parts ran.
+        ``noop``: a [1] bool flag read in the same sync (the update changes nothing); returned.
         """
-        flags = [f for _, f, _ in pending]
+        flags = [f for _, f, _ in pending] + ([noop] if noop is not None else [])
         if not flags:
-            return
+            return False
         try:
             mx.eval(*flags)
         except Exception:  # an error MLX raises only at evaluation: name the part whose output it is
             for kind, f, _ in pending:
                 self.evaluated(kind, "output", f)
             raise
-        values = (mx.concatenate(flags) if len(flags) > 1 else flags[0]).tolist()
+        values = [bad for f in flags for bad in f.tolist()]  # evaluated: read back without another graph op
         for (kind, _, messages), broken in zip(pending, _split(values, [len(m) for _, _, m in pending])):
             for msg, bad in zip(messages, broken):
                 if bad:
                     raise PluginError(msg)
+        return noop is not None and bool(values[-1])
 
     def losers(self, view: CacheView, n_evict: int):
         """Losers [B, H, n_evict] int32 (window-dead slots first, then the selector's choice) and the
@@ -155,6 +168,13 @@ class PolicyStep:
         L = view.scores.shape[-1]
         n_sink = getattr(self.policy.config.policy, "n_sink", 0)
         selector, flags = self.policy.selector, None
+        if n_evict == 1 and view.dead is None and valid_by_construction(selector):  # no check, no host sync
+            if self._compiled_ok[0] and wants_compile(selector, 1):
+                try:
+                    return compiled_select(selector, n_sink)(view, 1)[0], []
+                except Exception:
+                    self._compiled_ok[0] = False
+            return self.call("selector", selector.select, view, 1).astype(mx.int32), []
         if self.ranked_selection and wants_compile(selector, n_evict) and self._compiled_ok[0]:
             try:  # choice and value flags in one compiled graph
                 losers, flags = compiled_select(selector, n_sink)(view, n_evict)
@@ -186,9 +206,12 @@ class PolicyStep:
         offsets for a view of B stacked rows (:mod:`.batch_rows`: keys [B, 2], counters [B]).
         """
         rows = len(offset) if isinstance(offset, (list, tuple)) else None
+        disposition = self.policy.disposition
+        if type(disposition).dispose is Disposition.dispose:  # drop (H2O): no update, no key to draw
+            self._raise_broken(pending)
+            return None, {}
         seed = self.policy.config.seed
         key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
-        disposition = self.policy.disposition
         pending = list(pending)
         try:
             update = None
@@ -199,14 +222,16 @@ class PolicyStep:
                     self._compiled_ok[1] = False
             if update is None:
                 update = self.call("disposition", disposition.dispose, view, losers, key)
+            noop = None
             if update is not None:
                 update, checks = self._checked_update(view, update)
                 pending.append(checks)
+                noop = no_change(update)
         except PluginError:
             if pending:
                 self._raise_broken(pending[:1])  # the selector's outputs were wrong first
             raise
-        self._raise_broken(pending)
+        unchanged = self._raise_broken(pending, noop)
         if update is None:
             return None, {}
         counts = self._counts(update.stats, rows)
@@ -220,7 +245,8 @@ class PolicyStep:
                 )
             for name, value in self._counts({"gate_draws": update.draws, "merges": update.merges}).items():
                 counts.setdefault(name, value)
-        return update, counts
+        # every delta is 0 (e.g. no loser merged): nothing to write (the counters still count)
+        return (None if unchanged else update), counts
 
     def _counts(self, stats, rows: Optional[int] = None) -> Counters:
         """A disposition's counters as int32 scalars (summed over a batch), or per row ``[rows]``.

@@ -204,13 +204,21 @@ class SlotStore:
         bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
         t = u.targets.astype(mx.int32)
         self.values = self.values.at[bi, hi, t].add(u.d_values.astype(self.values.dtype))
-        if u.d_keys is not None:
+        if u.d_keys is not None and t.shape[-1] == 1 and self.key_norms is not None:
+            # one target per row (decode): the merged row and its norm come from the old row, so the new
+            # keys have one consumer (the next write) and MLX updates the buffer in place instead of
+            # copying [B, H, L, D] every step (reading the new keys back for the norm forced a copy)
+            row = mx.take_along_axis(self._keys, t[..., None], axis=2) + u.d_keys.astype(self._keys.dtype)
+            self._keys = mx.put_along_axis(self._keys, t[..., None], row, axis=2)
+            self.key_norms = mx.put_along_axis(self.key_norms, t, key_norm(row), axis=2)
+        elif u.d_keys is not None:
             self._keys = self.keys.at[bi, hi, t].add(u.d_keys.astype(self.keys.dtype))
             if self.key_norms is not None:  # the changed rows only (duplicate targets write the same norm)
                 self.key_norms = mx.put_along_axis(self.key_norms, t, key_norm(mx.take_along_axis(
                     self._keys, t[..., None], axis=2)), axis=2)
         if u.d_scores is not None:
-            self.scores = self.scores.at[bi, hi, t].add(u.d_scores.astype(mx.float32))
+            # finite as PolicyStep.scores keeps them (a sum can overflow to inf)
+            self.scores = mx.nan_to_num(self.scores.at[bi, hi, t].add(u.d_scores.astype(mx.float32)), nan=0.0)
         if getattr(u, "d_log_weights", None) is not None:
             if self.log_weights is None:
                 raise ValueError("MergeUpdate.d_log_weights needs a disposition with uses_log_weights = True")

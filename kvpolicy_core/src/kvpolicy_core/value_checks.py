@@ -75,3 +75,23 @@ def target_flags(targets: mx.array, L: int, pairs: List[Tuple[mx.array, mx.array
             return _target_flags(targets, last, list(zip(xs[0::2], xs[1::2])))
         fn = _compiled_targets[len(pairs)] = mx.compile(flat)
     return fn(targets, scalar(L - 1), *[x for pair in pairs for x in pair])
+
+
+_compiled_no_change = {}
+
+
+def no_change(update) -> mx.array:
+    """[1] bool: every delta of a checked MergeUpdate is 0, so applying it would change nothing
+    (read in the eviction's one host sync; the cache then skips the scatter-adds)."""
+    deltas = [x for x in (update.d_keys, update.d_values, update.d_scores, update.d_log_weights) if x is not None]
+    if not deltas:
+        return mx.array([True])
+    fn = _compiled_no_change.get(len(deltas))
+    if fn is None:
+        def fn(*xs):
+            flag = mx.all(xs[0] == 0)
+            for x in xs[1:]:
+                flag = flag & mx.all(x == 0)
+            return flag.reshape(1)
+        fn = _compiled_no_change[len(deltas)] = mx.compile(fn)
+    return fn(*deltas)

@@ -40,9 +40,9 @@ def losers_of(view, E, seed):
     return mx.array(out)
 
 
-def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2, min_sim=-1.0):
-    """Loops: nearest non-sink survivor by cosine (a loser below ``min_sim`` is dropped), then the
-    docstring's equations per target."""
+def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2, min_sim=-1.0, cap=None):
+    """Loops: nearest non-sink survivor by cosine (a loser below ``min_sim`` is dropped, and one whose
+    target's log-weight is at ``log(cap)`` already), then the docstring's equations per target."""
     B, H, L, _ = K.shape
     K2, V2, s2 = K.copy(), V.copy(), s.copy()
     lw2 = None if lw is None else lw.copy()
@@ -58,7 +58,8 @@ def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2
                     c = K[b, h, l] @ K[b, h, j] / (np.linalg.norm(K[b, h, l]) * np.linalg.norm(K[b, h, j]))
                     if c > best:
                         best, tgt = c, j
-                if best >= min_sim:
+                full = cap is not None and lw[b, h, tgt] >= math.log(cap)
+                if best >= min_sim and not full:
                     groups.setdefault(tgt, []).append(l)
             for t, group in groups.items():
                 if log_weights:
@@ -69,7 +70,10 @@ def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2
                 if mt + ml > 0:
                     V2[b, h, t] = (mt * V[b, h, t] + sum(m(l) * V[b, h, l] for l in group)) / (mt + ml)
                 if log_weights and mt > 0:
-                    lw2[b, h, t] = lw[b, h, t] + math.log1p(min(ml / mt, 1e4))
+                    step = math.log1p(min(ml / mt, 1e4))
+                    if cap is not None:
+                        step = min(step, math.log(cap) - lw[b, h, t])
+                    lw2[b, h, t] = lw[b, h, t] + step
                 s2[b, h, t] = s[b, h, t] + sum(s[b, h, l] for l in group)
     return V2, s2, lw2
 
@@ -81,16 +85,18 @@ def apply(view, update):
     return store
 
 
-@pytest.mark.parametrize("min_sim", [-1.0, 0.5])
+@pytest.mark.parametrize("min_sim, cap", [(-1.0, None), (0.5, None), (-1.0, 1.5)])
 @pytest.mark.parametrize("log_weights", [True, False])
 @pytest.mark.parametrize("E", [1, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_mass_merges_match_the_slow_reference(log_weights, E, seed, min_sim):
+def test_mass_merges_match_the_slow_reference(log_weights, E, seed, min_sim, cap):
     view, (K, V, pos, s, lw, offset) = random_view(seed, log_weights=log_weights)
     losers = losers_of(view, E, seed)
-    d = MassMergeDisposition(n_sink=2, log_weights=log_weights, gate=False, min_sim=min_sim)
+    d = MassMergeDisposition(n_sink=2, log_weights=log_weights, gate=False, min_sim=min_sim, cap=cap)
     store = apply(view, d.dispose(view, losers, mx.random.key(0)))
-    V2, s2, lw2 = reference_mass_merge(K, V, pos, s, lw, offset, np.array(losers), log_weights, min_sim=min_sim)
+    cap = cap if log_weights else None  # the cap bounds log-weights: mass_blend keeps none
+    V2, s2, lw2 = reference_mass_merge(K, V, pos, s, lw, offset, np.array(losers), log_weights, min_sim=min_sim,
+                                       cap=cap)
     np.testing.assert_allclose(np.array(store.values), V2, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.array(store.scores), s2, rtol=1e-6)
     if log_weights:
@@ -175,6 +181,33 @@ def test_min_sim_trades_merges_for_drops_and_above_one_is_h2o_exactly(chunks):
         assert mx.array_equal(x, y)
 
 
+def test_cap_bounds_what_one_slot_stands_for_and_cap_one_is_h2o_exactly():
+    """cap=c: no slot's attention weight exp(lw) exceeds c over a long decode run; cap=1 never merges."""
+    K, V = random_kv(B=2, H=2, S=80, D=8, seed=9)
+    base = "budget=10,n_sink=2,signal=proxy,min_sim=-1"
+    free, capped = PolicyCache(f"cam:{base}"), PolicyCache(f"cam:{base},cap=2")
+    for c in (free, capped):
+        feed(c, K, V, [1] * 80)
+    assert float(mx.max(free.log_weights).item()) > math.log(2) + 0.1  # uncapped, some slot absorbs more
+    assert float(mx.max(capped.log_weights).item()) <= math.log(2) + 1e-6
+    assert 0 < capped.merges < free.merges  # full targets drop their losers instead
+    never, h2o = PolicyCache(f"cam:{base},cap=1"), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
+    for c in (never, h2o):
+        feed(c, K, V, [1] * 80)
+    assert never.merges == 0
+    for x, y in zip(never.state[:4], h2o.state[:4]):
+        assert mx.array_equal(x, y)
+
+
+def test_cap_is_refused_below_one_and_for_merges_without_log_weights():
+    from kvpolicy_core.config import parse_config
+    from kvpolicy_core.errors import ConfigError
+
+    for bad in ("cam:cap=0.5", "cam:merge=mass_blend,cap=4", "cam:merge=sim_weighted,cap=4"):
+        with pytest.raises(ConfigError, match="cap"):
+            parse_config(bad)
+
+
 def test_min_sim_is_refused_for_merges_that_do_not_use_it():
     from kvpolicy_core.config import parse_config
     from kvpolicy_core.errors import ConfigError
@@ -200,3 +233,24 @@ def test_the_default_merges_only_at_decode_steps_so_a_prompt_is_compressed_as_h2
     prompts = PolicyCache("cam:budget=12,n_sink=2,signal=proxy,prompt=true,min_sim=-1")
     feed(prompts, K[:, :, :40], V[:, :, :40], [30, 10])
     assert prompts.merges > 0  # prompt=true merges prompt losers too
+
+
+def test_an_update_that_changes_nothing_is_not_written(monkeypatch):
+    """Decode evictions where no loser merges return all-zero deltas: the cache skips the scatter-adds
+    (read in the eviction's one host sync) and the buffers are H2O's bit for bit."""
+    from kvpolicy_core.slots import SlotStore
+
+    writes = []
+    real_add = SlotStore.add
+    monkeypatch.setattr(SlotStore, "add", lambda self, u: (writes.append(u), real_add(self, u))[1])
+    K, V = random_kv(B=1, H=2, S=30, D=8, seed=10)
+    never = PolicyCache("cam:budget=10,n_sink=2,signal=proxy,min_sim=1.5,gate=true")
+    h2o = PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
+    for c in (never, h2o):
+        feed(c, K, V, [1] * 30)
+    assert writes == [] and never.merges == 0 and never.gate_draws == 0
+    for x, y in zip(never.state[:4], h2o.state[:4]):
+        assert mx.array_equal(x, y)
+    merging = PolicyCache("cam:budget=10,n_sink=2,signal=proxy,min_sim=-1")
+    feed(merging, K, V, [1] * 30)
+    assert len(writes) > 0 and merging.merges > 0

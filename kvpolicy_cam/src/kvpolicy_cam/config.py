@@ -1,6 +1,6 @@
 """CaM's configuration: the shared budget fields plus the merge rule."""
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import AliasChoices, Field, model_validator
 
@@ -54,6 +54,14 @@ class CamConfig(AttentionPolicyConfig):
         "per row, i.e. decode steps, merge; a prompt chunk's losers are dropped, as H2O drops them). "
         "Default off for mass.",
     )
+    merge_cap: Optional[float] = Field(
+        None,
+        ge=1.0,
+        allow_inf_nan=False,
+        validation_alias=AliasChoices("merge_cap", "cap"),
+        description="merge=mass only: the most attention weight a merged slot may carry, exp(log-weight) <= cap "
+        "(a loser whose target is at the cap is dropped; None: no cap).",
+    )
     merge_window: int = Field(
         16,
         ge=1,
@@ -85,6 +93,8 @@ class CamConfig(AttentionPolicyConfig):
     def _min_sim_needs_a_mass_merge(self):
         if self.merge_min_sim != -1.0 and self.merge not in MASS_MERGES:
             raise ValueError(f"min_sim applies to the mass merges {MASS_MERGES}; merge={self.merge!r} does not use it")
+        if self.merge_cap is not None and self.merge != "mass":
+            raise ValueError(f"cap applies to merge='mass' (the merge with log-weights); merge={self.merge!r} does not use it")
         if not self.merge_prompt and self.merge not in MASS_MERGES:
             raise ValueError(f"prompt=false applies to the mass merges {MASS_MERGES}; merge={self.merge!r} "
                              "always merges prompt losers")

@@ -16,6 +16,7 @@ log-weight). With several losers of one chunk sharing a target, sums run over ``
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import mlx.core as mx
@@ -56,7 +57,10 @@ class MassMergeDisposition(Disposition):
     as H2O drops it, so ``min_sim > 1`` is H2O exactly), times ``[E == 1]`` when
     ``merge_prompt=False``: only an eviction of one loser per row (a decode step's) merges; the
     E > 1 losers of a prompt chunk are dropped. Keys are blended with the
-    same weights only with ``merge_keys``. A side with zero mass leaves the target unchanged.
+    same weights only with ``merge_keys``, times ``[lw_t < log c]`` for the cap ``c = merge_cap``
+    (``merge="mass"`` only; ``None``: no cap): a slot stands for at most ``c`` copies of its own
+    attention, so at small budgets a few slots cannot absorb most of the evicted text; a loser whose
+    target is full is dropped. A side with zero mass leaves the target unchanged.
     Losers outside a sliding window or with non-finite keys/values are dropped.
     """
 
@@ -66,8 +70,9 @@ class MassMergeDisposition(Disposition):
     batch_rows = True  # per-row keys and offsets, counters per row (parts.base.BATCH_ROWS)
 
     def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False,
-                 min_sim: float = -1.0, merge_prompt: bool = True):
+                 min_sim: float = -1.0, merge_prompt: bool = True, cap: Optional[float] = None):
         self.n_sink, self.gate, self.merge_keys, self.min_sim = n_sink, gate, merge_keys, float(min_sim)
+        self.log_cap = None if cap is None or not log_weights else math.log(cap)
         self.merge_prompt = merge_prompt
         self.with_log_weights = log_weights
         self.uses_log_weights = log_weights
@@ -75,7 +80,8 @@ class MassMergeDisposition(Disposition):
     @classmethod
     def from_config(cls, config) -> "MassMergeDisposition":
         return cls(n_sink=config.n_sink, log_weights=config.merge == "mass", gate=config.merge_gate,
-                   merge_keys=config.merge_keys, min_sim=config.merge_min_sim, merge_prompt=config.merge_prompt)
+                   merge_keys=config.merge_keys, min_sim=config.merge_min_sim, merge_prompt=config.merge_prompt,
+                   cap=config.merge_cap)
 
     def stats(self):
         return STATS
@@ -89,6 +95,10 @@ class MassMergeDisposition(Disposition):
         has_target = has_target & finite_rows(view.keys, losers) & finite_rows(view.values, losers)
         if view.dead is not None:
             has_target = has_target & ~take(view.dead, losers)
+        lw_t = None
+        if self.log_cap is not None and view.log_weights is not None:
+            lw_t = take(view.log_weights, target)
+            has_target = has_target & (lw_t < self.log_cap)
         s_l, s_t = take(view.scores, losers), take(view.scores, target)
         if self.gate:
             merge = has_target & bernoulli(gate_probability(s_l, s_t), key)
@@ -108,6 +118,8 @@ class MassMergeDisposition(Disposition):
         if self.with_log_weights:
             ratio = mx.where(m_t > 0, absorbed / mx.where(m_t > 0, m_t, 1.0), 0.0)
             step = mx.log1p(mx.minimum(ratio, _MAX_RATIO))  # the target's whole log-weight step
+            if lw_t is not None:
+                step = mx.minimum(step, self.log_cap - lw_t)
             n_merged = 1.0 if one else take(per_target_sum(merge.astype(mx.float32), target, L), target)
             d_lw = mx.where(merge, step / mx.maximum(n_merged, 1.0), 0.0)  # shared by its losers
         return blend_update(view, losers, target, merge, coef, s_l, draws, self.merge_keys, d_lw)

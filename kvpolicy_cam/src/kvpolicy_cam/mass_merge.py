@@ -29,10 +29,16 @@ from .gated_merge import STATS, bernoulli, blend_update, finite_rows, gate_proba
 _MAX_RATIO = 1e4  # bounds one merge's log-weight step to log(1 + 1e4) ~ 9.2
 
 
-def attention_rate(view: CacheView) -> mx.array:
-    """r_j = s_j / max(o - pos_j, 1): [B, H, L] float32, the mean attention per query a slot drew."""
-    age = mx.maximum(view.offset - view.positions, 1).astype(mx.float32)
-    return mx.maximum(view.scores, 0.0) / age
+def mass_at(view: CacheView, idx: mx.array, rate: bool) -> mx.array:
+    """[B, H, E] float32: the mass of the slots ``idx`` [B, H, E], computed for those slots only::
+
+        rate=True:   r_j = max(s_j, 0) / max(o - pos_j, 1)   (the mean attention per query since it arrived)
+        rate=False:  m_j = max(s_j, 0)                        (the cumulative attention mass)
+    """
+    s = mx.maximum(take(view.scores, idx), 0.0)
+    if not rate:
+        return s
+    return s / mx.maximum(view.offset - take(view.positions, idx), 1).astype(mx.float32)
 
 
 class MassMergeDisposition(Disposition):
@@ -105,9 +111,8 @@ class MassMergeDisposition(Disposition):
             draws = per_row(has_target)
         else:
             merge, draws = has_target, mx.zeros((has_target.shape[0],), mx.int32)
-        mass = attention_rate(view) if self.with_log_weights else mx.maximum(view.scores, 0.0)
-        m_l = mx.where(merge, take(mass, losers), 0.0)  # [B, H, E]
-        m_t = take(mass, target)
+        m_l = mx.where(merge, mass_at(view, losers, self.with_log_weights), 0.0)  # [B, H, E]
+        m_t = mass_at(view, target, self.with_log_weights)
         L = view.keys.shape[2]
         one = losers.shape[-1] == 1  # decode: one loser, no other loser shares its target
         absorbed = m_l if one else take(per_target_sum(m_l, target, L), target)  # sum_{l'->t} m_l' per loser

@@ -50,8 +50,8 @@ def _layout(view: CacheView):
 class _CompiledSelect:
     """A ranked selector's decode choice and its value flags, one trace per view layout."""
 
-    def __init__(self, selector, n_sink: int) -> None:
-        self.selector, self.n_sink = selector, n_sink
+    def __init__(self, selector, n_sink: int, with_flags: bool = True) -> None:
+        self.selector, self.n_sink, self.with_flags = selector, n_sink, with_flags
         self._fns: Dict[Tuple, Callable] = {}
 
     def __call__(self, view: CacheView, n_evict: int):
@@ -66,20 +66,23 @@ class _CompiledSelect:
                 if not isinstance(losers, mx.array) or losers.ndim != 3 or not mx.issubdtype(losers.dtype, mx.integer):
                     raise TypeError("not an integer [B, H, E] array")  # the eager call reports what it is
                 losers = losers.astype(mx.int32)
+                if not self.with_flags:
+                    return losers, losers
                 return losers, _loser_flags(losers, v.positions, n_sink, last, v.dead)
             fn = self._fns[layout] = mx.compile(fn)
         return fn(scalar(self.n_sink), scalar(view.scores.shape[-1] - 1), *arrays)
 
 
-def compiled_select(selector, n_sink: int) -> Callable:
-    """``f(view, n_evict) -> (losers int32, flags)``: the compiled choice of a ranked ``selector``."""
-    key = ("select", n_sink)
+def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
+    """``f(view, n_evict) -> (losers int32, flags)``: the compiled choice of a ranked ``selector``
+    (``with_flags=False``: no checks computed, the second result is the losers again)."""
+    key = ("select", n_sink, with_flags)
     try:
         per = _cache.setdefault(selector, {})
     except TypeError:
-        return _CompiledSelect(selector, n_sink)
+        return _CompiledSelect(selector, n_sink, with_flags)
     if key not in per:
-        per[key] = _CompiledSelect(selector, n_sink)
+        per[key] = _CompiledSelect(selector, n_sink, with_flags)
     return per[key]
 
 

@@ -121,8 +121,11 @@ class PolicyStep:
                            view.scores.shape)
 
     def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
-        return self.scores(self.call("scorer", self.policy.scorer.on_attention_weights, view, weights),
-                           view.scores.shape)
+        scores = self.call("scorer", self.policy.scorer.on_attention_weights, view, weights)
+        if (weights.shape[3] == 1 and valid_by_construction(self.policy.scorer) and isinstance(scores, mx.array)
+                and scores.dtype == mx.float32 and scores.shape == view.scores.shape):
+            return scores  # core's decode accumulation: finite scores + finite weights, nothing to sanitise
+        return self.scores(scores, view.scores.shape)
 
     def _index_meta(self, kind: str, what: str, idx, shape: Tuple[int, ...]) -> mx.array:
         """Metadata checks of slot indices a part returned (an integer mx.array of ``shape``); int32 indices."""
@@ -171,7 +174,7 @@ class PolicyStep:
         if n_evict == 1 and view.dead is None and valid_by_construction(selector):  # no check, no host sync
             if self._compiled_ok[0] and wants_compile(selector, 1):
                 try:
-                    return compiled_select(selector, n_sink)(view, 1)[0], []
+                    return compiled_select(selector, n_sink, with_flags=False)(view, 1)[0], []
                 except Exception:
                     self._compiled_ok[0] = False
             return self.call("selector", selector.select, view, 1).astype(mx.int32), []

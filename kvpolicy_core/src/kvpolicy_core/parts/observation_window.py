@@ -95,6 +95,9 @@ class ObservationWindowScorer(AttentionScorer):
     """
 
     default_signal = "observed"
+    #: a decode step's scores are valid by construction (kvpolicy_core.policy_step.valid_by_construction):
+    #: finite scores plus the step's weights with NaN as 0 (each in [0, 1]), float32, shaped as the view's
+    valid_by_construction = True
 
     def __init__(self, signal: str = None, window: int = 32, pool: int = 7) -> None:
         super().__init__(signal)

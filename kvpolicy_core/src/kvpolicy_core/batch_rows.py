@@ -166,6 +166,7 @@ class StackedRows:
             r._counters = {**r._counters, **{k: v[b] for k, v in self.counters.items()}}
             r._attended, r._last_S, r._updates = self.attended, 1, self.updates
             r._run, r._run_open = {}, False  # a decode step ends any run of prompt chunks
+            r._lw_used = r.uses_log_weights  # stacked steps may have merged: the row's bias is applied from now on
         return self.rows
 
     @property

@@ -89,6 +89,9 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._run: dict = {}  # the scorer's state for the current run of prompt chunks (CacheView.run)
         self._run_open = False  # the last update was a chunk (S > 1) and nothing was evicted since
         self.attention_hook = None  # the attention hook install this cache keeps alive, if it needs one
+        #: some log-weight may be nonzero (a merge changed one, or restored state carries them); until then
+        #: the attention needs no bias (all zero: the same attention bit for bit) and skips building it
+        self._lw_used = False
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -252,7 +255,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         """The mask this layer's attention uses: its own sliding window, plus the slots' log-weights."""
         if self.window is not None and self.offset > self.window:
             mask = window_mask(self.positions[..., : self.n], self.offset, self._last_S, self.window, queries.shape[1])
-        if self.uses_log_weights:
+        if self.uses_log_weights and self._lw_used:
             mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
         return mask
 
@@ -271,6 +274,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         update, counts = self._step.dispose(view, losers, self.offset, pending)
         if update is not None:
             self._slots.add(update)
+            self._lw_used = self._lw_used or update.d_log_weights is not None
         if counts:
             zero = mx.array(0, dtype=mx.int32)
             self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
@@ -286,12 +290,13 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
         Every update is functional (MLX arrays are values), so references are a complete snapshot.
         """
-        saved = (self._slots.snapshot(), self.offset, self._counters, self._attended, self._run, self._run_open)
+        saved = (self._slots.snapshot(), self.offset, self._counters, self._attended, self._run, self._run_open,
+                 self._lw_used)
         try:
             yield
         except BaseException:
             self._slots.restore(saved[0])
-            self.offset, self._counters, self._attended, self._run, self._run_open = saved[1:]
+            self.offset, self._counters, self._attended, self._run, self._run_open, self._lw_used = saved[1:]
             raise
 
     def _bound_graph(self) -> None:

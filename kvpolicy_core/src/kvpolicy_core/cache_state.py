@@ -65,6 +65,8 @@ class CacheState:
     @state.setter
     def state(self, v) -> None:
         self._run, self._run_open = {}, False  # a restored cache starts a new run of chunks
+        # restored nonzero log-weights are applied (one host sync when restoring: not on the decode path)
+        self._lw_used = bool(v) and len(v) > 5 and isinstance(v[5], mx.array) and bool(mx.any(v[5] != 0).item())
         if not v or v[0] is None:
             self._slots.restore((None, None, None, None, 0))
         else:

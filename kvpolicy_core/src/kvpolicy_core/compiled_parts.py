@@ -87,16 +87,22 @@ def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
 
 
 class _Compiled:
-    """One disposition's compiled ``dispose``, one trace per view layout (which optional fields are set)."""
+    """One disposition's compiled ``dispose``, one trace per view layout (which optional fields are set).
 
-    def __init__(self, disposition) -> None:
-        self.disposition = disposition
+    The update's value checks (:func:`kvpolicy_core.value_checks.update_checks`) are traced into the same
+    graph, so a decode step's merge is one compiled call; the call returns them next to the update.
+    """
+
+    def __init__(self, disposition, bound: float) -> None:
+        self.disposition, self.bound = disposition, bound
         self._fns: Dict[Tuple, Tuple[Callable, List]] = {}
 
     def _build(self, layout: Tuple) -> Tuple[Callable, List]:
-        spec: List = []  # filled while tracing: which fields are set and the stats' names
+        from .value_checks import update_checks
 
-        def fn(losers, key, *arrays):
+        spec: List = []  # filled while tracing: which fields are set, the stats' names, the checks' outputs
+
+        def fn(losers, key, last, *arrays):
             view = _view(arrays, layout)
             u = self.disposition.dispose(view, losers, key)
             if not isinstance(u, MergeUpdate) or (u.stats is not None and not isinstance(u.stats, dict)):
@@ -105,32 +111,43 @@ class _Compiled:
             fields = [f for f in _FIELDS if getattr(u, f) is not None]
             stats = [(k, v.astype(mx.int32).reshape(()) if v.size == 1 and v.dtype != mx.complex64 else v)
                      for k, v in (u.stats or {}).items() if isinstance(v, mx.array)]  # counters as int32 scalars
+            targets = u.targets.astype(mx.int32) if mx.issubdtype(u.targets.dtype, mx.integer) else u.targets
+            pairs = [(getattr(u, f), base) for f, base in (("d_keys", view.keys), ("d_values", view.values),
+                                                           ("d_scores", view.scores)) if getattr(u, f) is not None]
+            checks = list(update_checks(targets, last, pairs, u.d_log_weights, self.bound))
             spec[:] = [("update", fields, [k for k, _ in stats],
-                        {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)}, u.stats is None)]
-            return [getattr(u, f) for f in fields] + [v for _, v in stats]
+                        {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)}, u.stats is None,
+                        checks[2] is not None)]
+            return [getattr(u, f) for f in fields] + [v for _, v in stats] + [c for c in checks if c is not None]
 
         return mx.compile(fn), spec
 
     def __call__(self, view: CacheView, losers: mx.array, key: mx.array):
+        """(the MergeUpdate or None, its in-graph checks (flags, noop, finite d_log_weights) or None)."""
+        from .value_checks import scalar
+
         layout, arrays = _layout(view)
         if layout not in self._fns:
             self._fns[layout] = self._build(layout)
         fn, spec = self._fns[layout]
-        out = fn(losers, key, *arrays)
+        out = fn(losers, key, scalar(view.scores.shape[-1] - 1), *arrays)
         if spec[0][0] == "raw":  # not a MergeUpdate: the eager call gives the part's own result to check
-            return self.disposition.dispose(view, losers, key)
-        _, fields, stat_names, constants, no_stats = spec[0]
+            return self.disposition.dispose(view, losers, key), None
+        _, fields, stat_names, constants, no_stats, has_lw = spec[0]
         update = dict(zip(fields, out[: len(fields)]))
-        stats: Optional[dict] = None if no_stats else {**constants, **dict(zip(stat_names, out[len(fields):]))}
-        return MergeUpdate(**update, stats=stats)
+        n = len(fields) + len(stat_names)
+        stats: Optional[dict] = None if no_stats else {**constants, **dict(zip(stat_names, out[len(fields):n]))}
+        checks = (out[n], out[n + 1], out[n + 2] if has_lw else None)
+        return MergeUpdate(**update, stats=stats), checks
 
 
-def compiled(disposition) -> Callable:
-    """The compiled ``dispose`` of ``disposition`` (shared by every layer's cache)."""
+def compiled(disposition, bound: float) -> Callable:
+    """The compiled ``dispose`` of ``disposition`` with its update's checks (shared by every layer's cache);
+    ``bound``: the log-weight deltas' clip (``slots.LOG_WEIGHT_BOUND``)."""
     try:
         per = _cache.setdefault(disposition, {})
     except TypeError:  # not weak-referenceable: compile for this call only
-        return _Compiled(disposition)
-    if "dispose" not in per:
-        per["dispose"] = _Compiled(disposition)
-    return per["dispose"]
+        return _Compiled(disposition, bound)
+    if ("dispose", bound) not in per:
+        per[("dispose", bound)] = _Compiled(disposition, bound)
+    return per[("dispose", bound)]

@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 
 from .compiled_parts import compiled, compiled_select, wants_compile
-from .value_checks import loser_flags, no_change, target_flags
+from .value_checks import checked_update, loser_flags
 from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, Disposition, MergeUpdate, Selector, pick_lowest
 from .policy import Policy, step_key, step_keys
@@ -217,19 +217,19 @@ class PolicyStep:
         key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
         pending = list(pending)
         try:
-            update = None
+            update, in_graph, done = None, None, False
             if wants_compile(disposition, losers.shape[-1]) and self._compiled_ok[1]:
                 try:
-                    update = compiled(disposition)(view, losers, key)
+                    update, in_graph = compiled(disposition, LOG_WEIGHT_BOUND)(view, losers, key)
+                    done = True
                 except Exception:  # not compilable (or a part error): the eager call below decides
                     self._compiled_ok[1] = False
-            if update is None:
+            if not done:
                 update = self.call("disposition", disposition.dispose, view, losers, key)
             noop = None
             if update is not None:
-                update, checks = self._checked_update(view, update)
+                update, checks, noop = self._checked_update(view, update, in_graph)
                 pending.append(checks)
-                noop = no_change(update)
         except PluginError:
             if pending:
                 self._raise_broken(pending[:1])  # the selector's outputs were wrong first
@@ -280,9 +280,13 @@ class PolicyStep:
             out[str(name)] = value.reshape(rows) if rows is not None else value.sum()
         return out
 
-    def _checked_update(self, view: CacheView, u):
+    def _checked_update(self, view: CacheView, u, in_graph=None):
         """A disposition's MergeUpdate with its metadata checked (deltas shaped like their rows, real dtypes),
-        and its pending value checks (targets in range, finite deltas for finite rows)."""
+        its pending value checks (targets in range, finite deltas for finite rows) and its no-op flag.
+
+        ``in_graph``: (flags, noop, finite d_log_weights) when the compiled decode path already traced
+        :func:`~kvpolicy_core.value_checks.update_checks` into the disposition's graph; else computed here.
+        """
         owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
         if not isinstance(u, MergeUpdate):
             raise PluginError(f"{owner} returned {type(u).__name__}, expected a MergeUpdate or None")
@@ -307,15 +311,15 @@ class PolicyStep:
         bases = {"d_keys": view.keys, "d_values": view.values, "d_scores": view.scores}
         targets = self._index_meta("disposition", "merge targets", u.targets, (B, H, max(T, 0)))
         finite = [(name, x) for name, x in deltas if mx.issubdtype(x.dtype, mx.floating)]
-        flags = target_flags(targets, L, [(x, bases[name]) for name, x in finite])
         messages = [f"{owner} returned merge targets outside the cache: each must be in [0, L), with L = {L}"] + [
             f"{owner} returned {name} with non-finite values (NaN or inf) for finite survivors; deltas must be finite"
             for name, _ in finite]
-        if u.d_log_weights is not None:
-            # finite without a host sync: NaN adds 0, +-inf and huge values are clipped (see LOG_WEIGHT_BOUND)
-            d = mx.nan_to_num(u.d_log_weights.astype(mx.float32), nan=0.0)
-            u = u._replace(d_log_weights=mx.clip(d, -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND))
-        return u._replace(targets=targets), ("disposition", flags, messages)
+        # d_log_weights made finite without a host sync: NaN adds 0, +-inf and huge values are clipped
+        if in_graph is None:
+            in_graph = checked_update(targets, L, [(x, bases[name]) for name, x in deltas], u.d_log_weights,
+                                      LOG_WEIGHT_BOUND)
+        flags, noop, lw = in_graph
+        return u._replace(targets=targets, d_log_weights=lw), ("disposition", flags, messages), noop
 
 
 def _split(values, sizes):

@@ -56,7 +56,6 @@ _compiled_losers_dead = mx.compile(_loser_flags)
 
 def scalar(x: int) -> mx.array:
     return mx.array(x, dtype=mx.int32)
-_compiled_targets = {}
 
 
 def loser_flags(idx: mx.array, positions: mx.array, n_sink: int, dead: Optional[mx.array]) -> mx.array:
@@ -67,31 +66,38 @@ def loser_flags(idx: mx.array, positions: mx.array, n_sink: int, dead: Optional[
     return _compiled_losers_dead(idx, positions, n, last, dead)
 
 
-def target_flags(targets: mx.array, L: int, pairs: List[Tuple[mx.array, mx.array]]) -> mx.array:
-    """Flags of :func:`_target_flags` (compiled once per number of (delta, base) pairs)."""
-    fn = _compiled_targets.get(len(pairs))
+def update_checks(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.array, mx.array]],
+                  d_log_weights: Optional[mx.array], bound: float):
+    """A MergeUpdate's value checks, traceable (the compiled decode path runs them in the disposition's graph).
+
+    ``pairs``: (delta, base) for d_keys, d_values, d_scores as present. Returns (flags [1 + f] bool: a target
+    outside ``[0, last]``, then per floating delta a non-finite value for a finite row; noop [1] bool: every
+    delta is 0, so applying the update changes nothing; the log-weight deltas made finite: NaN as 0, clipped
+    to +-``bound``, or None).
+    """
+    flags = _target_flags(targets, last, [(d, b) for d, b in pairs if mx.issubdtype(d.dtype, mx.floating)])
+    lw = None
+    if d_log_weights is not None:
+        lw = mx.clip(mx.nan_to_num(d_log_weights.astype(mx.float32), nan=0.0), -bound, bound)
+    noop = mx.array(True)
+    for d in [d for d, _ in pairs] + ([lw] if lw is not None else []):
+        noop = noop & mx.all(d == 0)
+    return flags, noop.reshape(1), lw
+
+
+_compiled_updates = {}
+
+
+def checked_update(targets: mx.array, L: int, pairs: List[Tuple[mx.array, mx.array]],
+                   d_log_weights: Optional[mx.array], bound: float):
+    """:func:`update_checks` compiled (once per set of present deltas); sizes enter as arrays."""
+    key = (len(pairs), d_log_weights is not None, bound)
+    fn = _compiled_updates.get(key)
     if fn is None:
         def flat(targets, last, *xs):
-            return _target_flags(targets, last, list(zip(xs[0::2], xs[1::2])))
-        fn = _compiled_targets[len(pairs)] = mx.compile(flat)
-    return fn(targets, scalar(L - 1), *[x for pair in pairs for x in pair])
-
-
-_compiled_no_change = {}
-
-
-def no_change(update) -> mx.array:
-    """[1] bool: every delta of a checked MergeUpdate is 0, so applying it would change nothing
-    (read in the eviction's one host sync; the cache then skips the scatter-adds)."""
-    deltas = [x for x in (update.d_keys, update.d_values, update.d_scores, update.d_log_weights) if x is not None]
-    if not deltas:
-        return mx.array([True])
-    fn = _compiled_no_change.get(len(deltas))
-    if fn is None:
-        def fn(*xs):
-            flag = mx.all(xs[0] == 0)
-            for x in xs[1:]:
-                flag = flag & mx.all(x == 0)
-            return flag.reshape(1)
-        fn = _compiled_no_change[len(deltas)] = mx.compile(fn)
-    return fn(*deltas)
+            n = 2 * len(pairs)
+            lw = xs[n] if key[1] else None
+            return update_checks(targets, last, list(zip(xs[0:n:2], xs[1:n:2])), lw, bound)
+        fn = _compiled_updates[key] = mx.compile(flat)
+    extra = [d_log_weights] if d_log_weights is not None else []
+    return fn(targets, scalar(L - 1), *[x for pair in pairs for x in pair], *extra)

@@ -45,7 +45,9 @@ def test_defaults_match_the_specification_except_the_measured_scorer_and_merge()
     assert (blend.merge_keys, blend.merge_min_sim, blend.merge_prompt) == (False, -1.0, True)
     with pytest.raises(ConfigError, match="prompt=false applies to the mass merges"):
         parse_config("cam:merge=sim_weighted,prompt=false")
-    for spec in ("cam:keys=false", "cam:min_sim=-1", "cam:budget=64,min_sim=0.7,gate=true"):
+    assert (p.merge_cap, blend.merge_cap) == (8.0, None)  # the cap bounds log-weights: mass only
+    for spec in ("cam:keys=false", "cam:min_sim=-1", "cam:budget=64,min_sim=0.7,gate=true", "cam:cap=none",
+                 "cam:cap=4"):
         c = parse_config(spec)
         assert parse_config(c.to_string()) == c  # labels give the config back, implied defaults included
 

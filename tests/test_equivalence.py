@@ -58,7 +58,7 @@ def test_generated_tokens_are_identical(tiny_model_dir, gate):
         outputs.append([r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24)])
         detach(model)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 24
-    attach(model, "cam:budget=16,n_sink=2,min_sim=-1,prompt=true")  # a merge that merges every loser
+    attach(model, "cam:budget=16,n_sink=2,min_sim=-1,prompt=true,cap=none")  # a merge that merges every loser
     merged = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24)]
     detach(model)
     assert merged != outputs[0]  # the comparison can tell policies apart

@@ -71,7 +71,7 @@ def test_cam_drop_equals_h2o(s, gate):
 def test_a_merge_conserves_total_score_mass(s):
     total = sum(s["sizes"])
     keys, values = random_kv(B=s["B"], H=s["H"], S=total, D=s["D"], seed=s["seed"])
-    cache = PolicyCache(config("cam:min_sim=-1,prompt=true", s))  # every loser merges (no gate, no threshold, prompts too)
+    cache = PolicyCache(config("cam:min_sim=-1,prompt=true,cap=none", s))  # every loser merges (no gate, threshold, cap)
     feed(cache, keys, values, s["sizes"])
     before = np.array(cache.scores).sum(axis=-1)
     cache.settle()  # budget > n_sink + recent leaves a non-sink survivor for every loser: all merge

@@ -11,13 +11,15 @@ from kvpolicy_core.attention_config import AttentionPolicyConfig
 MASS_MERGES = ("mass", "mass_blend")
 #: ``merge="mass"``'s default key-cosine threshold (tuned token by token at 8x on the default corpus).
 MASS_MIN_SIM = 0.85
+#: ``merge="mass"``'s default cap on a merged slot's attention weight (measured at 4x, 8x and 16x, issue 15).
+MASS_CAP = 8.0
 
 
 class CamConfig(AttentionPolicyConfig):
     """``method="cam"``; the specification's ``cam_*`` fields without the prefix.
 
-    Defaults (issue 15, measured in docs/methods/cam.md): ``merge="mass"``, ``signal="observed"``,
-    no gate. The specification's configuration is ``merge="sim_weighted", signal="proxy"`` (its
+    Defaults (issue 15, measured in docs/methods/cam.md): ``merge="mass"`` with keys, ``min_sim=0.85``,
+    decode-step merges only and ``cap=8``, ``signal="observed"``, no gate. The specification's configuration is ``merge="sim_weighted", signal="proxy"`` (its
     gate is on by default for that merge).
 
     ``merge``: ``"sim_weighted"`` (cosine-weighted blend into the most similar
@@ -60,7 +62,7 @@ class CamConfig(AttentionPolicyConfig):
         allow_inf_nan=False,
         validation_alias=AliasChoices("merge_cap", "cap"),
         description="merge=mass only: the most attention weight a merged slot may carry, exp(log-weight) <= cap "
-        "(a loser whose target is at the cap is dropped; None: no cap).",
+        "(a loser whose target is at the cap is dropped; none: no cap). Default 8 for mass.",
     )
     merge_window: int = Field(
         16,
@@ -73,8 +75,8 @@ class CamConfig(AttentionPolicyConfig):
     @classmethod
     def _merge_defaults(cls, data):
         """Defaults that depend on the merge: the gate is off for the mass merges and on for the others;
-        ``merge="mass"`` blends keys, merges only above ``MASS_MIN_SIM`` and only at decode steps
-        (measured, docs/methods/cam.md)."""
+        ``merge="mass"`` blends keys, merges only above ``MASS_MIN_SIM``, only at decode steps and into
+        slots below ``MASS_CAP`` (measured, docs/methods/cam.md)."""
         if not isinstance(data, dict):
             return data
         merge = data.get("merge", cls.model_fields["merge"].default)
@@ -87,6 +89,8 @@ class CamConfig(AttentionPolicyConfig):
             data = {**data, "merge_min_sim": MASS_MIN_SIM}
         if merge == "mass" and not ({"merge_prompt", "prompt"} & given):
             data = {**data, "merge_prompt": False}
+        if merge == "mass" and not ({"merge_cap", "cap"} & given):
+            data = {**data, "merge_cap": MASS_CAP}
         return data
 
     @model_validator(mode="after")

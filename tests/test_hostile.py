@@ -566,3 +566,17 @@ def test_a_lazy_error_in_a_part_is_caught_in_the_transaction_and_does_not_poison
         mx.eval(good.scores)
     finally:
         unregister_plugin("lazy")
+
+
+def test_cores_selector_built_by_hand_to_protect_everything_is_still_checked():
+    """valid_by_construction holds only when some slot is unprotected; a hand-built policy that protects
+    every slot is checked, and its sink choice is a PluginError, not a silently evicted sink."""
+    from kvpolicy_core.policy import build_policy
+
+    policy = build_policy("h2o:budget=8,n_sink=1,recent=2,signal=proxy")
+    policy.selector.recent = 50  # protects every slot: argmin over all +inf picks slot 0, a sink
+    keys, values = random_kv(S=12)
+    cache = PolicyCache(policy)
+    feed(cache, keys[:, :, :9], values[:, :, :9], (9,))
+    with pytest.raises(PluginError, match="sink"):
+        feed(cache, keys[:, :, 9:10], values[:, :, 9:10], (1,))

@@ -171,7 +171,8 @@ class PolicyStep:
         L = view.scores.shape[-1]
         n_sink = getattr(self.policy.config.policy, "n_sink", 0)
         selector, flags = self.policy.selector, None
-        if n_evict == 1 and view.dead is None and valid_by_construction(selector):  # no check, no host sync
+        if (n_evict == 1 and view.dead is None and valid_by_construction(selector)
+                and selector.leaves_a_loser(L)):  # no check, no host sync
             if self._compiled_ok[0] and wants_compile(selector, 1):
                 try:
                     return compiled_select(selector, n_sink, with_flags=False)(view, 1)[0], []

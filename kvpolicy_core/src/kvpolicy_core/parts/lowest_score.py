@@ -43,6 +43,12 @@ class LowestScoreSelector(Selector):
     def from_config(cls, config) -> "LowestScoreSelector":
         return cls(n_sink=config.n_sink, recent=config.recent_tokens)
 
+    def leaves_a_loser(self, L: int) -> bool:
+        """Whether ``L`` slots (distinct positions) always hold an unprotected one: at most ``n_sink``
+        sinks and ``recent`` recent tokens are protected. The config guarantees it (budget > n_sink +
+        recent); a selector built by hand may not, and is then checked like any part."""
+        return self.n_sink + self.recent < L
+
     def rank(self, view: CacheView) -> mx.array:
         protected = protected_mask(view.positions, view.offset, self.n_sink, self.recent)
         return mx.where(protected, mx.array(math.inf, dtype=mx.float32), view.scores)

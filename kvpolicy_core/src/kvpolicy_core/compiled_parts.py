@@ -67,7 +67,7 @@ class _CompiledSelect:
                     raise TypeError("not an integer [B, H, E] array")  # the eager call reports what it is
                 losers = losers.astype(mx.int32)
                 if not self.with_flags:
-                    return losers, losers
+                    return losers, None
                 return losers, _loser_flags(losers, v.positions, n_sink, last, v.dead)
             fn = self._fns[layout] = mx.compile(fn)
         return fn(scalar(self.n_sink), scalar(view.scores.shape[-1] - 1), *arrays)
@@ -75,7 +75,7 @@ class _CompiledSelect:
 
 def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
     """``f(view, n_evict) -> (losers int32, flags)``: the compiled choice of a ranked ``selector``
-    (``with_flags=False``: no checks computed, the second result is the losers again)."""
+    (``with_flags=False``: no checks computed, flags None)."""
     key = ("select", n_sink, with_flags)
     try:
         per = _cache.setdefault(selector, {})
@@ -93,8 +93,8 @@ class _Compiled:
     graph, so a decode step's merge is one compiled call; the call returns them next to the update.
     """
 
-    def __init__(self, disposition, bound: float) -> None:
-        self.disposition, self.bound = disposition, bound
+    def __init__(self, disposition) -> None:
+        self.disposition = disposition
         self._fns: Dict[Tuple, Tuple[Callable, List]] = {}
 
     def _build(self, layout: Tuple) -> Tuple[Callable, List]:
@@ -114,7 +114,7 @@ class _Compiled:
             targets = u.targets.astype(mx.int32) if mx.issubdtype(u.targets.dtype, mx.integer) else u.targets
             pairs = [(getattr(u, f), base) for f, base in (("d_keys", view.keys), ("d_values", view.values),
                                                            ("d_scores", view.scores)) if getattr(u, f) is not None]
-            checks = list(update_checks(targets, last, pairs, u.d_log_weights, self.bound))
+            checks = list(update_checks(targets, last, pairs, u.d_log_weights))
             spec[:] = [("update", fields, [k for k, _ in stats],
                         {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)}, u.stats is None,
                         checks[2] is not None)]
@@ -141,13 +141,12 @@ class _Compiled:
         return MergeUpdate(**update, stats=stats), checks
 
 
-def compiled(disposition, bound: float) -> Callable:
-    """The compiled ``dispose`` of ``disposition`` with its update's checks (shared by every layer's cache);
-    ``bound``: the log-weight deltas' clip (``slots.LOG_WEIGHT_BOUND``)."""
+def compiled(disposition) -> Callable:
+    """The compiled ``dispose`` of ``disposition`` with its update's checks (shared by every layer's cache)."""
     try:
         per = _cache.setdefault(disposition, {})
     except TypeError:  # not weak-referenceable: compile for this call only
-        return _Compiled(disposition, bound)
-    if ("dispose", bound) not in per:
-        per[("dispose", bound)] = _Compiled(disposition, bound)
-    return per[("dispose", bound)]
+        return _Compiled(disposition)
+    if "dispose" not in per:
+        per["dispose"] = _Compiled(disposition)
+    return per["dispose"]

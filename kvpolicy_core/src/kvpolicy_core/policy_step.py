@@ -19,7 +19,6 @@ from .value_checks import checked_update, loser_flags
 from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, Disposition, MergeUpdate, Selector, pick_lowest
 from .policy import Policy, step_key, step_keys
-from .slots import LOG_WEIGHT_BOUND
 
 Counters = Dict[str, mx.array]
 
@@ -170,23 +169,20 @@ class PolicyStep:
         """
         L = view.scores.shape[-1]
         n_sink = getattr(self.policy.config.policy, "n_sink", 0)
-        selector, flags = self.policy.selector, None
-        if (n_evict == 1 and view.dead is None and valid_by_construction(selector)
-                and selector.leaves_a_loser(L)):  # no check, no host sync
-            if self._compiled_ok[0] and wants_compile(selector, 1):
-                try:
-                    return compiled_select(selector, n_sink, with_flags=False)(view, 1)[0], []
-                except Exception:
-                    self._compiled_ok[0] = False
-            return self.call("selector", selector.select, view, 1).astype(mx.int32), []
+        selector, losers, flags = self.policy.selector, None, None
+        # core's own selector at decode: valid by construction, so no checks and no host sync
+        trusted = (n_evict == 1 and view.dead is None and valid_by_construction(selector)
+                   and selector.leaves_a_loser(L))
         if self.ranked_selection and wants_compile(selector, n_evict) and self._compiled_ok[0]:
-            try:  # choice and value flags in one compiled graph
-                losers, flags = compiled_select(selector, n_sink)(view, n_evict)
+            try:  # the choice (and its value flags unless trusted) in one compiled graph
+                losers, flags = compiled_select(selector, n_sink, with_flags=not trusted)(view, n_evict)
             except Exception:  # not compilable (or a part error): the eager call below decides
                 self._compiled_ok[0] = False
-        if flags is None:
+        if losers is None:
             losers = self.call("selector", selector.select, view, n_evict)
         losers = self._index_meta("selector", "losers", losers, (*view.scores.shape[:2], n_evict))
+        if trusted:
+            return losers, []
         if flags is None:
             flags = loser_flags(losers, view.positions, n_sink, view.dead)
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
@@ -221,7 +217,7 @@ class PolicyStep:
             update, in_graph, done = None, None, False
             if wants_compile(disposition, losers.shape[-1]) and self._compiled_ok[1]:
                 try:
-                    update, in_graph = compiled(disposition, LOG_WEIGHT_BOUND)(view, losers, key)
+                    update, in_graph = compiled(disposition)(view, losers, key)
                     done = True
                 except Exception:  # not compilable (or a part error): the eager call below decides
                     self._compiled_ok[1] = False
@@ -317,8 +313,7 @@ class PolicyStep:
             for name, _ in finite]
         # d_log_weights made finite without a host sync: NaN adds 0, +-inf and huge values are clipped
         if in_graph is None:
-            in_graph = checked_update(targets, L, [(x, bases[name]) for name, x in deltas], u.d_log_weights,
-                                      LOG_WEIGHT_BOUND)
+            in_graph = checked_update(targets, L, [(x, bases[name]) for name, x in deltas], u.d_log_weights)
         flags, noop, lw = in_graph
         return u._replace(targets=targets, d_log_weights=lw), ("disposition", flags, messages), noop
 

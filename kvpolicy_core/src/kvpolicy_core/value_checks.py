@@ -15,6 +15,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .slots import LOG_WEIGHT_BOUND
+
 
 def _out_of_range(idx: mx.array, last: mx.array, distinct: bool) -> mx.array:
     bad = mx.any((idx < 0) | (idx > last))
@@ -67,18 +69,18 @@ def loser_flags(idx: mx.array, positions: mx.array, n_sink: int, dead: Optional[
 
 
 def update_checks(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.array, mx.array]],
-                  d_log_weights: Optional[mx.array], bound: float):
+                  d_log_weights: Optional[mx.array]):
     """A MergeUpdate's value checks, traceable (the compiled decode path runs them in the disposition's graph).
 
     ``pairs``: (delta, base) for d_keys, d_values, d_scores as present. Returns (flags [1 + f] bool: a target
     outside ``[0, last]``, then per floating delta a non-finite value for a finite row; noop [1] bool: every
     delta is 0, so applying the update changes nothing; the log-weight deltas made finite: NaN as 0, clipped
-    to +-``bound``, or None).
+    to +-``LOG_WEIGHT_BOUND``, or None).
     """
     flags = _target_flags(targets, last, [(d, b) for d, b in pairs if mx.issubdtype(d.dtype, mx.floating)])
     lw = None
     if d_log_weights is not None:
-        lw = mx.clip(mx.nan_to_num(d_log_weights.astype(mx.float32), nan=0.0), -bound, bound)
+        lw = mx.clip(mx.nan_to_num(d_log_weights.astype(mx.float32), nan=0.0), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
     noop = mx.array(True)
     for d in [d for d, _ in pairs] + ([lw] if lw is not None else []):
         noop = noop & mx.all(d == 0)
@@ -89,15 +91,15 @@ _compiled_updates = {}
 
 
 def checked_update(targets: mx.array, L: int, pairs: List[Tuple[mx.array, mx.array]],
-                   d_log_weights: Optional[mx.array], bound: float):
+                   d_log_weights: Optional[mx.array]):
     """:func:`update_checks` compiled (once per set of present deltas); sizes enter as arrays."""
-    key = (len(pairs), d_log_weights is not None, bound)
+    key = (len(pairs), d_log_weights is not None)
     fn = _compiled_updates.get(key)
     if fn is None:
         def flat(targets, last, *xs):
             n = 2 * len(pairs)
             lw = xs[n] if key[1] else None
-            return update_checks(targets, last, list(zip(xs[0:n:2], xs[1:n:2])), lw, bound)
+            return update_checks(targets, last, list(zip(xs[0:n:2], xs[1:n:2])), lw)
         fn = _compiled_updates[key] = mx.compile(flat)
     extra = [d_log_weights] if d_log_weights is not None else []
     return fn(targets, scalar(L - 1), *[x for pair in pairs for x in pair], *extra)

@@ -138,6 +138,19 @@ def test_shape_and_dtype_changes_are_clear_errors():
         cache.update_and_fetch(mx.zeros((2, 3, 4)), mx.zeros((2, 3, 4)))
 
 
+def test_new_buffers_are_checked_against_the_next_input():
+    """Decode's check passes an input shaped like the last accepted one without the field-by-field checks;
+    buffers assigned from outside (a state restore) are checked against the next input again."""
+    cache = PolicyCache("h2o:budget=8,n_sink=2,signal=proxy")
+    for _ in range(3):
+        cache.update_and_fetch(*random_kv(S=1))  # accepted: float32, the same shape every step
+    half = PolicyCache("h2o:budget=8,n_sink=2,signal=proxy")
+    half.update_and_fetch(*random_kv(S=4, dtype=mx.float16))
+    cache.state = half.state
+    with pytest.raises(ValueError, match="dtype changed"):
+        cache.update_and_fetch(*random_kv(S=1))
+
+
 @pytest.mark.parametrize("chunks", [[30], [1] * 30, [10, 1, 1, 5, 13], [12] + [1] * 18])
 def test_sliding_window_layers_stay_correct(gemma_model, chunks):
     toks = mx.random.randint(0, VOCAB, (2, 30), key=mx.random.key(4))

@@ -105,7 +105,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
             self._run = dict(self._run) if (self._run_open and S > 1 and over <= 0) else {}
             self._run_open = S > 1
             if over == 1 and S == 1:
-                self._slots.write_into(self._evict(1), keys, values, self.offset)
+                self._evict_into(keys, values)
             else:
                 if over > 0:
                     self._slots.compact(self._evict(over))
@@ -263,8 +263,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         dead = None
         if self.window is not None and self.offset > self.window and n_new == 0:
             dead = outside_window(self.positions[..., : self.n], self.offset, self.window)
-        view = self._slots.view(self.offset, n_new, dead, self.head_shard)
-        return view if run is None else view._replace(run=run)
+        return self._slots.view(self.offset, n_new, dead, self.head_shard, run)
 
     def _evict(self, n_evict: int) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors."""
@@ -279,6 +278,21 @@ class PolicyCache(CacheState, CacheDiagnostics):
             zero = mx.array(0, dtype=mx.int32)
             self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
         return losers
+
+    def _evict_into(self, keys: mx.array, values: mx.array) -> None:
+        """Decode: evict one slot per row and write the new token [B, H, 1, D] into it (one compiled call
+        for H2O's drop, :meth:`PolicyStep.evict_and_write`; else select, dispose, write)."""
+        sl = self._slots
+        if (self._step.fuses_drop and sl.log_weights is None and sl.key_norms is None and self.n == sl.keys.shape[2]
+                and (self.window is None or self.offset <= self.window)):  # full buffer, no window-dead slots
+            H, (rank, size) = sl.keys.shape[1], self.head_shard
+            done = self._step.evict_and_write(keys, values, (sl.keys, sl.values, sl.positions, sl.scores),
+                                              self.offset, (rank * H, size * H))
+            if done is not None:
+                self._run, self._run_open = {}, False  # an eviction ends the run
+                sl.replace(*done)
+                return
+        sl.write_into(self._evict(1), keys, values, self.offset)
 
     def _check_observation(self) -> None:
         windowed = self.window is not None and self.offset > self.window

@@ -1,5 +1,6 @@
 """Decode steps of parts as compiled MLX graphs (``compile_decode``): a selector's choice with its
-value checks, and a disposition's update.
+value checks, a disposition's update, and (a trusted selector with drop: H2O) the choice with the new
+token's write, in one call.
 
 On CPU each MLX op has a fixed cost of ~5-10 µs, and a merge step is ~40 small ops over [B, H, L]
 arrays; :func:`mx.compile` fuses them (CaM's mass merge at L = 1024: ~600 µs eager, ~200 µs compiled,
@@ -84,6 +85,43 @@ def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
     if key not in per:
         per[key] = _CompiledSelect(selector, n_sink, with_flags)
     return per[key]
+
+
+class _CompiledEvictWrite:
+    """A trusted selector's decode choice and the new token's write into the loser's slot, one compiled call
+    (H2O's whole decode eviction: drop needs no update). ``f(keys, values, buffers, offset, head_shard)`` ->
+    (keys, values, positions, scores) with the new token [B, H, 1, D(v)] at the loser's slot, position
+    ``offset``, score 0 (exactly :meth:`kvpolicy_core.slots.SlotStore.write_into` after the selector's choice).
+    ``buffers``: (keys, values, positions, scores) of a full slot store; ``head_shard``: (head_offset, heads_total).
+    """
+
+    def __init__(self, selector) -> None:
+        self.selector = selector
+        self._fns: Dict[Tuple, Callable] = {}
+
+    def __call__(self, keys: mx.array, values: mx.array, buffers, offset: int, head_shard: Tuple[int, int]):
+        fn = self._fns.get(head_shard)
+        if fn is None:
+            def fn(keys, values, K, V, P, S, off):
+                view = CacheView(K, V, P, S, off, 0, None, *head_shard)
+                losers = self.selector.select(view, 1).astype(mx.int32)
+                idx = losers[..., None]
+                return (mx.put_along_axis(K, idx, keys, axis=2), mx.put_along_axis(V, idx, values, axis=2),
+                        mx.put_along_axis(P, losers, off, axis=2),
+                        mx.put_along_axis(S, losers, mx.array(0.0, dtype=mx.float32), axis=2))
+            fn = self._fns[head_shard] = mx.compile(fn)
+        return fn(keys, values, *buffers, mx.array(offset, dtype=mx.int32))
+
+
+def compiled_evict_write(selector) -> Callable:
+    """The compiled decode eviction + write of a trusted ranked ``selector`` with a drop disposition."""
+    try:
+        per = _cache.setdefault(selector, {})
+    except TypeError:
+        return _CompiledEvictWrite(selector)
+    if "evict_write" not in per:
+        per["evict_write"] = _CompiledEvictWrite(selector)
+    return per["evict_write"]
 
 
 class _Compiled:

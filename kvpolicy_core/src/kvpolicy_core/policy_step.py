@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from .compiled_parts import compiled, compiled_select, wants_compile
+from .compiled_parts import compiled, compiled_evict_write, compiled_select, wants_compile
 from .value_checks import checked_update, loser_flags
 from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, Disposition, MergeUpdate, Selector, pick_lowest
@@ -53,6 +53,9 @@ class PolicyStep:
         self.eager_checks = 4
         #: (selector, disposition) may run compiled on decode steps; False after a compiled call failed
         self._compiled_ok = [True, True]
+        #: decode evictions may run as one compiled call (:meth:`evict_and_write`): core's selector with drop
+        self.fuses_drop = (type(policy.disposition).dispose is Disposition.dispose and self.ranked_selection
+                           and wants_compile(policy.selector, 1) and valid_by_construction(policy.selector))
 
     def counter_names(self) -> Dict[str, str]:
         """Counters the parts declare through ``stats()`` (name -> meaning)."""
@@ -195,6 +198,24 @@ class PolicyStep:
             if view.dead is not None:
                 losers = dead_first(view.dead, losers, n_evict)
         return losers, pending
+
+    def evict_and_write(self, keys: mx.array, values: mx.array, buffers, offset: int, head_shard: Tuple[int, int]):
+        """A decode eviction that drops its loser, fused with the new token's write: the new (keys, values,
+        positions, scores) from one compiled call, or None where this does not apply (then :meth:`losers`,
+        :meth:`dispose` and ``SlotStore.write_into`` do the same step in three calls).
+
+        ``buffers``: (keys, values, positions, scores) of a full slot store with no window-dead slots and no
+        per-slot log-weights or key norms; ``head_shard``: the view's (head_offset, heads_total). Applies to
+        core's selector, whose choice is valid by construction (no checks to read), with the drop disposition
+        (no update, no counters); the result is the three-call step's, array for array.
+        """
+        if not (self.fuses_drop and self._compiled_ok[0] and self.policy.selector.leaves_a_loser(buffers[3].shape[-1])):
+            return None
+        try:
+            return compiled_evict_write(self.policy.selector)(keys, values, buffers, offset, head_shard)
+        except Exception:  # not compilable: the three-call step decides (and reports a part's error)
+            self._compiled_ok[0] = False
+            return None
 
     def dispose(self, view: CacheView, losers: mx.array, offset,
                 pending=()) -> Tuple[Optional[MergeUpdate], Counters]:

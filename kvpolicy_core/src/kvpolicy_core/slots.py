@@ -42,14 +42,23 @@ class SlotStore:
         self.keys = self.values = self.positions = self.scores = self.log_weights = None
         self.n = 0
 
+    #: (keys.shape, values.shape, keys.dtype, values.dtype) of the last input that passed check_input against
+    #: the buffers: the same again passes without the field-by-field checks (reset when keys are assigned)
+    _accepted = None
+
+    def __getstate__(self) -> dict:
+        """Copies (``copy.deepcopy`` of a cache row) leave out the accepted input (MLX dtypes do not copy)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_accepted"}
+
     @property
     def keys(self) -> Optional[mx.array]:
         return self._keys
 
     @keys.setter
     def keys(self, value: Optional[mx.array]) -> None:
-        """Keys assigned from outside the store's edits: their norms are recomputed when next needed."""
-        self._keys, self.key_norms = value, None
+        """Keys assigned from outside the store's edits: their norms are recomputed when next needed, and the
+        next input is checked field by field against the new buffers."""
+        self._keys, self.key_norms, self._accepted = value, None, None
 
     def _norms(self) -> Optional[mx.array]:
         """``key_norms`` [B, H, cap] when tracked (computed from the keys if unknown), else None."""
@@ -77,6 +86,9 @@ class SlotStore:
         Only ``mx.array`` of a floating dtype is accepted (TypeError otherwise): mlx-lm always passes
         those, and a numpy array or integer keys would be silently converted or rounded.
         """
+        if (self._accepted is not None and type(keys) is mx.array and type(values) is mx.array
+                and (keys.shape, values.shape, keys.dtype, values.dtype) == self._accepted):
+            return  # exactly the shapes and dtypes of the last accepted input (decode's steady state)
         known = (self.keys is not None and isinstance(keys, mx.array) and isinstance(values, mx.array)
                  and keys.dtype == self.keys.dtype and values.dtype == self.values.dtype)  # floating, checked before
         for name, x in () if known else (("keys", keys), ("values", values)):
@@ -97,6 +109,7 @@ class SlotStore:
             return
         if (keys.dtype == self.keys.dtype and values.dtype == self.values.dtype and keys.shape[:2] == self.keys.shape[:2]
                 and keys.shape[3] == self.keys.shape[3] and values.shape[3] == self.values.shape[3]):
+            self._accepted = (keys.shape, values.shape, keys.dtype, values.dtype)
             return  # the common case, decided without building the error's tuples
         have = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
         got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
@@ -112,17 +125,19 @@ class SlotStore:
             )
 
     def view(self, offset: int, n_new: int, dead: Optional[mx.array],
-             head_shard: Tuple[int, int] = (0, 1)) -> CacheView:
+             head_shard: Tuple[int, int] = (0, 1), run: Optional[dict] = None) -> CacheView:
         """The parts' view of the n valid slots; ``head_shard`` = (rank, size) of a tensor-parallel
-        split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``."""
-        n, H, (rank, size) = self.n, self.keys.shape[1], head_shard
+        split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``;
+        ``run``: the scorer's dict for the current run of prompt chunks (``CacheView.run``)."""
+        n, keys, (rank, size) = self.n, self._keys, head_shard
+        H = keys.shape[1]
         norms = self._norms()
-        if n == self.keys.shape[2]:  # the buffer is full (decode's steady state): no slice nodes
-            return CacheView(self.keys, self.values, self.positions, self.scores, offset, n_new, dead,
-                             rank * H, size * H, self.log_weights, key_norms=norms)
-        return CacheView(self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n],
-                         self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights,
-                         key_norms=None if norms is None else norms[..., :n])
+        if n == keys.shape[2]:  # the buffer is full (decode's steady state): no slice nodes
+            return CacheView(keys, self.values, self.positions, self.scores, offset, n_new, dead,
+                             rank * H, size * H, self.log_weights, run, norms)
+        return CacheView(keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n],
+                         self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights, run,
+                         None if norms is None else norms[..., :n])
 
     def valid(self) -> Tuple[mx.array, mx.array]:
         """(keys, values) of the n valid slots (the buffers themselves when full)."""
@@ -181,6 +196,10 @@ class SlotStore:
         self.scores = mx.put_along_axis(self.scores, slots, zero, axis=2)
         if self.log_weights is not None:
             self.log_weights = mx.put_along_axis(self.log_weights, slots, zero, axis=2)
+
+    def replace(self, keys: mx.array, values: mx.array, positions: mx.array, scores: mx.array) -> None:
+        """Take buffers a fused decode step wrote (same shapes; no log-weights or key norms tracked)."""
+        self._keys, self.values, self.positions, self.scores = keys, values, positions, scores
 
     def compact(self, losers: mx.array) -> None:
         """Remove the slots ``losers`` [B, H, E]; survivors move, in temporal order, to [0, n - E)."""

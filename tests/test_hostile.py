@@ -236,7 +236,8 @@ def test_a_plugin_subclass_of_cores_selector_is_still_checked(bad_plugin):
         feed(cache, keys[:, :, 8:12], values[:, :, 8:12], (1, 1, 1, 1))
 
 
-def test_cores_selector_adds_no_host_sync_to_a_decode_step(monkeypatch):
+@pytest.mark.parametrize("window", [None, 6])  # 6: a sliding-window layer past its window (window-dead slots)
+def test_cores_selector_adds_no_host_sync_to_a_decode_step(monkeypatch, window):
     """H2O's decode eviction (core's selector, drop) evaluates nothing inside the cache: no check to read."""
     from kvpolicy_core.policy_step import PolicyStep
 
@@ -245,29 +246,30 @@ def test_cores_selector_adds_no_host_sync_to_a_decode_step(monkeypatch):
     monkeypatch.setattr(PolicyStep, "_raise_broken", lambda self, pending, noop=None: (
         read.append(len(pending) + (noop is not None)), real(self, pending, noop))[1])
     keys, values = random_kv(S=20)
-    cache = PolicyCache("h2o:budget=8,n_sink=1,recent=2,signal=proxy")
+    cache = PolicyCache("h2o:budget=8,n_sink=1,recent=2,signal=proxy", window=window)
     feed(cache, keys, values, [12] + [1] * 8)
     assert cache.n == 9 and read[0] > 0  # the prompt chunk's 4 losers: checked
     # one-loser decode evictions: nothing pending (the fused decode write does not reach the checks at all)
     assert len(read) <= 8 and all(r == 0 for r in read[1:])
 
 
+@pytest.mark.parametrize("window", [None, 10])  # a sliding-window layer: window-dead slots (sinks too) go first
 @pytest.mark.parametrize("config", ["h2o:budget=8,n_sink=1,recent=2,signal=proxy", "h2o:budget=8,n_sink=2",
                                     "h2o:budget=8,n_sink=0,recent=0,signal=proxy"])
-def test_the_fused_decode_eviction_is_the_three_call_step_bit_for_bit(monkeypatch, config):
+def test_the_fused_decode_eviction_is_the_three_call_step_bit_for_bit(monkeypatch, config, window):
     """H2O's decode eviction as one compiled call (select + write) leaves exactly the buffers, positions and
     scores of select, dispose and write_into called one after another, and is the path decode takes."""
     from kvpolicy_core.policy_step import PolicyStep
 
     keys, values = random_kv(B=2, S=40)
-    fused = PolicyCache(config)
+    fused = PolicyCache(config, window=window)
     taken = []
     real = PolicyStep.evict_and_write
     monkeypatch.setattr(PolicyStep, "evict_and_write", lambda self, *a: (lambda r: (taken.append(r is not None), r)[1])(
         real(self, *a)))
     feed(fused, keys, values, [12] + [1] * 28)
     monkeypatch.setattr(PolicyStep, "evict_and_write", lambda self, *a: None)
-    three = PolicyCache(config)
+    three = PolicyCache(config, window=window)
     feed(three, keys, values, [12] + [1] * 28)
     assert taken and all(taken[1:])  # every full-buffer decode eviction took the fused call
     assert fused.offset == three.offset and fused.n == three.n

@@ -283,11 +283,12 @@ class PolicyCache(CacheState, CacheDiagnostics):
         """Decode: evict one slot per row and write the new token [B, H, 1, D] into it (one compiled call
         for H2O's drop, :meth:`PolicyStep.evict_and_write`; else select, dispose, write)."""
         sl = self._slots
-        if (self._step.fuses_drop and sl.log_weights is None and sl.key_norms is None and self.n == sl.keys.shape[2]
-                and (self.window is None or self.offset <= self.window)):  # full buffer, no window-dead slots
+        if self._step.fuses_drop and sl.log_weights is None and sl.key_norms is None and self.n == sl.keys.shape[2]:
             H, (rank, size) = sl.keys.shape[1], self.head_shard
+            dead = outside_window(sl.positions, self.offset, self.window) if (
+                self.window is not None and self.offset > self.window) else None  # as _view(0) has it
             done = self._step.evict_and_write(keys, values, (sl.keys, sl.values, sl.positions, sl.scores),
-                                              self.offset, (rank * H, size * H))
+                                              self.offset, (rank * H, size * H), dead)
             if done is not None:
                 self._run, self._run_open = {}, False  # an eviction ends the run
                 sl.replace(*done)

@@ -89,28 +89,31 @@ def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
 
 class _CompiledEvictWrite:
     """A trusted selector's decode choice and the new token's write into the loser's slot, one compiled call
-    (H2O's whole decode eviction: drop needs no update). ``f(keys, values, buffers, offset, head_shard)`` ->
-    (keys, values, positions, scores) with the new token [B, H, 1, D(v)] at the loser's slot, position
+    (H2O's whole decode eviction: drop needs no update). ``f(keys, values, buffers, offset, head_shard, dead)``
+    -> (keys, values, positions, scores) with the new token [B, H, 1, D(v)] at the loser's slot, position
     ``offset``, score 0 (exactly :meth:`kvpolicy_core.slots.SlotStore.write_into` after the selector's choice).
-    ``buffers``: (keys, values, positions, scores) of a full slot store; ``head_shard``: (head_offset, heads_total).
+    ``buffers``: (keys, values, positions, scores) of a full slot store; ``head_shard``: (head_offset,
+    heads_total); ``dead``: the window-dead slots [B, H, L] bool, or None. One trace per (head_shard, dead given).
     """
 
     def __init__(self, selector) -> None:
         self.selector = selector
         self._fns: Dict[Tuple, Callable] = {}
 
-    def __call__(self, keys: mx.array, values: mx.array, buffers, offset: int, head_shard: Tuple[int, int]):
-        fn = self._fns.get(head_shard)
+    def __call__(self, keys: mx.array, values: mx.array, buffers, offset: int, head_shard: Tuple[int, int],
+                 dead: Optional[mx.array] = None):
+        key = (head_shard, dead is None)
+        fn = self._fns.get(key)
         if fn is None:
-            def fn(keys, values, K, V, P, S, off):
-                view = CacheView(K, V, P, S, off, 0, None, *head_shard)
+            def fn(keys, values, K, V, P, S, off, *dead):
+                view = CacheView(K, V, P, S, off, 0, dead[0] if dead else None, *head_shard)
                 losers = self.selector.select(view, 1).astype(mx.int32)
                 idx = losers[..., None]
                 return (mx.put_along_axis(K, idx, keys, axis=2), mx.put_along_axis(V, idx, values, axis=2),
                         mx.put_along_axis(P, losers, off, axis=2),
                         mx.put_along_axis(S, losers, mx.array(0.0, dtype=mx.float32), axis=2))
-            fn = self._fns[head_shard] = mx.compile(fn)
-        return fn(keys, values, *buffers, mx.array(offset, dtype=mx.int32))
+            fn = self._fns[key] = mx.compile(fn)
+        return fn(keys, values, *buffers, mx.array(offset, dtype=mx.int32), *(() if dead is None else (dead,)))
 
 
 def compiled_evict_write(selector) -> Callable:

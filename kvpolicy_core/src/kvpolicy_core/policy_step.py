@@ -173,8 +173,9 @@ class PolicyStep:
         L = view.scores.shape[-1]
         n_sink = getattr(self.policy.config.policy, "n_sink", 0)
         selector, losers, flags = self.policy.selector, None, None
-        # core's own selector at decode: valid by construction, so no checks and no host sync
-        trusted = (n_evict == 1 and view.dead is None and valid_by_construction(selector)
+        # core's own selector at decode: valid by construction (window-dead slots first, then the lowest
+        # unprotected score), so no checks and no host sync
+        trusted = (n_evict == 1 and valid_by_construction(selector)
                    and selector.leaves_a_loser(L))
         if self.ranked_selection and wants_compile(selector, n_evict) and self._compiled_ok[0]:
             try:  # the choice (and its value flags unless trusted) in one compiled graph
@@ -199,20 +200,21 @@ class PolicyStep:
                 losers = dead_first(view.dead, losers, n_evict)
         return losers, pending
 
-    def evict_and_write(self, keys: mx.array, values: mx.array, buffers, offset: int, head_shard: Tuple[int, int]):
+    def evict_and_write(self, keys: mx.array, values: mx.array, buffers, offset: int, head_shard: Tuple[int, int],
+                        dead: Optional[mx.array] = None):
         """A decode eviction that drops its loser, fused with the new token's write: the new (keys, values,
         positions, scores) from one compiled call, or None where this does not apply (then :meth:`losers`,
         :meth:`dispose` and ``SlotStore.write_into`` do the same step in three calls).
 
-        ``buffers``: (keys, values, positions, scores) of a full slot store with no window-dead slots and no
-        per-slot log-weights or key norms; ``head_shard``: the view's (head_offset, heads_total). Applies to
-        core's selector, whose choice is valid by construction (no checks to read), with the drop disposition
-        (no update, no counters); the result is the three-call step's, array for array.
+        ``buffers``: (keys, values, positions, scores) of a full slot store with no per-slot log-weights or key
+        norms; ``head_shard``: the view's (head_offset, heads_total); ``dead``: the view's window-dead slots or
+        None. Applies to core's selector, whose choice is valid by construction (no checks to read), with the
+        drop disposition (no update, no counters); the result is the three-call step's, array for array.
         """
         if not (self.fuses_drop and self._compiled_ok[0] and self.policy.selector.leaves_a_loser(buffers[3].shape[-1])):
             return None
         try:
-            return compiled_evict_write(self.policy.selector)(keys, values, buffers, offset, head_shard)
+            return compiled_evict_write(self.policy.selector)(keys, values, buffers, offset, head_shard, dead)
         except Exception:  # not compilable: the three-call step decides (and reports a part's error)
             self._compiled_ok[0] = False
             return None

@@ -31,8 +31,9 @@ class LowestScoreSelector(Selector):
     compile_decode = True  # decode steps: rank, argmin and the value checks as one compiled graph
     #: a decode step's loser is valid by construction, so the cache skips its value checks and host sync
     #: (kvpolicy_core.policy_step.valid_by_construction): argmin over [0, L) of finite scores (the cache keeps
-    #: them finite) where sinks and the recent window rank +inf, and the config leaves an unprotected slot
-    #: (budget > n_sink + recent), so the loser is in range and never a sink.
+    #: them finite) where sinks and the recent window rank +inf and window-dead slots -inf, and the config
+    #: leaves an unprotected slot (budget > n_sink + recent), so the loser is in range and a sink only when
+    #: it is window-dead (which the contract allows).
     valid_by_construction = True
     batch_rows = True  # view.offset may be [B, 1, 1]: protected_mask broadcasts
 

@@ -5,6 +5,7 @@
     python benchmarks/e2e_speed.py --long 2000 --long-methods full,cam --decode 32
     python benchmarks/e2e_speed.py --smoke          # tiny random model
     python benchmarks/e2e_speed.py --rounds 3 --decode 64   # interleaved rounds, medians (a shared machine)
+    python benchmarks/e2e_speed.py --interleave --decode 96 # methods alternate at every prefill and step
 
 Measured in one run, one method after the other: prefill tokens/s (the prompt in one chunk),
 decode tokens/s, ratios to the full cache and to ``RotatingKVCache`` at the same budget, KV bytes kept
@@ -60,6 +61,44 @@ def run(model, spec, prompt, decode, every=100):
             "kv_bytes_kept": kept, "kv_bytes_full": full, "peak_memory_mb": mx.get_peak_memory() / 2**20, "points": points}
 
 
+def interleaved(model, specs, prompt, decode, prefills=3):
+    """Rows as :func:`run`'s, timed method by method at the finest grain: each prefill (``prefills`` times per
+    method) and then each decode step alternate over the methods, so a change of load on a shared machine
+    hits every method alike within one token; medians of wall and CPU time per prefill and per step."""
+    wall = {s: {"prefill": [], "decode": []} for s in specs}
+    cpu = {s: {"prefill": [], "decode": []} for s in specs}
+    state = {}
+    for _ in range(prefills):
+        for s in specs:
+            caches = make_caches(model, s)
+            t, c = time.perf_counter(), time.process_time()
+            tok = mx.argmax(model(prompt, cache=caches)[:, -1:], axis=-1)
+            mx.eval(tok)
+            wall[s]["prefill"].append(time.perf_counter() - t)
+            cpu[s]["prefill"].append(time.process_time() - c)
+            state[s] = (caches, tok)
+    for _ in range(decode):
+        for s in specs:
+            caches, tok = state[s]
+            t, c = time.perf_counter(), time.process_time()
+            tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
+            mx.eval(tok)
+            wall[s]["decode"].append(time.perf_counter() - t)
+            cpu[s]["decode"].append(time.process_time() - c)
+            state[s] = (caches, tok)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    rows = []
+    for s in specs:
+        kept, full = kv_bytes(state[s][0])
+        rows.append({"spec": s, "prefill_tps": prompt.shape[1] / med(wall[s]["prefill"]),
+                     "decode_tps": 1.0 / med(wall[s]["decode"]),
+                     "prefill_cpu_ms_per_token": 1e3 * med(cpu[s]["prefill"]) / prompt.shape[1],
+                     "decode_cpu_ms_per_token": 1e3 * med(cpu[s]["decode"]), "kv_bytes_kept": kept,
+                     "kv_bytes_full": full, "peak_memory_mb": mx.get_peak_memory() / 2**20, "points": [],
+                     "load": os.getloadavg()[0], "interleaved": {"prefills": prefills, "decode_steps": decode}})
+    return rows
+
+
 def median_run(runs):
     """The run with the median decode tokens/s, with the median prefill tokens/s and every round's numbers."""
     runs = sorted(runs, key=lambda r: r["decode_tps"])
@@ -79,6 +118,9 @@ def main():
     p.add_argument("--long", type=int, default=0)
     p.add_argument("--long-methods", default="all", help="comma-separated subset of full,rotating,h2o,cam for --long")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the methods (medians reported)")
+    p.add_argument("--interleave", action="store_true",
+                   help="alternate the methods at every prefill and every decode step (medians; peak memory is then "
+                        "of all methods together): the steadiest ratios on a shared machine")
     p.add_argument("--methods", default=None,
                    help="';'-separated specs (default: full, rotating, h2o, cam at --budget; a bare name gets the budget)")
     p.add_argument("--smoke", action="store_true")
@@ -94,12 +136,15 @@ def main():
         specs = [s.replace("{budget}", str(args.budget)) for s in specs]
     for s in specs:
         run(model, s, prompt[:, :16], 4)  # warm-up (and the compiled graphs traced)
-    runs = {s: [] for s in specs}
-    for _ in range(args.rounds):  # interleaved: a load change hits every method alike
-        for s in specs:
-            runs[s].append(run(model, s, prompt, args.decode))
-            runs[s][-1]["load"] = os.getloadavg()[0]
-    rows = [median_run(runs[s]) for s in specs]
+    if args.interleave:
+        rows = interleaved(model, specs, prompt, args.decode, max(args.rounds, 3))
+    else:
+        runs = {s: [] for s in specs}
+        for _ in range(args.rounds):  # interleaved: a load change hits every method alike
+            for s in specs:
+                runs[s].append(run(model, s, prompt, args.decode))
+                runs[s][-1]["load"] = os.getloadavg()[0]
+        rows = [median_run(runs[s]) for s in specs]
     base = rows[0]
     rot = next((r for r in rows if r["spec"].startswith("rotating")), None)
     for r in rows:

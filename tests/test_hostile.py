@@ -253,6 +253,25 @@ def test_cores_selector_adds_no_host_sync_to_a_decode_step(monkeypatch, window):
     assert len(read) <= 8 and all(r == 0 for r in read[1:])
 
 
+@pytest.mark.parametrize("window", [None, 5, 12])  # 5: below the budget (dead sinks); 12: above it
+@pytest.mark.parametrize("config", ["h2o:budget=8,n_sink=2,recent=2,signal=proxy", "h2o:budget=8,n_sink=3,recent=0",
+                                    "cam:budget=8,n_sink=2,min_sim=-1,signal=proxy"])
+def test_what_core_trusts_passes_the_checks_it_skips(monkeypatch, config, window):
+    """The decode choices core's selector makes unchecked (valid by construction, sliding-window layers
+    included) pass every value check when the checks are forced on: the same caches, no PluginError."""
+    from kvpolicy_core import policy_step
+
+    keys, values = random_kv(B=2, S=48)
+    trusted = PolicyCache(config, window=window)
+    feed(trusted, keys, values, [10] + [1] * 38)
+    monkeypatch.setattr(policy_step, "valid_by_construction", lambda part: False)
+    checked = PolicyCache(config, window=window)
+    feed(checked, keys, values, [10] + [1] * 38)  # a broken rule would raise here
+    assert trusted.offset == checked.offset == 48
+    for x, y in zip(trusted.state, checked.state):
+        assert mx.array_equal(x, y) if isinstance(x, mx.array) else x == y
+
+
 @pytest.mark.parametrize("window", [None, 10])  # a sliding-window layer: window-dead slots (sinks too) go first
 @pytest.mark.parametrize("config", ["h2o:budget=8,n_sink=1,recent=2,signal=proxy", "h2o:budget=8,n_sink=2",
                                     "h2o:budget=8,n_sink=0,recent=0,signal=proxy"])

@@ -68,24 +68,21 @@ def interleaved(model, specs, prompt, decode, prefills=3):
     wall = {s: {"prefill": [], "decode": []} for s in specs}
     cpu = {s: {"prefill": [], "decode": []} for s in specs}
     state = {}
+
+    def step(s, phase, caches, tokens):  # one timed forward pass and greedy token
+        t, c = time.perf_counter(), time.process_time()
+        tok = mx.argmax(model(tokens, cache=caches)[:, -1:], axis=-1)
+        mx.eval(tok)
+        wall[s][phase].append(time.perf_counter() - t)
+        cpu[s][phase].append(time.process_time() - c)
+        state[s] = (caches, tok)
+
     for _ in range(prefills):
         for s in specs:
-            caches = make_caches(model, s)
-            t, c = time.perf_counter(), time.process_time()
-            tok = mx.argmax(model(prompt, cache=caches)[:, -1:], axis=-1)
-            mx.eval(tok)
-            wall[s]["prefill"].append(time.perf_counter() - t)
-            cpu[s]["prefill"].append(time.process_time() - c)
-            state[s] = (caches, tok)
+            step(s, "prefill", make_caches(model, s), prompt)
     for _ in range(decode):
         for s in specs:
-            caches, tok = state[s]
-            t, c = time.perf_counter(), time.process_time()
-            tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
-            mx.eval(tok)
-            wall[s]["decode"].append(time.perf_counter() - t)
-            cpu[s]["decode"].append(time.process_time() - c)
-            state[s] = (caches, tok)
+            step(s, "decode", *state[s])
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     rows = []
     for s in specs:

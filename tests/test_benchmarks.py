@@ -31,3 +31,13 @@ def test_benchmark_smoke(tmp_path, script, result):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / result).read_text())
     assert data["versions"]["mlx"] and data["command"].startswith("python")
+
+
+def test_end_to_end_speed_interleaved_smoke(tmp_path):
+    """``--interleave``: every method timed at every step, alternately; one row per method with its medians."""
+    proc = subprocess.run([sys.executable, str(BENCH / "e2e_speed.py"), "--smoke", "--interleave", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "e2e_speed_smoke.json").read_text())["rows"]
+    assert [r["spec"].split(":")[0] for r in rows] == ["full", "rotating", "h2o", "cam"]
+    assert all(r["interleaved"]["decode_steps"] == 16 and r["decode_tps"] > 0 for r in rows)

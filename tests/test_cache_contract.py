@@ -138,6 +138,27 @@ def test_shape_and_dtype_changes_are_clear_errors():
         cache.update_and_fetch(mx.zeros((2, 3, 4)), mx.zeros((2, 3, 4)))
 
 
+def test_a_policys_compiled_steps_go_with_it():
+    """The compiled decode steps are cached per part (shared by every layer's cache) in a weak map: once no
+    cache uses a policy, its parts and their traces are freed (a server building caches per request)."""
+    import gc
+
+    from kvpolicy_core import compiled_parts
+    from kvpolicy_core.testing import feed
+
+    gc.collect()
+    before = len(compiled_parts._cache)
+    keys, values = random_kv(S=12)
+    for method in ("h2o:budget=4,n_sink=1,signal=proxy", "cam:budget=4,n_sink=1,signal=proxy,min_sim=-1"):
+        for _ in range(5):
+            cache = PolicyCache(method)
+            feed(cache, keys, values, [1] * 12)
+            assert len(compiled_parts._cache) > before  # decode steps ran compiled
+            del cache
+    gc.collect()
+    assert len(compiled_parts._cache) == before
+
+
 def test_new_buffers_are_checked_against_the_next_input():
     """Decode's check passes an input shaped like the last accepted one without the field-by-field checks;
     buffers assigned from outside (a state restore) are checked against the next input again."""
@@ -149,6 +170,12 @@ def test_new_buffers_are_checked_against_the_next_input():
     cache.state = half.state
     with pytest.raises(ValueError, match="dtype changed"):
         cache.update_and_fetch(*random_kv(S=1))
+    other = PolicyCache("h2o:budget=8,n_sink=2,signal=proxy")
+    for _ in range(3):
+        other.update_and_fetch(*random_kv(S=1))
+    other.values = other.values.astype(mx.float16)  # values alone assigned from outside
+    with pytest.raises(ValueError, match="dtype changed"):
+        other.update_and_fetch(*random_kv(S=1))
 
 
 @pytest.mark.parametrize("chunks", [[30], [1] * 30, [10, 1, 1, 5, 13], [12] + [1] * 18])

@@ -28,6 +28,22 @@ _OPTIONAL_VIEW = ("dead", "log_weights", "key_norms")
 _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+class _PartRef:
+    """Holds its part weakly where it can: the wrappers live in ``_cache``, a WeakKeyDictionary keyed by the
+    part, and a value that held its key strongly would keep every policy's part and traces alive forever."""
+
+    def _hold(self, part) -> None:
+        try:
+            ref = weakref.ref(part)
+        except TypeError:  # not weak-referenceable: such a part is not cached (a wrapper per call)
+            ref = lambda part=part: part  # noqa: E731
+        self._ref = ref
+
+    @property
+    def part(self):
+        return self._ref()
+
+
 def wants_compile(part, n_evict: int) -> bool:
     """Decode steps of a part that declares ``compile_decode = True``."""
     return n_evict == 1 and bool(getattr(part, "compile_decode", False))
@@ -48,11 +64,12 @@ def _layout(view: CacheView):
     return (view.head_offset, view.heads_total, view.n_new, present), arrays
 
 
-class _CompiledSelect:
+class _CompiledSelect(_PartRef):
     """A ranked selector's decode choice and its value flags, one trace per view layout."""
 
     def __init__(self, selector, n_sink: int, with_flags: bool = True) -> None:
-        self.selector, self.n_sink, self.with_flags = selector, n_sink, with_flags
+        self._hold(selector)
+        self.n_sink, self.with_flags = n_sink, with_flags
         self._fns: Dict[Tuple, Callable] = {}
 
     def __call__(self, view: CacheView, n_evict: int):
@@ -63,7 +80,7 @@ class _CompiledSelect:
         if fn is None:
             def fn(n_sink, last, *arrays):
                 v = _view(arrays, layout)
-                losers = self.selector.select(v, n_evict)
+                losers = self.part.select(v, n_evict)
                 if not isinstance(losers, mx.array) or losers.ndim != 3 or not mx.issubdtype(losers.dtype, mx.integer):
                     raise TypeError("not an integer [B, H, E] array")  # the eager call reports what it is
                 losers = losers.astype(mx.int32)
@@ -87,7 +104,7 @@ def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
     return per[key]
 
 
-class _CompiledEvictWrite:
+class _CompiledEvictWrite(_PartRef):
     """A trusted selector's decode choice and the new token's write into the loser's slot, one compiled call
     (H2O's whole decode eviction: drop needs no update). ``f(keys, values, buffers, offset, head_shard, dead)``
     -> (keys, values, positions, scores) with the new token [B, H, 1, D(v)] at the loser's slot, position
@@ -97,7 +114,7 @@ class _CompiledEvictWrite:
     """
 
     def __init__(self, selector) -> None:
-        self.selector = selector
+        self._hold(selector)
         self._fns: Dict[Tuple, Callable] = {}
 
     def __call__(self, keys: mx.array, values: mx.array, buffers, offset: int, head_shard: Tuple[int, int],
@@ -107,7 +124,7 @@ class _CompiledEvictWrite:
         if fn is None:
             def fn(keys, values, K, V, P, S, off, *dead):
                 view = CacheView(K, V, P, S, off, 0, dead[0] if dead else None, *head_shard)
-                losers = self.selector.select(view, 1).astype(mx.int32)
+                losers = self.part.select(view, 1).astype(mx.int32)
                 idx = losers[..., None]
                 return (mx.put_along_axis(K, idx, keys, axis=2), mx.put_along_axis(V, idx, values, axis=2),
                         mx.put_along_axis(P, losers, off, axis=2),
@@ -127,7 +144,7 @@ def compiled_evict_write(selector) -> Callable:
     return per["evict_write"]
 
 
-class _Compiled:
+class _Compiled(_PartRef):
     """One disposition's compiled ``dispose``, one trace per view layout (which optional fields are set).
 
     The update's value checks (:func:`kvpolicy_core.value_checks.update_checks`) are traced into the same
@@ -135,7 +152,7 @@ class _Compiled:
     """
 
     def __init__(self, disposition) -> None:
-        self.disposition = disposition
+        self._hold(disposition)
         self._fns: Dict[Tuple, Tuple[Callable, List]] = {}
 
     def _build(self, layout: Tuple) -> Tuple[Callable, List]:
@@ -145,7 +162,7 @@ class _Compiled:
 
         def fn(losers, key, last, *arrays):
             view = _view(arrays, layout)
-            u = self.disposition.dispose(view, losers, key)
+            u = self.part.dispose(view, losers, key)
             if not isinstance(u, MergeUpdate) or (u.stats is not None and not isinstance(u.stats, dict)):
                 spec[:] = [("raw", u)]
                 return [mx.array(0)]
@@ -173,7 +190,7 @@ class _Compiled:
         fn, spec = self._fns[layout]
         out = fn(losers, key, scalar(view.scores.shape[-1] - 1), *arrays)
         if spec[0][0] == "raw":  # not a MergeUpdate: the eager call gives the part's own result to check
-            return self.disposition.dispose(view, losers, key), None
+            return self.part.dispose(view, losers, key), None
         _, fields, stat_names, constants, no_stats, has_lw = spec[0]
         update = dict(zip(fields, out[: len(fields)]))
         n = len(fields) + len(stat_names)

@@ -87,8 +87,9 @@ class SlotStore:
         those, and a numpy array or integer keys would be silently converted or rounded.
         """
         if (self._accepted is not None and type(keys) is mx.array and type(values) is mx.array
-                and (keys.shape, values.shape, keys.dtype, values.dtype) == self._accepted):
-            return  # exactly the shapes and dtypes of the last accepted input (decode's steady state)
+                and (keys.shape, values.shape, keys.dtype, values.dtype) == self._accepted
+                and self.values.dtype == values.dtype and self.values.shape[3] == values.shape[3]):
+            return  # the shapes and dtypes of the last accepted input (decode's steady state), values unchanged
         known = (self.keys is not None and isinstance(keys, mx.array) and isinstance(values, mx.array)
                  and keys.dtype == self.keys.dtype and values.dtype == self.values.dtype)  # floating, checked before
         for name, x in () if known else (("keys", keys), ("values", values)):

@@ -174,7 +174,7 @@ def test_new_buffers_are_checked_against_the_next_input():
     for _ in range(3):
         other.update_and_fetch(*random_kv(S=1))
     other.values = other.values.astype(mx.float16)  # values alone assigned from outside
-    with pytest.raises(ValueError, match="dtype changed"):
+    with pytest.raises(ValueError, match="values dtype changed from mlx.core.float16 to mlx.core.float32"):
         other.update_and_fetch(*random_kv(S=1))
 
 

@@ -120,8 +120,10 @@ class SlotStore:
                 "a cache serves one batch with fixed heads and head dims: build fresh caches"
             )
         if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
+            name, have, got = (("keys", self.keys.dtype, keys.dtype) if keys.dtype != self.keys.dtype
+                               else ("values", self.values.dtype, values.dtype))
             raise ValueError(
-                f"layer {layer}: dtype changed from {self.keys.dtype} to {keys.dtype}; "
+                f"layer {layer}: {name} dtype changed from {have} to {got}; "
                 "a cache keeps the dtype it was first given: build fresh caches"
             )
 

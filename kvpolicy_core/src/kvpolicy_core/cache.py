@@ -260,10 +260,14 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return mask
 
     def _view(self, n_new: int, run: Optional[dict] = None):
-        dead = None
-        if self.window is not None and self.offset > self.window and n_new == 0:
-            dead = outside_window(self.positions[..., : self.n], self.offset, self.window)
-        return self._slots.view(self.offset, n_new, dead, self.head_shard, run)
+        return self._slots.view(self.offset, n_new, self._window_dead() if n_new == 0 else None, self.head_shard, run)
+
+    def _window_dead(self) -> Optional[mx.array]:
+        """bool [B, H, n]: slots outside the sliding window of every future query, or None (no window yet)."""
+        if self.window is None or self.offset <= self.window:
+            return None
+        pos = self.positions
+        return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
 
     def _evict(self, n_evict: int) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors."""
@@ -285,10 +289,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         sl = self._slots
         if self._step.fuses_drop and sl.log_weights is None and sl.key_norms is None and self.n == sl.keys.shape[2]:
             H, (rank, size) = sl.keys.shape[1], self.head_shard
-            dead = outside_window(sl.positions, self.offset, self.window) if (
-                self.window is not None and self.offset > self.window) else None  # as _view(0) has it
             done = self._step.evict_and_write(keys, values, (sl.keys, sl.values, sl.positions, sl.scores),
-                                              self.offset, (rank * H, size * H), dead)
+                                              self.offset, (rank * H, size * H), self._window_dead())
             if done is not None:
                 self._run, self._run_open = {}, False  # an eviction ends the run
                 sl.replace(*done)

@@ -44,6 +44,18 @@ class _PartRef:
         return self._ref()
 
 
+def _per_part(part, key, make: Callable):
+    """The wrapper ``key`` of ``part`` in ``_cache``, made by ``make()`` on first use (shared by every layer's
+    cache using the part); a part that is not weak-referenceable gets a new wrapper per call."""
+    try:
+        per = _cache.setdefault(part, {})
+    except TypeError:
+        return make()
+    if key not in per:
+        per[key] = make()
+    return per[key]
+
+
 def wants_compile(part, n_evict: int) -> bool:
     """Decode steps of a part that declares ``compile_decode = True``."""
     return n_evict == 1 and bool(getattr(part, "compile_decode", False))
@@ -94,14 +106,7 @@ class _CompiledSelect(_PartRef):
 def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
     """``f(view, n_evict) -> (losers int32, flags)``: the compiled choice of a ranked ``selector``
     (``with_flags=False``: no checks computed, flags None)."""
-    key = ("select", n_sink, with_flags)
-    try:
-        per = _cache.setdefault(selector, {})
-    except TypeError:
-        return _CompiledSelect(selector, n_sink, with_flags)
-    if key not in per:
-        per[key] = _CompiledSelect(selector, n_sink, with_flags)
-    return per[key]
+    return _per_part(selector, ("select", n_sink, with_flags), lambda: _CompiledSelect(selector, n_sink, with_flags))
 
 
 class _CompiledEvictWrite(_PartRef):
@@ -135,13 +140,7 @@ class _CompiledEvictWrite(_PartRef):
 
 def compiled_evict_write(selector) -> Callable:
     """The compiled decode eviction + write of a trusted ranked ``selector`` with a drop disposition."""
-    try:
-        per = _cache.setdefault(selector, {})
-    except TypeError:
-        return _CompiledEvictWrite(selector)
-    if "evict_write" not in per:
-        per["evict_write"] = _CompiledEvictWrite(selector)
-    return per["evict_write"]
+    return _per_part(selector, "evict_write", lambda: _CompiledEvictWrite(selector))
 
 
 class _Compiled(_PartRef):
@@ -201,10 +200,4 @@ class _Compiled(_PartRef):
 
 def compiled(disposition) -> Callable:
     """The compiled ``dispose`` of ``disposition`` with its update's checks (shared by every layer's cache)."""
-    try:
-        per = _cache.setdefault(disposition, {})
-    except TypeError:  # not weak-referenceable: compile for this call only
-        return _Compiled(disposition)
-    if "dispose" not in per:
-        per["dispose"] = _Compiled(disposition)
-    return per["dispose"]
+    return _per_part(disposition, "dispose", lambda: _Compiled(disposition))

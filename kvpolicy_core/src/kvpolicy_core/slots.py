@@ -43,7 +43,8 @@ class SlotStore:
         self.n = 0
 
     #: (keys.shape, values.shape, keys.dtype, values.dtype) of the last input that passed check_input against
-    #: the buffers: the same again passes without the field-by-field checks (reset when keys are assigned)
+    #: the buffers: the same again passes without the field-by-field checks while the values buffer keeps its
+    #: dtype and width (reset when keys are assigned from outside)
     _accepted = None
 
     def __getstate__(self) -> dict:

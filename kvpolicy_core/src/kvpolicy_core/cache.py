@@ -92,6 +92,9 @@ class PolicyCache(CacheState, CacheDiagnostics):
         #: some log-weight may be nonzero (a merge changed one, or restored state carries them); until then
         #: the attention needs no bias (all zero: the same attention bit for bit) and skips building it
         self._lw_used = False
+        #: the scorer takes the model's attention weights (``on_attention_weights``): one pass gives both
+        scorer = self.policy.scorer
+        self._weights_once = scorer.needs_attention and getattr(scorer, "on_attention_weights", None) is not None
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -237,9 +240,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         bit-identical to the fused kernel) where that is faster (:func:`.attention_weights.attend_once`);
         otherwise this is :meth:`before_attention` then ``fused``.
         """
-        scorer = self.policy.scorer
-        once = scorer.needs_attention and getattr(scorer, "on_attention_weights", None) is not None
-        if not (once and attend_once(queries.shape[2])):
+        if not (self._weights_once and attend_once(queries.shape[2])):
             return fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
         mask = self._attention_mask(queries, mask)
         out, weights = attention_with_weights(queries, keys, values, scale, mask)

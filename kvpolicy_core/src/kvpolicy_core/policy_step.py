@@ -54,8 +54,10 @@ class PolicyStep:
         #: (selector, disposition) may run compiled on decode steps; False after a compiled call failed
         self._compiled_ok = [True, True]
         #: decode evictions may run as one compiled call (:meth:`evict_and_write`): core's selector with drop
+        #: which parts' decode outputs are valid by construction (decided once: the parts do not change)
+        self.trusted = {kind: valid_by_construction(getattr(policy, kind)) for kind in ("scorer", "selector")}
         self.fuses_drop = (type(policy.disposition).dispose is Disposition.dispose and self.ranked_selection
-                           and wants_compile(policy.selector, 1) and valid_by_construction(policy.selector))
+                           and wants_compile(policy.selector, 1) and self.trusted["selector"])
 
     def counter_names(self) -> Dict[str, str]:
         """Counters the parts declare through ``stats()`` (name -> meaning)."""
@@ -124,7 +126,7 @@ class PolicyStep:
 
     def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
         scores = self.call("scorer", self.policy.scorer.on_attention_weights, view, weights)
-        if (weights.shape[3] == 1 and valid_by_construction(self.policy.scorer) and isinstance(scores, mx.array)
+        if (weights.shape[3] == 1 and self.trusted["scorer"] and isinstance(scores, mx.array)
                 and scores.dtype == mx.float32 and scores.shape == view.scores.shape):
             return scores  # core's decode accumulation: finite scores + finite weights, nothing to sanitise
         return self.scores(scores, view.scores.shape)
@@ -175,7 +177,7 @@ class PolicyStep:
         selector, losers, flags = self.policy.selector, None, None
         # core's own selector at decode: valid by construction (window-dead slots first, then the lowest
         # unprotected score), so no checks and no host sync
-        trusted = (n_evict == 1 and valid_by_construction(selector)
+        trusted = (n_evict == 1 and self.trusted["selector"]
                    and selector.leaves_a_loser(L))
         if self.ranked_selection and wants_compile(selector, n_evict) and self._compiled_ok[0]:
             try:  # the choice (and its value flags unless trusted) in one compiled graph

@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from .parts.base import CacheView, MergeUpdate
+from .slots import token_written
 
 _FIELDS = ("targets", "d_keys", "d_values", "d_scores", "draws", "merges", "d_log_weights")
 _OPTIONAL_VIEW = ("dead", "log_weights", "key_norms")
@@ -130,10 +131,7 @@ class _CompiledEvictWrite(_PartRef):
             def fn(keys, values, K, V, P, S, off, *dead):
                 view = CacheView(K, V, P, S, off, 0, dead[0] if dead else None, *head_shard)
                 losers = self.part.select(view, 1).astype(mx.int32)
-                idx = losers[..., None]
-                return (mx.put_along_axis(K, idx, keys, axis=2), mx.put_along_axis(V, idx, values, axis=2),
-                        mx.put_along_axis(P, losers, off, axis=2),
-                        mx.put_along_axis(S, losers, mx.array(0.0, dtype=mx.float32), axis=2))
+                return token_written((K, V, P, S), losers, keys, values, off)
             fn = self._fns[key] = mx.compile(fn)
         return fn(keys, values, *buffers, mx.array(offset, dtype=mx.int32), *(() if dead is None else (dead,)))
 

@@ -33,6 +33,16 @@ def key_norm(keys: mx.array) -> mx.array:
     return mx.sqrt((k * k).sum(axis=-1))
 
 
+def token_written(buffers, slots: mx.array, keys: mx.array, values: mx.array, offset: mx.array):
+    """(keys, values, positions, scores) buffers with a new token [B, H, 1, D(v)] at ``slots`` [B, H, 1]: its key
+    and value, position ``offset`` (int32 scalar array) and score 0 (traceable: the fused decode eviction uses it)."""
+    K, V, P, S = buffers
+    idx = slots[..., None]  # [B, H, 1, 1]
+    return (mx.put_along_axis(K, idx, keys, axis=2), mx.put_along_axis(V, idx, values, axis=2),
+            mx.put_along_axis(P, slots, offset, axis=2),
+            mx.put_along_axis(S, slots, mx.array(0.0, dtype=mx.float32), axis=2))
+
+
 class SlotStore:
     """Buffers of one layer's retained tokens; knows nothing about policies."""
 
@@ -190,16 +200,13 @@ class SlotStore:
 
     def write_into(self, slots: mx.array, keys: mx.array, values: mx.array, offset: int) -> None:
         """Decode: the new token [B, H, 1, D] (position ``offset``, score 0) takes the slots [B, H, 1]."""
-        idx = slots[..., None]  # [B, H, 1, 1]
         if self.key_norms is not None:
             self.key_norms = mx.put_along_axis(self.key_norms, slots, key_norm(keys), axis=2)
-        self._keys = mx.put_along_axis(self.keys, idx, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, idx, values, axis=2)
-        self.positions = mx.put_along_axis(self.positions, slots, mx.array(offset, dtype=mx.int32), axis=2)
-        zero = mx.array(0.0, dtype=mx.float32)
-        self.scores = mx.put_along_axis(self.scores, slots, zero, axis=2)
+        self._keys, self.values, self.positions, self.scores = token_written(
+            (self._keys, self.values, self.positions, self.scores), slots, keys, values,
+            mx.array(offset, dtype=mx.int32))
         if self.log_weights is not None:
-            self.log_weights = mx.put_along_axis(self.log_weights, slots, zero, axis=2)
+            self.log_weights = mx.put_along_axis(self.log_weights, slots, mx.array(0.0, dtype=mx.float32), axis=2)
 
     def replace(self, keys: mx.array, values: mx.array, positions: mx.array, scores: mx.array) -> None:
         """Take buffers a fused decode step wrote (same shapes; no log-weights or key norms tracked)."""

@@ -40,9 +40,11 @@ def losers_of(view, E, seed):
     return mx.array(out)
 
 
-def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2, min_sim=-1.0, cap=None):
+def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2, min_sim=-1.0, cap=None,
+                         after_tokens=0):
     """Loops: nearest non-sink survivor by cosine (a loser below ``min_sim`` is dropped, and one whose
-    target's log-weight is at ``log(cap)`` already), then the docstring's equations per target."""
+    target's log-weight is at ``log(cap)`` already, and every loser before ``offset`` reaches
+    ``after_tokens``), then the docstring's equations per target."""
     B, H, L, _ = K.shape
     K2, V2, s2 = K.copy(), V.copy(), s.copy()
     lw2 = None if lw is None else lw.copy()
@@ -59,7 +61,7 @@ def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2
                     if c > best:
                         best, tgt = c, j
                 full = cap is not None and lw[b, h, tgt] >= math.log(cap)
-                if best >= min_sim and not full:
+                if best >= min_sim and not full and offset >= after_tokens:
                     groups.setdefault(tgt, []).append(l)
             for t, group in groups.items():
                 if log_weights:
@@ -85,18 +87,21 @@ def apply(view, update):
     return store
 
 
-@pytest.mark.parametrize("min_sim, cap", [(-1.0, None), (0.5, None), (-1.0, 1.5)])
+@pytest.mark.parametrize("min_sim, cap, after", [(-1.0, None, 0), (0.5, None, 0), (-1.0, 1.5, 0), (-1.0, None, 1),
+                                                  (-1.0, None, 10**6)])
 @pytest.mark.parametrize("log_weights", [True, False])
 @pytest.mark.parametrize("E", [1, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_mass_merges_match_the_slow_reference(log_weights, E, seed, min_sim, cap):
+def test_mass_merges_match_the_slow_reference(log_weights, E, seed, min_sim, cap, after):
     view, (K, V, pos, s, lw, offset) = random_view(seed, log_weights=log_weights)
     losers = losers_of(view, E, seed)
-    d = MassMergeDisposition(n_sink=2, log_weights=log_weights, gate=False, min_sim=min_sim, cap=cap)
+    after = after * offset  # 0: no condition; 1 x offset: merges (at the threshold); 10**6 x: drops
+    d = MassMergeDisposition(n_sink=2, log_weights=log_weights, gate=False, min_sim=min_sim, cap=cap,
+                             after_tokens=after)
     store = apply(view, d.dispose(view, losers, mx.random.key(0)))
     cap = cap if log_weights else None  # the cap bounds log-weights: mass_blend keeps none
     V2, s2, lw2 = reference_mass_merge(K, V, pos, s, lw, offset, np.array(losers), log_weights, min_sim=min_sim,
-                                       cap=cap)
+                                       cap=cap, after_tokens=after)
     np.testing.assert_allclose(np.array(store.values), V2, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.array(store.scores), s2, rtol=1e-6)
     if log_weights:
@@ -254,3 +259,32 @@ def test_an_update_that_changes_nothing_is_not_written(monkeypatch):
     merging = PolicyCache("cam:budget=10,n_sink=2,signal=proxy,min_sim=-1")
     feed(merging, K, V, [1] * 30)
     assert len(writes) > 0 and merging.merges > 0
+
+
+def test_after_drops_until_the_cache_has_seen_after_times_its_budget_then_merges():
+    """after=a: every loser is dropped (H2O's cache, bit for bit) while the cache has seen fewer than a x budget
+    tokens; from there on decode losers merge. An ``after`` beyond the run is H2O for the whole run."""
+    K, V = random_kv(B=2, H=2, S=60, D=8, seed=11)
+    base = "budget=10,n_sink=2,signal=proxy,min_sim=-1"
+    late, h2o = PolicyCache(f"cam:{base},after=4"), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
+    for c in (late, h2o):
+        feed(c, K[:, :, :39], V[:, :, :39], [1] * 39)  # evictions (state settles one) at offsets < 4 x 10: drops
+    assert late.merges == 0 and not mx.any(late.log_weights).item()
+    for x, y in zip(late.state[:4], h2o.state[:4]):
+        assert mx.array_equal(x, y)
+    for c in (late, h2o):
+        feed(c, K[:, :, 39:], V[:, :, 39:], [1] * 21)  # evictions at offset 40 and later: merges
+    assert late.merges > 0 and not mx.array_equal(late.state[1], h2o.state[1])
+    early = PolicyCache(f"cam:{base}")
+    feed(early, K, V, [1] * 60)
+    assert early.merges > late.merges
+
+
+def test_after_is_refused_below_one_and_for_merges_that_do_not_use_it():
+    from kvpolicy_core.config import parse_config
+    from kvpolicy_core.errors import ConfigError
+
+    for bad in ("cam:after=0.5", "cam:merge=sim_weighted,after=2", "cam:merge=drop,after=2"):
+        with pytest.raises(ConfigError, match="after"):
+            parse_config(bad)
+    assert parse_config("cam:merge=mass_blend,after=3").policy.merge_after == 3.0

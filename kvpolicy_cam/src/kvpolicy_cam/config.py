@@ -64,6 +64,14 @@ class CamConfig(AttentionPolicyConfig):
         description="merge=mass only: the most attention weight a merged slot may carry, exp(log-weight) <= cap "
         "(a loser whose target is at the cap is dropped; none: no cap). Default 8 for mass.",
     )
+    merge_after: float = Field(
+        1.0,
+        ge=1.0,
+        allow_inf_nan=False,
+        validation_alias=AliasChoices("merge_after", "after"),
+        description="mass merges only: merges begin once the cache has seen after x budget tokens (the "
+        "compression so far); before, losers are dropped as H2O drops them (1: from the first eviction).",
+    )
     merge_window: int = Field(
         16,
         ge=1,
@@ -99,6 +107,8 @@ class CamConfig(AttentionPolicyConfig):
             raise ValueError(f"min_sim applies to the mass merges {MASS_MERGES}; merge={self.merge!r} does not use it")
         if self.merge_cap is not None and self.merge != "mass":
             raise ValueError(f"cap applies to merge='mass' (the merge with log-weights); merge={self.merge!r} does not use it")
+        if self.merge_after != 1.0 and self.merge not in MASS_MERGES:
+            raise ValueError(f"after applies to the mass merges {MASS_MERGES}; merge={self.merge!r} does not use it")
         if not self.merge_prompt and self.merge not in MASS_MERGES:
             raise ValueError(f"prompt=false applies to the mass merges {MASS_MERGES}; merge={self.merge!r} "
                              "always merges prompt losers")

@@ -76,10 +76,12 @@ class MassMergeDisposition(Disposition):
     batch_rows = True  # per-row keys and offsets, counters per row (parts.base.BATCH_ROWS)
 
     def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False,
-                 min_sim: float = -1.0, merge_prompt: bool = True, cap: Optional[float] = None):
+                 min_sim: float = -1.0, merge_prompt: bool = True, cap: Optional[float] = None,
+                 after_tokens: int = 0):
         self.n_sink, self.gate, self.merge_keys, self.min_sim = n_sink, gate, merge_keys, float(min_sim)
         self.log_cap = None if cap is None or not log_weights else math.log(cap)
         self.merge_prompt = merge_prompt
+        self.after_tokens = int(after_tokens)  # merges only once offset >= after_tokens
         self.with_log_weights = log_weights
         self.uses_log_weights = log_weights
 
@@ -87,7 +89,7 @@ class MassMergeDisposition(Disposition):
     def from_config(cls, config) -> "MassMergeDisposition":
         return cls(n_sink=config.n_sink, log_weights=config.merge == "mass", gate=config.merge_gate,
                    merge_keys=config.merge_keys, min_sim=config.merge_min_sim, merge_prompt=config.merge_prompt,
-                   cap=config.merge_cap)
+                   cap=config.merge_cap, after_tokens=0 if config.merge_after == 1 else math.ceil(config.merge_after * config.budget))
 
     def stats(self):
         return STATS
@@ -96,6 +98,8 @@ class MassMergeDisposition(Disposition):
         if not self.merge_prompt and losers.shape[-1] != 1:
             return None  # several losers: a prompt chunk's, dropped as H2O drops them (no target search)
         target, cos, has_target = merge_targets(view, losers, self.n_sink)
+        if self.after_tokens > 0:  # view.offset: an int, or an int32 scalar array in a compiled step
+            has_target = has_target & (mx.array(view.offset) >= self.after_tokens)
         if self.min_sim > -1.0:
             has_target = has_target & (cos >= self.min_sim)
         has_target = has_target & finite_rows(view.keys, losers) & finite_rows(view.values, losers)

@@ -296,6 +296,34 @@ def test_the_fused_decode_eviction_is_the_three_call_step_bit_for_bit(monkeypatc
         assert mx.array_equal(x, y) if isinstance(x, mx.array) else x == y
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("config", ["cam:budget=8,n_sink=1,signal=proxy,min_sim=-1",
+                                    "cam:budget=8,n_sink=1,signal=proxy,min_sim=-1,keys=false,cap=none",
+                                    "cam:budget=8,n_sink=2,signal=proxy,merge=mass_blend",
+                                    "cam:budget=8,n_sink=1,signal=proxy,merge=sim_weighted,keys=true"])
+def test_a_decode_merge_and_its_write_in_one_call_are_the_two_calls_bit_for_bit(monkeypatch, config, dtype):
+    """A decode eviction's one-target merge and the new token's write as one compiled call
+    (SlotStore.add_and_write) leave exactly the buffers, log-weights and key norms of add then write_into."""
+    from kvpolicy_core.slots import SlotStore
+
+    keys, values = random_kv(B=2, S=40, dtype=dtype)
+    calls = []
+    real = SlotStore.add_and_write
+    monkeypatch.setattr(SlotStore, "add_and_write", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    one = PolicyCache(config)
+    feed(one, keys, values, [12] + [1] * 28)
+    monkeypatch.setattr(SlotStore, "add_and_write",
+                        lambda self, u, slots, k, v, off: (self.add(u), self.write_into(slots, k, v, off)))
+    two = PolicyCache(config)
+    feed(two, keys, values, [12] + [1] * 28)
+    assert len(calls) > 10 and one.merges == two.merges > 0  # merges took the one-call path
+    for x, y in zip(one.state, two.state):
+        assert mx.array_equal(x, y) if isinstance(x, mx.array) else x == y
+    for f in ("log_weights", "key_norms"):
+        x, y = getattr(one._slots, f), getattr(two._slots, f)
+        assert (x is None and y is None) or mx.array_equal(x, y)
+
+
 @pytest.mark.parametrize("mode, needle", [("big", "merge targets outside"), ("shape", "d_values of shape"),
                                           ("dict", "expected a MergeUpdate")])
 def test_bad_merge_updates_are_a_plugin_error(bad_plugin, mode, needle):

@@ -270,18 +270,29 @@ class PolicyCache(CacheState, CacheDiagnostics):
         pos = self.positions
         return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
 
-    def _evict(self, n_evict: int) -> mx.array:
-        """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors."""
+    def _evict(self, n_evict: int, new_token: Optional[Tuple[mx.array, mx.array]] = None) -> mx.array:
+        """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors.
+
+        ``new_token``: decode's (keys, values) [B, H, 1, D(v)], written into the loser's slot here (with a
+        one-target update in the same compiled call, :meth:`SlotStore.add_and_write`)."""
         view = self._view(0)
         self._run, self._run_open = {}, False  # an eviction ends the run
         losers, pending = self._step.losers(view, n_evict)
         update, counts = self._step.dispose(view, losers, self.offset, pending)
         if update is not None:
-            self._slots.add(update)
             self._lw_used = self._lw_used or update.d_log_weights is not None
         if counts:
             zero = mx.array(0, dtype=mx.int32)
             self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
+        if new_token is None:
+            if update is not None:
+                self._slots.add(update)
+        elif update is not None and update.targets.shape[-1] == 1 and self.n == self._slots.keys.shape[2]:
+            self._slots.add_and_write(update, losers, *new_token, self.offset)
+        else:
+            if update is not None:
+                self._slots.add(update)
+            self._slots.write_into(losers, *new_token, self.offset)
         return losers
 
     def _evict_into(self, keys: mx.array, values: mx.array) -> None:
@@ -296,7 +307,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
                 self._run, self._run_open = {}, False  # an eviction ends the run
                 sl.replace(*done)
                 return
-        sl.write_into(self._evict(1), keys, values, self.offset)
+        self._evict(1, (keys, values))
 
     def _check_observation(self) -> None:
         windowed = self.window is not None and self.offset > self.window

@@ -3,6 +3,7 @@
     python benchmarks/step_cost.py            # the issue's grid: L = 256..4096, head_dim 128, 1/4/8 KV heads
     python benchmarks/step_cost.py --smoke    # tiny grid (the test suite runs this)
     python benchmarks/step_cost.py --grid 1024:128:4 --rounds 5
+    python benchmarks/step_cost.py --keys clustered   # keys close to each other: CaM merges at every step
 
 For each (budget, head_dim, kv_heads): a decode step = ``update_and_fetch`` of one token plus the
 attention over what it returns, called exactly as the model calls it: through mlx-lm's
@@ -11,7 +12,11 @@ calls the original unchanged). So a policy with the observed signal or attention
 here what it pays in the model. Caches at the same retained length: mlx-lm ``KVCache`` (trimmed to
 stay at ``budget``), ``RotatingKVCache(budget+1)`` and policy configs as given (defaults: the
 observed signal). Kinds are interleaved in ``--rounds`` rounds; each time is the median over all
-rounds' steps. Also: the proxy scoring alone versus one attention pass. Ratios are to the first
+rounds' steps. ``--keys random`` (the default): independent Gaussian keys, whose cosines are ~0, so
+CaM's default (a threshold of 0.85) never merges and its step is the search alone; ``--keys clustered``: each
+key is a direction shared by all plus 0.3x noise (cosines ~0.9), so every decode eviction merges (on the
+default model ~60% do); the rows record the merges per eviction. Also: the proxy scoring alone versus one
+attention pass. Ratios are to the first
 kind, measured in one run. Writes benchmarks/results/step_cost[_tag].json (and step_cost.png).
 """
 
@@ -47,16 +52,20 @@ def make(kind: str, budget: int):
 class Stepper:
     """One cache filled to ``budget`` tokens, then one decode step (update + attention) per call."""
 
-    def __init__(self, kind, budget, D, H, q_heads, steps):
+    def __init__(self, kind, budget, D, H, q_heads, steps, keys="random"):
         self.kind, self.D = kind, D
         self.cache = make(kind, budget)
         scale = D**-0.5
         pre = mx.random.normal((1, H, budget, D), key=mx.random.key(0))
+        toks = mx.random.normal((steps + 1, 1, H, 1, D), key=mx.random.key(1))
+        if keys == "clustered":  # a shared direction per head plus 0.3x noise: pairwise cosines ~0.9
+            common = mx.random.normal((1, H, 1, D), key=mx.random.key(5))
+            pre, toks = common + 0.3 * pre, common + 0.3 * toks
         qpre = mx.random.normal((1, q_heads, budget, D), key=mx.random.key(4))
         for t in range(0, budget, 512):  # the prompt in chunks of 512 (bounded attention matrices)
             k, v = self.cache.update_and_fetch(pre[:, :, t : t + 512], pre[:, :, t : t + 512])
             mx.eval(sdpa(qpre[:, :, t : t + 512], k, v, self.cache, scale, "causal"))
-        self.toks = mx.random.normal((steps + 1, 1, H, 1, D), key=mx.random.key(1))
+        self.toks = toks
         self.q = mx.random.normal((1, q_heads, 1, D), key=mx.random.key(2))
         mx.eval(self.toks, self.q)
         self.i, self.steps = 0, steps
@@ -84,15 +93,18 @@ def samples(fn, n):
     return out
 
 
-def step_times(kinds, budget, D, H, steps, q_heads, rounds):
-    steppers = {k: Stepper(k, budget, D, H, q_heads, steps) for k in kinds}
+def step_times(kinds, budget, D, H, steps, q_heads, rounds, keys="random"):
+    """(median step time per kind, merges per decode eviction per kind that counts merges)."""
+    steppers = {k: Stepper(k, budget, D, H, q_heads, steps, keys) for k in kinds}
     for s in steppers.values():
         samples(s, 10)  # warm-up: past the first evictions and the eager checks
     got = {k: [] for k in kinds}
     for _ in range(rounds):  # interleaved: load changes hit every kind alike
         for k, s in steppers.items():
             got[k] += samples(s, max(steps // rounds, 1))
-    return {k: sorted(v)[len(v) // 2] for k, v in got.items()}
+    merged = {k: int(s.cache.merges) / (H * max(s.cache.offset - budget, 1)) for k, s in steppers.items()
+              if hasattr(s.cache, "merges")}
+    return {k: sorted(v)[len(v) // 2] for k, v in got.items()}, merged
 
 
 def scoring_vs_attention(budget, D, H, steps, q_heads):
@@ -119,6 +131,8 @@ def main():
                    help="';'-separated: KVCache, RotatingKVCache or policy config strings (first is the baseline)")
     p.add_argument("--grid", default=None, help="budget:head_dim:kv_heads triples, comma-separated (e.g. 256:256:1)")
     p.add_argument("--tag", default="", help="suffix of the result file names")
+    p.add_argument("--keys", choices=["random", "clustered"], default="random",
+                   help="random: cosines ~0 (CaM never merges); clustered: cosines ~0.9 (CaM merges every step)")
     p.add_argument("--clock", choices=sorted(CLOCK), default="wall",
                    help="wall: elapsed time; cpu: this process's CPU time (all threads; less sensitive to other load)")
     args = p.parse_args()
@@ -135,11 +149,12 @@ def main():
     rows = []
     for budget, D, H in grid:
         q_heads = max(H, 4)
-        times = step_times(kinds, budget, D, H, steps, q_heads, rounds)
+        times, merged = step_times(kinds, budget, D, H, steps, q_heads, rounds, args.keys)
         t_score, t_attn = scoring_vs_attention(budget, D, H, steps, q_heads)
         row = {"budget": budget, "head_dim": D, "kv_heads": H, "q_heads": q_heads,
                "load": os.getloadavg()[0], **{f"us_{k}": 1e6 * t for k, t in times.items()},
                **{f"ratio_{k}": times[k] / times[kinds[0]] for k in kinds[1:]},
+               **{f"merges_per_eviction_{k}": m for k, m in merged.items()},
                "us_scoring": 1e6 * t_score, "us_attention": 1e6 * t_attn, "scoring_over_attention": t_score / t_attn}
         rows.append(row)
         print(f"budget={budget:5d} D={D:3d} H={H} load {row['load']:.1f}: "
@@ -149,7 +164,7 @@ def main():
     from pathlib import Path
 
     tag = "step_cost" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
-    path = write_json(tag, {"rows": rows, "kinds": kinds, "clock": args.clock}, Path(args.out))
+    path = write_json(tag, {"rows": rows, "kinds": kinds, "clock": args.clock, "keys": args.keys}, Path(args.out))
     if not args.smoke and {"h2o", "cam"} <= set(kinds):
         plot(rows, Path(args.out) / f"{tag}.png")
     print(f"wrote {path}")

@@ -41,3 +41,17 @@ def test_end_to_end_speed_interleaved_smoke(tmp_path):
     rows = json.loads((tmp_path / "e2e_speed_smoke.json").read_text())["rows"]
     assert [r["spec"].split(":")[0] for r in rows] == ["full", "rotating", "h2o", "cam"]
     assert all(r["interleaved"]["decode_steps"] == 16 and r["decode_tps"] > 0 for r in rows)
+
+
+def test_step_cost_with_clustered_keys_times_steps_that_merge(tmp_path):
+    """``--keys clustered``: keys close to each other, so CaM's default merges (random keys: never); the rows
+    record the merges per decode eviction."""
+    rates = {}
+    for keys in ("random", "clustered"):
+        proc = subprocess.run([sys.executable, str(BENCH / "step_cost.py"), "--smoke", "--keys", keys, "--kinds",
+                               "KVCache;cam:cap=none", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        data = json.loads((tmp_path / "step_cost_smoke.json").read_text())
+        assert data["keys"] == keys
+        rates[keys] = data["rows"][0]["merges_per_eviction_cam:cap=none"]
+    assert rates["random"] == 0 and rates["clustered"] > 0.9

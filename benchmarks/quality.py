@@ -133,7 +133,9 @@ def main():
                 if seed == 0 and budget == budgets[0]:
                     curves[name] = r["nll"]
                 print(f"{name:28} budget {budget:5d} seed {seed}: ppl {r['perplexity']:8.3f} "
-                      f"({rows[-1]['delta_ppl_pct']:+.1f}%) {r['tokens_per_s']:.1f} tok/s", flush=True)
+                      f"({rows[-1]['delta_ppl_pct']:+.1f}%) {r['tokens_per_s']:.1f} tok/s"
+                      + (f", {r['merges_per_eviction']:.0%} of evictions merged" if "merges_per_eviction" in r else ""),
+                      flush=True)
                 save(out, tag, args, ids, rows)
     save(out, tag, args, ids, rows)
     if not args.smoke:
@@ -148,6 +150,7 @@ def row(name, budget, seed, r, base):
         "perplexity": r["perplexity"], "delta_ppl_pct": 100 * (r["perplexity"] / base["perplexity"] - 1),
         "tokens_per_s": r["tokens_per_s"], "kv_bytes_kept": r["kv_bytes_kept"], "kv_bytes_full": r["kv_bytes_full"],
         "peak_memory": r["peak_memory"], "nan": r["nan"],
+        **({"merges_per_eviction": r["merges_per_eviction"]} if "merges_per_eviction" in r else {}),
     }
 
 
@@ -164,7 +167,7 @@ def save(out, tag, args, ids, rows):
     write_json(tag, {"model": args.model, "text": args.text, "start": args.start, "mode": args.mode, "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
                      "rows": rows, "summary": summary(rows)}, out)
     with open(out / f"{tag}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
         w.writerows(rows)
 

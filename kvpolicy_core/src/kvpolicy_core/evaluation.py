@@ -118,6 +118,7 @@ def perplexity(model, ids: Sequence[int], spec: Any, chunk: int = 1, progress: b
         bar.close()
     kept, full = kv_bytes(caches)
     mean = float(nll.mean())
+    merged = merges_per_eviction(caches)
     return {
         "spec": spec_label(spec),
         "tokens": T,
@@ -131,4 +132,16 @@ def perplexity(model, ids: Sequence[int], spec: Any, chunk: int = 1, progress: b
         "kv_bytes_full": full,
         "peak_memory": int(mx.get_peak_memory()),
         "nan": bool(np.isnan(nll).any()),
+        **({} if merged is None else {"merges_per_eviction": merged}),
     }
+
+
+def merges_per_eviction(caches: Sequence[Any]) -> Optional[float]:
+    """Merged losers over evicted (token, KV head) pairs, summed over the layers whose caches count merges
+    (CaM's), or None where none does or nothing was evicted."""
+    merged = evicted = 0
+    for c in caches:
+        if isinstance(c, PolicyCache) and "merges" in c.stats():
+            merged += int(c.merges)
+            evicted += max(c.offset - c.n, 0) * c.keys.shape[0] * c.keys.shape[1]  # a pending eviction: not yet
+    return merged / evicted if evicted else None

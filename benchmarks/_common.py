@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -33,7 +34,9 @@ def write_json(name: str, payload: dict, out_dir: Path = RESULTS) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     payload = {"command": " ".join(["python"] + sys.argv), "versions": versions(), **payload}
-    path.write_text(json.dumps(payload, indent=1, default=float))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=float))
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
     return path
 
 

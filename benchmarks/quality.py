@@ -12,20 +12,26 @@ default corpus (pydoc topics); ``--tag`` a suffix for the result files.
 cache is reduced. ``chunked`` mode feeds ``--chunk`` tokens per step (prefill-style, faster; each
 chunk attends to all of itself). Policies apply to all layers. Gated methods (CaM with the gate)
 run with ``--seeds`` seeds; the spread is reported. Writes quality_<mode>.json/.csv and plots
-(perplexity vs budget; running NLL vs position) under benchmarks/results/.
+(perplexity vs budget; running NLL vs position) under benchmarks/results/. Each row keeps its per-token
+NLLs, so two methods on the same tokens compare with a paired interval: with ``--reference NAME`` (default
+``h2o`` when it is among the methods) every other method is compared to it at each budget
+(:func:`kvpolicy_core.evaluation.paired_ratio`, ``paired`` in the json); ``benchmarks/paired.py`` compares
+rows of saved files.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 from _common import RESULTS, write_json
 
-from kvpolicy_core.evaluation import perplexity
+from kvpolicy_core.evaluation import paired_ratio, perplexity
 
 METHODS = {  # names keep their v0.1 meaning; "h2o" and "cam" are the current defaults
     "full": "full",
@@ -104,6 +110,8 @@ def main():
                    help="first token of the slice evaluated (another slice of the same text: a second sample)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--reference", default="h2o",
+                   help="method the others are compared to, per budget, with a paired interval (if it ran)")
     args = p.parse_args()
     if args.smoke:
         args.tokens, args.budgets, args.seeds = 80, "16,32", 2
@@ -137,7 +145,11 @@ def main():
                       + (f", {r['merges_per_eviction']:.0%} of evictions merged" if "merges_per_eviction" in r else ""),
                       flush=True)
                 save(out, tag, args, ids, rows)
-    save(out, tag, args, ids, rows)
+    paired = compare(rows, args.reference)
+    for c in paired:
+        print(f"{c['method']:28} budget {c['budget']:5d}: ppl x{c['ratio']:.4f} of {c['reference']} "
+              f"(95% CI {c['low']:.4f}-{c['high']:.4f})", flush=True)
+    save(out, tag, args, ids, rows, paired)
     if not args.smoke:
         plot(out / f"{tag}.png", rows, curves, budgets[0], len(ids))
     print(f"wrote {out / (tag + '.json')}")
@@ -151,7 +163,16 @@ def row(name, budget, seed, r, base):
         "tokens_per_s": r["tokens_per_s"], "kv_bytes_kept": r["kv_bytes_kept"], "kv_bytes_full": r["kv_bytes_full"],
         "peak_memory": r["peak_memory"], "nan": r["nan"],
         **({"merges_per_eviction": r["merges_per_eviction"]} if "merges_per_eviction" in r else {}),
+        "nll": [round(float(x), 6) for x in r["nll"]],
     }
+
+
+def compare(rows, reference: str):
+    """Every (method, budget) row of seed 0 against ``reference``'s at the same budget: paired_ratio's fields."""
+    ref = {r["budget"]: r for r in rows if r["method"] == reference and r["seed"] == 0}
+    return [{"method": r["method"], "budget": r["budget"], "reference": reference,
+             **paired_ratio(r["nll"], ref[r["budget"]]["nll"])}
+            for r in rows if r["seed"] == 0 and r["method"] not in (reference, "full") and r["budget"] in ref]
 
 
 def summary(rows):
@@ -163,13 +184,19 @@ def summary(rows):
             for (m, b), v in groups.items()]
 
 
-def save(out, tag, args, ids, rows):
-    write_json(tag, {"model": args.model, "text": args.text, "start": args.start, "mode": args.mode, "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
-                     "rows": rows, "summary": summary(rows)}, out)
-    with open(out / f"{tag}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+def save(out, tag, args, ids, rows, paired=()):
+    write_json(tag, {"model": "tiny_llama (smoke)" if args.smoke else args.model, "text": args.text, "start": args.start, "mode": args.mode,
+                     "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
+                     "ids_sha256": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest(),
+                     "rows": rows, "summary": summary(rows), "paired": list(paired)}, out)
+    table = [{k: v for k, v in r.items() if k != "nll"} for r in rows]  # per-token NLLs: in the json only
+    path = out / f"{tag}.csv"
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in table for k in r)))
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(table)
+    os.replace(tmp, path)
 
 
 def plot(path, rows, curves, budget, T):

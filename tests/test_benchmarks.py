@@ -24,6 +24,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
     ("batch_speed.py", "batch_speed_smoke.json"),
     ("batch_policy_step.py", "batch_policy_step_smoke.json"),
     ("needle.py", "needle_smoke.json"),
+    ("paired.py", "paired_smoke.json"),
 ])
 def test_benchmark_smoke(tmp_path, script, result):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(tmp_path)],
@@ -69,3 +70,33 @@ def test_perplexity_reports_the_share_of_evictions_that_merged():
     h2o = perplexity(model, ids, "h2o:budget=16", progress=False)
     assert never["merges_per_eviction"] == 0 and 0 < some["merges_per_eviction"] <= 1
     assert "merges_per_eviction" not in h2o and abs(never["perplexity"] - h2o["perplexity"]) < 1e-9
+
+
+def test_paired_ratio_is_exp_of_the_mean_nll_difference_with_an_interval_that_can_exclude_one():
+    import numpy as np
+
+    from kvpolicy_core.evaluation import paired_ratio
+
+    rng = np.random.default_rng(0)
+    b = rng.gamma(2.0, 1.5, 511)
+    same = paired_ratio(b, b)
+    assert same["ratio"] == same["low"] == same["high"] == 1.0 and same["p_worse"] == 0.0
+    shifted = b + 0.05 + 0.3 * rng.normal(size=511)
+    r = paired_ratio(shifted, b)
+    assert abs(r["ratio"] - np.exp(np.mean(shifted - b))) < 1e-12
+    assert 1.0 < r["low"] < r["ratio"] < r["high"] and r["p_worse"] == 1.0  # a real 5% loss: the CI excludes 1
+    noise = paired_ratio(b + 0.3 * rng.normal(size=511), b)
+    assert noise["low"] < 1.0 < noise["high"]  # zero-mean noise: the CI straddles 1
+    with pytest.raises(ValueError, match="equal-length"):
+        paired_ratio([], [])
+
+
+def test_quality_rows_keep_per_token_nlls_and_compare_to_the_reference(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH / "quality.py"), "--smoke", "--methods", "h2o;cam", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "quality_token_smoke.json").read_text())
+    assert all(len(r["nll"]) == data["tokens"] - 1 for r in data["rows"]) and len(data["ids_sha256"]) == 64
+    pairs = {(c["method"], c["budget"]) for c in data["paired"]}
+    assert pairs == {("cam", 16), ("cam", 32)} and all(c["reference"] == "h2o" for c in data["paired"])
+    assert "nll" not in (tmp_path / "quality_token_smoke.csv").read_text().splitlines()[0]

@@ -1,0 +1,83 @@
+"""Paired comparison of two methods' perplexity on the same tokens, from saved quality results.
+
+    python benchmarks/paired.py benchmarks/results/quality_token_r18_paired_*.json --a cam --b h2o
+    python benchmarks/paired.py --smoke          # two runs of the tiny model (the test suite runs this)
+
+Rows of ``quality.py``'s json files (which keep per-token NLLs) are matched by the tokens they ran on (the
+files' ``ids_sha256``), the budget and the seed; for each match, the ratio ``ppl_A / ppl_B`` with a paired
+block-bootstrap interval (:func:`kvpolicy_core.evaluation.paired_ratio`). Writes paired[_tag].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _common import RESULTS, write_json
+
+from kvpolicy_core.evaluation import paired_ratio
+
+
+def load_rows(paths):
+    """Every row with per-token NLLs, tagged with its file's model, text, start and token hash."""
+    rows = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for r in data["rows"]:
+            if "nll" in r:
+                rows.append({**r, "file": str(path), "model": data.get("model"), "text": data.get("text"),
+                             "start": data.get("start"), "ids": data.get("ids_sha256") or str(path)})
+    return rows
+
+
+def compare(rows, a: str, b: str, block: int = 32):
+    """ppl ratio of method ``a`` to ``b`` for every (tokens, budget, seed) both ran."""
+    ref = {(r["ids"], r["budget"], r["seed"]): r for r in rows if r["method"] == b}
+    out = []
+    for r in rows:
+        key = (r["ids"], r["budget"], r["seed"])
+        if r["method"] != a or key not in ref:
+            continue
+        if len(r["nll"]) != len(ref[key]["nll"]):
+            raise ValueError(f"{r['file']} and {ref[key]['file']}: same token hash, different lengths")
+        out.append({"model": r["model"], "text": r["text"], "start": r["start"], "budget": r["budget"],
+                    "seed": r["seed"], "a": a, "b": b, "ppl_a": r["perplexity"], "ppl_b": ref[key]["perplexity"],
+                    **paired_ratio(r["nll"], ref[key]["nll"], block=block)})
+    return sorted(out, key=lambda c: (str(c["model"]), str(c["text"]), c["start"] or 0, c["budget"] or 0, c["seed"]))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="*", help="quality.py result files (json)")
+    p.add_argument("--a", default="cam", help="method whose perplexity is the numerator")
+    p.add_argument("--b", default="h2o", help="method it is compared to")
+    p.add_argument("--block", type=int, default=32, help="bootstrap block length in tokens")
+    p.add_argument("--tag", default="")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+    files = args.files
+    if args.smoke:
+        tmp = Path(tempfile.mkdtemp())
+        subprocess.run([sys.executable, str(Path(__file__).with_name("quality.py")), "--smoke", "--methods",
+                        f"{args.a};{args.b}", "--out", str(tmp)], check=True, capture_output=True)
+        files = [str(tmp / "quality_token_smoke.json")]
+    if not files:
+        p.error("give quality.py result files (or --smoke)")
+    found = compare(load_rows(files), args.a, args.b, args.block)
+    if not found:
+        sys.exit(f"no rows of {args.a!r} and {args.b!r} on the same tokens in {len(files)} file(s)")
+    for c in found:
+        print(f"{c['model']:8} {c['text']:7} start {c['start'] or 0:5} budget {c['budget']:5} seed {c['seed']}: "
+              f"{c['a']} {c['ppl_a']:.3f} / {c['b']} {c['ppl_b']:.3f} = x{c['ratio']:.4f} "
+              f"(95% CI {c['low']:.4f}-{c['high']:.4f}, P(worse) {c['p_worse']:.2f})")
+    tag = "paired" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+    print(f"wrote {write_json(tag, {'files': files, 'comparisons': found}, Path(args.out))}")
+
+
+if __name__ == "__main__":
+    main()

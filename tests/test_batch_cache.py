@@ -18,7 +18,8 @@ from kvpolicy_core.batch_cache import BatchPolicyCache
 SHIPPED = ["h2o", "cam", "cam:merge=mass_blend", "random", "streamingllm", "tova", "cam:merge=mean,gate=false",
            "cam:merge=sim_weighted", "cam:merge=paper", "h2o:signal=proxy",  # gated merges: per-row random draws
            "h2o:signal=observed",
-           "h2o:layers=unbounded"]  # the last: sliding layers keep mlx-lm's RotatingKVCache, batched by mlx-lm
+           "h2o:layers=unbounded",  # sliding layers keep mlx-lm's RotatingKVCache, batched by mlx-lm
+           "cam:after=2,min_sim=-1"]  # merges begin at each row's own offset 16 (rows cross it at different steps)
 LENGTHS = (5, 23, 14)  # one under the budget, two over it
 MAX_TOKENS = (12, 4, 12)  # the second row finishes early (filter)
 

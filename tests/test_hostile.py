@@ -653,3 +653,24 @@ def test_cores_selector_built_by_hand_to_protect_everything_is_still_checked():
     feed(cache, keys[:, :, :9], values[:, :, :9], (9,))
     with pytest.raises(PluginError, match="sink"):
         feed(cache, keys[:, :, 9:10], values[:, :, 9:10], (1,))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_an_update_without_value_deltas_moves_only_what_it_names(monkeypatch, compiled):
+    """MergeUpdate's deltas are each optional: an update of scores alone (d_values None) leaves values as
+    they are and adds its scores, at decode steps (one compiled merge-and-write) and prompt chunks."""
+    from kvpolicy_cam.mass_merge import MassMergeDisposition
+
+    real = MassMergeDisposition.dispose
+    monkeypatch.setattr(MassMergeDisposition, "dispose",
+                        lambda self, *a: (lambda u: None if u is None else u._replace(d_values=None, d_keys=None))(
+                            real(self, *a)))
+    monkeypatch.setattr(MassMergeDisposition, "compile_decode", compiled)
+    keys, values = random_kv(B=2, S=30)
+    scores_only = PolicyCache("cam:budget=8,n_sink=1,signal=proxy,merge=mass_blend,min_sim=-1")
+    feed(scores_only, keys, values, [12] + [1] * 18)
+    assert scores_only.merges > 0
+    k, v, p, _ = scores_only.state[:4]
+    idx = p[..., None]  # every kept slot holds its own token's key and value, unblended
+    assert mx.array_equal(k, mx.take_along_axis(keys, idx, axis=2))
+    assert mx.array_equal(v, mx.take_along_axis(values, idx, axis=2))

@@ -240,8 +240,13 @@ class SlotStore:
         changed = tuple(getattr(u, f) is not None for f in _UPDATE_FIELDS)
         arrays = [getattr(self, f) for f, p in zip(_DECODE_FIELDS, present) if p]
         arrays += [getattr(u, f) for f, c in zip(_UPDATE_FIELDS, changed) if c]
-        out = _merge_write(present, changed)(u.targets, slots, keys, values, mx.array(offset, dtype=mx.int32),
-                                             *arrays)
+        try:
+            out = _merge_write(present, changed)(u.targets, slots, keys, values, mx.array(offset, dtype=mx.int32),
+                                                 *arrays)
+        except Exception:  # not traceable here (nothing written yet): the same two calls, eager
+            self.add(u)
+            self.write_into(slots, keys, values, offset)
+            return
         for f, x in zip([f for f, p in zip(_DECODE_FIELDS, present) if p], out):
             setattr(self, f, x)
 
@@ -266,11 +271,13 @@ class SlotStore:
         self.n = keep_n
 
     def add(self, u: MergeUpdate) -> None:
-        """Scatter-add a disposition's deltas at ``u.targets`` [B, H, T] (duplicate targets sum)."""
+        """Scatter-add a disposition's deltas at ``u.targets`` [B, H, T] (duplicate targets sum; a None delta
+        leaves its field as it is)."""
         B, H = self.keys.shape[:2]
         bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
         t = u.targets.astype(mx.int32)
-        self.values = self.values.at[bi, hi, t].add(u.d_values.astype(self.values.dtype))
+        if u.d_values is not None:
+            self.values = self.values.at[bi, hi, t].add(u.d_values.astype(self.values.dtype))
         if u.d_keys is not None and t.shape[-1] == 1 and self.key_norms is not None:
             # one target per row (decode): the merged row and its norm come from the old row, so the new
             # keys have one consumer (the next write) and MLX updates the buffer in place instead of

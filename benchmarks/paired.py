@@ -5,7 +5,9 @@
 
 Rows of ``quality.py``'s json files (which keep per-token NLLs) are matched by the tokens they ran on (the
 files' ``ids_sha256``), the budget and the seed; for each match, the ratio ``ppl_A / ppl_B`` with a paired
-block-bootstrap interval (:func:`kvpolicy_core.evaluation.paired_ratio`). Writes paired[_tag].json.
+block-bootstrap interval (:func:`kvpolicy_core.evaluation.paired_ratio`), then per compression ratio (tokens
+over budget) pooled over every text and model given (:func:`kvpolicy_core.evaluation.pooled_ratio`, blocks
+drawn within each text). Writes paired[_tag].json.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from _common import RESULTS, write_json
 
-from kvpolicy_core.evaluation import paired_ratio
+from kvpolicy_core.evaluation import paired_ratio, pooled_ratio
 
 
 def load_rows(paths):
@@ -45,9 +47,22 @@ def compare(rows, a: str, b: str, block: int = 32):
         if len(r["nll"]) != len(ref[key]["nll"]):
             raise ValueError(f"{r['file']} and {ref[key]['file']}: same token hash, different lengths")
         out.append({"model": r["model"], "text": r["text"], "start": r["start"], "budget": r["budget"],
-                    "seed": r["seed"], "a": a, "b": b, "ppl_a": r["perplexity"], "ppl_b": ref[key]["perplexity"],
-                    **paired_ratio(r["nll"], ref[key]["nll"], block=block)})
+                    "compression": round(r["compression"], 2), "seed": r["seed"], "a": a, "b": b,
+                    "ppl_a": r["perplexity"], "ppl_b": ref[key]["perplexity"],
+                    **paired_ratio(r["nll"], ref[key]["nll"], block=block),
+                    "_pair": (r["nll"], ref[key]["nll"])})
     return sorted(out, key=lambda c: (str(c["model"]), str(c["text"]), c["start"] or 0, c["budget"] or 0, c["seed"]))
+
+
+def pooled(found, block: int = 32):
+    """One pooled comparison per compression ratio over every (text, model) of ``found`` (seed 0)."""
+    groups = {}
+    for c in found:
+        if c["seed"] == 0:
+            groups.setdefault(c["compression"], []).append(c)
+    return [{"compression": x, "a": cs[0]["a"], "b": cs[0]["b"],
+             "cases": [f"{c['model']} {c['text']} {c['start'] or 0}" for c in cs],
+             **pooled_ratio([c["_pair"] for c in cs], block=block)} for x, cs in sorted(groups.items())]
 
 
 def main():
@@ -75,8 +90,14 @@ def main():
         print(f"{c['model']:8} {c['text']:7} start {c['start'] or 0:5} budget {c['budget']:5} seed {c['seed']}: "
               f"{c['a']} {c['ppl_a']:.3f} / {c['b']} {c['ppl_b']:.3f} = x{c['ratio']:.4f} "
               f"(95% CI {c['low']:.4f}-{c['high']:.4f}, P(worse) {c['p_worse']:.2f})")
+    pools = pooled(found, args.block)
+    for c in pools:
+        print(f"pooled over {c['texts']} text(s) at {c['compression']:g}x ({c['tokens']} tokens): "
+              f"{c['a']} / {c['b']} = x{c['ratio']:.4f} (95% CI {c['low']:.4f}-{c['high']:.4f}, "
+              f"P(worse) {c['p_worse']:.2f})")
     tag = "paired" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
-    print(f"wrote {write_json(tag, {'files': files, 'comparisons': found}, Path(args.out))}")
+    comparisons = [{k: v for k, v in c.items() if k != "_pair"} for c in found]
+    print(f"wrote {write_json(tag, {'files': files, 'comparisons': comparisons, 'pooled': pools}, Path(args.out))}")
 
 
 if __name__ == "__main__":

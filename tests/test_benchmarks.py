@@ -91,6 +91,23 @@ def test_paired_ratio_is_exp_of_the_mean_nll_difference_with_an_interval_that_ca
         paired_ratio([], [])
 
 
+
+def test_pooled_ratio_weighs_texts_by_tokens_and_narrows_with_more_of_them():
+    import numpy as np
+
+    from kvpolicy_core.evaluation import paired_ratio, pooled_ratio
+
+    rng = np.random.default_rng(1)
+    texts = [rng.gamma(2.0, 1.5, n) for n in (511, 300, 511)]
+    pairs = [(b + 0.02 + 0.3 * rng.normal(size=b.size), b) for b in texts]
+    pooled = pooled_ratio(pairs)
+    d = np.concatenate([a - b for a, b in pairs])
+    assert abs(pooled["ratio"] - np.exp(d.mean())) < 1e-12 and pooled["texts"] == 3 and pooled["tokens"] == 1322
+    one = paired_ratio(*pairs[0])
+    assert pooled["high"] - pooled["low"] < one["high"] - one["low"]  # three texts: a narrower interval
+    assert pooled_ratio([pairs[0]]) == {**one}
+
+
 def test_quality_rows_keep_per_token_nlls_and_compare_to_the_reference(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH / "quality.py"), "--smoke", "--methods", "h2o;cam", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=600)

@@ -159,20 +159,44 @@ def paired_ratio(nll_a: Sequence[float], nll_b: Sequence[float], block: int = 32
     of neighbouring tokens are correlated, so tokens are not independent samples) ``n_boot`` times and
     takes the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of ``exp(mean d*)``. Both methods see
     the same text, so what the text makes hard cancels; the interval is the noise of this comparison on
-    this text (another text is another sample, not covered by it). Returns ratio, low, high, and
-    ``p_worse``: the share of resamples with ratio > 1 (A worse than B).
+    this text (another text is another sample, not covered by it: see :func:`pooled_ratio`). Returns
+    ratio, low, high, and ``p_worse``: the share of resamples with ratio > 1 (A worse than B).
     """
-    d = np.asarray(nll_a, dtype=np.float64) - np.asarray(nll_b, dtype=np.float64)
-    if d.ndim != 1 or d.size == 0:
-        raise ValueError(f"paired_ratio needs two equal-length 1-D NLL sequences (got {np.shape(nll_a)}, "
-                         f"{np.shape(nll_b)})")
-    T, block = d.size, max(1, min(int(block), d.size))
-    n_blocks = -(-T // block)
-    rng = np.random.default_rng(seed)
-    starts = rng.integers(0, T, size=(n_boot, n_blocks))
-    idx = (starts[..., None] + np.arange(block)) % T  # [n_boot, n_blocks, block] circular blocks
-    means = d[idx].reshape(n_boot, -1)[:, :T].mean(axis=1)
-    lo, hi = np.quantile(np.exp(means), [(1 - level) / 2, (1 + level) / 2])
-    return {"ratio": float(np.exp(d.mean())), "low": float(lo), "high": float(hi),
-            "p_worse": float((means > 0).mean()), "tokens": int(T), "block": int(block)}
+    return pooled_ratio([(nll_a, nll_b)], block, n_boot, seed, level)
 
+
+def pooled_ratio(pairs: Sequence[Tuple[Sequence[float], Sequence[float]]], block: int = 32, n_boot: int = 2000,
+                 seed: int = 0, level: float = 0.95) -> Dict[str, float]:
+    """:func:`paired_ratio` over several texts (or models) at once: ``pairs`` = [(nll_a, nll_b)] of K
+    sequences of T_k tokens each, ``d_k = nll_a - nll_b``::
+
+        ratio = exp(sum_k sum_t d_k[t] / sum_k T_k)
+
+    (the token-weighted geometric mean of the K ratios). Each resample draws ``ceil(T_k / block)`` circular
+    blocks within each sequence (a stratified block bootstrap: blocks never straddle two texts).
+    """
+    ds = []
+    for a, b in pairs:
+        d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+        if d.ndim != 1 or d.size == 0:
+            raise ValueError(f"paired_ratio needs two equal-length 1-D NLL sequences (got {np.shape(a)}, "
+                             f"{np.shape(b)})")
+        ds.append(d)
+    if not ds:
+        raise ValueError("pooled_ratio needs at least one (nll_a, nll_b) pair")
+    rng = np.random.default_rng(seed)
+    total, sums = sum(d.size for d in ds), np.zeros(n_boot)
+    blocks = []
+    for d in ds:
+        T, bl = d.size, max(1, min(int(block), d.size))
+        n_blocks = -(-T // bl)
+        starts = rng.integers(0, T, size=(n_boot, n_blocks))
+        idx = (starts[..., None] + np.arange(bl)) % T  # [n_boot, n_blocks, bl] circular blocks
+        sums += d[idx].reshape(n_boot, -1)[:, :T].sum(axis=1)
+        blocks.append(bl)
+    means = sums / total
+    lo, hi = np.quantile(np.exp(means), [(1 - level) / 2, (1 + level) / 2])
+    mean = sum(d.sum() for d in ds) / total
+    return {"ratio": float(np.exp(mean)), "low": float(lo), "high": float(hi),
+            "p_worse": float((means > 0).mean()), "tokens": int(total), "block": int(max(blocks)),
+            "texts": len(ds)}

@@ -25,6 +25,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
     ("batch_policy_step.py", "batch_policy_step_smoke.json"),
     ("needle.py", "needle_smoke.json"),
     ("paired.py", "paired_smoke.json"),
+    ("merge_batching.py", "merge_batching_smoke.json"),
 ])
 def test_benchmark_smoke(tmp_path, script, result):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(tmp_path)],

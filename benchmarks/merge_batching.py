@@ -8,17 +8,16 @@ layers could run at the first layer's call as one graph over the layers stacked 
 disposition is ``batch_rows``). This times, side by side in one run: (1) the compiled merge and its
 value checks, evaluated once per layer as the cache does now; (2) the same over all layers stacked as
 B rows, evaluated once; (3) stacking the six per-slot fields of every layer into those rows (the copy a
-design that keeps one slot store per layer would pay each token). Medians of ``--repeat`` runs. Writes
+design that keeps one slot store per layer would pay each token). Medians of ``--repeat`` runs (after a warm-up). Writes
 merge_batching[_tag].json.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
-from _common import RESULTS, mx, write_json
+from _common import RESULTS, mx, timed, write_json
 
 from kvpolicy_core import PolicyCache
 from kvpolicy_core.compiled_parts import compiled
@@ -36,17 +35,6 @@ def fields(B: int, H: int, L: int, D: int, seed: int):
     out = (K, V, pos, S, mx.zeros((B, H, L)), mx.sqrt((K * K).sum(-1)))
     mx.eval(*out)
     return out
-
-
-def median_ms(fn, repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * sorted(ts)[len(ts) // 2]
 
 
 def main():
@@ -82,10 +70,10 @@ def main():
     mx.eval(losers)
     merged = int(run(batch, losers).stats["merges"].sum().item())
     times = {
-        "per_layer_ms": median_ms(lambda: [run(v, losers[i : i + 1]) for i, v in enumerate(views)], a.repeat),
-        "batched_ms": median_ms(lambda: run(batch, losers), a.repeat),
-        "stack_fields_ms": median_ms(lambda: mx.eval(*[mx.concatenate([f[i] for f in per], axis=0)
-                                                       for i in range(6)]), a.repeat),
+        "per_layer_ms": 1e3 * timed(lambda: [run(v, losers[i : i + 1]) for i, v in enumerate(views)], a.repeat),
+        "batched_ms": 1e3 * timed(lambda: run(batch, losers), a.repeat),
+        "stack_fields_ms": 1e3 * timed(lambda: mx.eval(*[mx.concatenate([f[i] for f in per], axis=0)
+                                                         for i in range(6)]), a.repeat),
     }
     print(f"{n} layers, {H} KV head(s), L={L}, D={D}: merges {merged}/{n * H}; one compiled merge per layer "
           f"{times['per_layer_ms']:.2f} ms, all layers in one {times['batched_ms']:.2f} ms "

@@ -13,11 +13,12 @@ here what it pays in the model. Caches at the same retained length: mlx-lm ``KVC
 stay at ``budget``), ``RotatingKVCache(budget+1)`` and policy configs as given (defaults: the
 observed signal). Kinds are interleaved in ``--rounds`` rounds; each time is the median over all
 rounds' steps. ``--keys random`` (the default): independent Gaussian keys, whose cosines are ~0, so
-CaM's default (a threshold of 0.85) never merges and its step is the search alone; ``--keys clustered``: each
-key is a direction shared by all plus 0.3x noise (cosines ~0.9), so every decode eviction merges (on the
-default model ~60% do); the rows record the merges per eviction. Also: the proxy scoring alone versus one
-attention pass. Ratios are to the first
-kind, measured in one run. Writes benchmarks/results/step_cost[_tag].json (and step_cost.png).
+CaM's default (a threshold of 0.85) never merges and its step is the search alone; ``--keys clustered``:
+each key is a direction shared by all plus 0.3x noise (cosines ~0.9), so every loser has a survivor
+within the threshold and merges unless that survivor is at the cap (default ``cam``: ~13% of evictions
+merge; ``cam:cap=none``: all; on the default model ~60% do); the rows record the merges per eviction.
+Also: the proxy scoring alone versus one attention pass. Ratios are to the first kind, measured in one
+run. Writes benchmarks/results/step_cost[_tag].json (and step_cost.png).
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def main():
     p.add_argument("--grid", default=None, help="budget:head_dim:kv_heads triples, comma-separated (e.g. 256:256:1)")
     p.add_argument("--tag", default="", help="suffix of the result file names")
     p.add_argument("--keys", choices=["random", "clustered"], default="random",
-                   help="random: cosines ~0 (CaM never merges); clustered: cosines ~0.9 (CaM merges every step)")
+                   help="random: cosines ~0 (CaM never merges); clustered: cosines ~0.9 (CaM merges up to its cap)")
     p.add_argument("--clock", choices=sorted(CLOCK), default="wall",
                    help="wall: elapsed time; cpu: this process's CPU time (all threads; less sensitive to other load)")
     args = p.parse_args()

@@ -8,8 +8,12 @@ layers could run at the first layer's call as one graph over the layers stacked 
 disposition is ``batch_rows``). This times, side by side in one run: (1) the compiled merge and its
 value checks, evaluated once per layer as the cache does now; (2) the same over all layers stacked as
 B rows, evaluated once; (3) stacking the six per-slot fields of every layer into those rows (the copy a
-design that keeps one slot store per layer would pay each token). Medians of ``--repeat`` runs (after a warm-up). Writes
+design that keeps one slot store per layer would pay each token); (4) one layer's merge update and new-token
+write as the two eager calls (``SlotStore.add`` then ``write_into``) versus the one compiled call the cache
+makes (``SlotStore.add_and_write``). Medians of ``--repeat`` runs (after a warm-up). Writes
 merge_batching[_tag].json.
+
+    python benchmarks/merge_batching.py --layers 1 --kv-heads 4 --budget 1024 --head-dim 128   # issue 16's point
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from _common import RESULTS, mx, timed, write_json
 from kvpolicy_core import PolicyCache
 from kvpolicy_core.compiled_parts import compiled
 from kvpolicy_core.parts.base import CacheView
+from kvpolicy_core.slots import SlotStore
 
 
 def fields(B: int, H: int, L: int, D: int, seed: int):
@@ -35,6 +40,30 @@ def fields(B: int, H: int, L: int, D: int, seed: int):
     out = (K, V, pos, S, mx.zeros((B, H, L)), mx.sqrt((K * K).sum(-1)))
     mx.eval(*out)
     return out
+
+
+def write_times(f, update, repeat: int):
+    """ms of SlotStore.add + write_into (eager) and of SlotStore.add_and_write (compiled), one layer, evaluated."""
+    B, H, L, D = f[0].shape
+    store = SlotStore(track_log_weights=True, track_key_norms=True)
+    store.restore((*f[:4], L, f[4]))
+    store.key_norms = f[5]
+    slots = mx.array([[[L - 1]] * H], dtype=mx.int32)  # the new token's slot (not a merge target: a non-sink)
+    k = mx.random.normal((B, H, 1, D), key=mx.random.key(9))
+    mx.eval(k)
+    flush = lambda: mx.eval(store.keys, store.values, store.positions, store.scores, store.log_weights,  # noqa: E731
+                            store.key_norms)
+
+    def two():
+        store.add(update)
+        store.write_into(slots, k, k, 4 * L)
+        flush()
+
+    def one():
+        store.add_and_write(update, slots, k, k, 4 * L)
+        flush()
+
+    return {"write_two_calls_ms": 1e3 * timed(two, repeat), "write_one_call_ms": 1e3 * timed(one, repeat)}
 
 
 def main():
@@ -75,9 +104,12 @@ def main():
         "stack_fields_ms": 1e3 * timed(lambda: mx.eval(*[mx.concatenate([f[i] for f in per], axis=0)
                                                          for i in range(6)]), a.repeat),
     }
+    times.update(write_times(per[0], run(views[0], losers[:1]), a.repeat))
     print(f"{n} layers, {H} KV head(s), L={L}, D={D}: merges {merged}/{n * H}; one compiled merge per layer "
           f"{times['per_layer_ms']:.2f} ms, all layers in one {times['batched_ms']:.2f} ms "
           f"(x{times['per_layer_ms'] / times['batched_ms']:.1f}); stacking the six fields {times['stack_fields_ms']:.2f} ms")
+    print(f"one layer's merge update + new-token write: two eager calls {times['write_two_calls_ms'] * 1e3:.0f} µs, "
+          f"one compiled call {times['write_one_call_ms'] * 1e3:.0f} µs")
     tag = "merge_batching" + (f"_{a.tag}" if a.tag else "") + ("_smoke" if a.smoke else "")
     path = write_json(tag, {"layers": n, "kv_heads": H, "slots": L, "head_dim": D, "merges": merged, **times},
                       Path(a.out))

@@ -4,7 +4,7 @@
     python benchmarks/paired.py --smoke          # two runs of the tiny model (the test suite runs this)
 
 Rows of ``quality.py``'s json files (which keep per-token NLLs) are matched by the tokens they ran on (the
-files' ``ids_sha256``), the budget and the seed; for each match, the ratio ``ppl_A / ppl_B`` with a paired
+files' ``ids_sha256``), the model, the mode (and chunk), the budget and the seed; for each match, the ratio ``ppl_A / ppl_B`` with a paired
 block-bootstrap interval (:func:`kvpolicy_core.evaluation.paired_ratio`), then per compression ratio (tokens
 over budget) pooled over every text and model given (:func:`kvpolicy_core.evaluation.pooled_ratio`, blocks
 drawn within each text). Writes paired[_tag].json.
@@ -32,16 +32,26 @@ def load_rows(paths):
         for r in data["rows"]:
             if "nll" in r:
                 rows.append({**r, "file": str(path), "model": data.get("model"), "text": data.get("text"),
-                             "start": data.get("start"), "ids": data.get("ids_sha256") or str(path)})
+                             "start": data.get("start"), "ids": data.get("ids_sha256") or str(path),
+                             "mode": data.get("mode"), "chunk": data.get("chunk")})
     return rows
 
 
 def compare(rows, a: str, b: str, block: int = 32):
     """ppl ratio of method ``a`` to ``b`` for every (tokens, budget, seed) both ran."""
-    ref = {(r["ids"], r["budget"], r["seed"]): r for r in rows if r["method"] == b}
+    def key_of(r):  # the same tokens, model, mode and budget: only the method differs
+        return r["ids"], r["model"], r["mode"], r["chunk"], r["budget"], r["seed"]
+
+    ref = {}
+    for r in rows:
+        if r["method"] == b:
+            if key_of(r) in ref:
+                raise ValueError(f"{r['file']} and {ref[key_of(r)]['file']}: two {b!r} rows for the same tokens, "
+                                 f"model, mode, budget and seed; give one of them")
+            ref[key_of(r)] = r
     out = []
     for r in rows:
-        key = (r["ids"], r["budget"], r["seed"])
+        key = key_of(r)
         if r["method"] != a or key not in ref:
             continue
         if len(r["nll"]) != len(ref[key]["nll"]):
@@ -83,7 +93,10 @@ def main():
         files = [str(tmp / "quality_token_smoke.json")]
     if not files:
         p.error("give quality.py result files (or --smoke)")
-    found = compare(load_rows(files), args.a, args.b, args.block)
+    try:
+        found = compare(load_rows(files), args.a, args.b, args.block)
+    except ValueError as exc:
+        sys.exit(f"paired.py: {exc}")
     if not found:
         sys.exit(f"no rows of {args.a!r} and {args.b!r} on the same tokens in {len(files)} file(s)")
     for c in found:

@@ -118,3 +118,44 @@ def test_quality_rows_keep_per_token_nlls_and_compare_to_the_reference(tmp_path)
     pairs = {(c["method"], c["budget"]) for c in data["paired"]}
     assert pairs == {("cam", 16), ("cam", 32)} and all(c["reference"] == "h2o" for c in data["paired"])
     assert "nll" not in (tmp_path / "quality_token_smoke.csv").read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize("a, b, needle", [
+    (list(range(1, 100)), [1.0], "equal-length"),  # would broadcast
+    (list(range(1, 100)), list(range(1, 99)), "equal-length"),
+    ([1.0] * 50 + [float("nan")] * 49, [1.0] * 99, "finite"),
+    ([1.0] * 20, [2.0] * 20, "two blocks"),  # one block: every resample the same, a point interval
+])
+def test_paired_ratio_refuses_what_would_give_a_meaningless_interval(a, b, needle):
+    from kvpolicy_core.evaluation import paired_ratio
+
+    with pytest.raises(ValueError, match=needle):
+        paired_ratio(a, b)
+
+
+def test_paired_py_matches_rows_of_one_model_and_mode_only(tmp_path):
+    """Same tokens, another model (or mode): not paired; two reference rows for one key: refused."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+
+    def result(name, model, mode, nll_cam, nll_h2o):
+        rows = [{"method": m, "budget": 16, "seed": 0, "compression": 5.0, "perplexity": float(np.exp(np.mean(n))),
+                 "nll": list(n)} for m, n in (("cam", nll_cam), ("h2o", nll_h2o))]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"model": model, "text": "pydoc", "start": 0, "mode": mode, "chunk": 1,
+                                    "ids_sha256": "same", "rows": rows}))
+        return str(path)
+
+    base = rng.gamma(2.0, 1.5, 100)
+    small = result("small", "m1", "token", base + 0.1, base)
+    big = result("big", "m2", "token", base - 1.0, base + 1.0)
+    chunked = result("chunked", "m1", "chunked", base + 2.0, base)
+    run = lambda *files: subprocess.run([sys.executable, str(BENCH / "paired.py"), *files, "--out", str(tmp_path)],  # noqa: E731
+                                        capture_output=True, text=True, timeout=300)
+    proc = run(small, big, chunked)
+    assert proc.returncode == 0, proc.stderr
+    ratios = sorted(round(c["ratio"], 4) for c in json.loads((tmp_path / "paired.json").read_text())["comparisons"])
+    assert ratios == sorted(round(float(np.exp(x)), 4) for x in (0.1, -2.0, 2.0))  # each paired within itself
+    dup = run(small, small)
+    assert dup.returncode != 0 and "two 'h2o' rows" in dup.stderr

@@ -280,6 +280,19 @@ def test_after_drops_until_the_cache_has_seen_after_times_its_budget_then_merges
     assert early.merges > late.merges
 
 
+@pytest.mark.parametrize("after", [1e3, 3e8, 1e30, 1e308])
+def test_an_after_beyond_any_offset_is_h2o_for_the_whole_run(after):
+    """A threshold past 2**31 tokens (the int32 offset of compiled steps) is accepted and never reached."""
+    K, V = random_kv(B=2, H=2, S=40, D=8, seed=12)
+    late, h2o = PolicyCache(f"cam:budget=10,n_sink=2,signal=proxy,min_sim=-1,after={after}"), PolicyCache(
+        "h2o:budget=10,n_sink=2,signal=proxy")
+    for c in (late, h2o):
+        feed(c, K, V, [12] + [1] * 28)
+    assert late.merges == 0
+    for x, y in zip(late.state[:4], h2o.state[:4]):
+        assert mx.array_equal(x, y)
+
+
 def test_after_is_refused_below_one_and_for_merges_that_do_not_use_it():
     from kvpolicy_core.config import parse_config
     from kvpolicy_core.errors import ConfigError

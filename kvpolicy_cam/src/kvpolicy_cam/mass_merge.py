@@ -26,6 +26,7 @@ from kvpolicy_core.parts.merge import per_target_sum
 
 from .gated_merge import STATS, bernoulli, blend_update, finite_rows, gate_probability, merge_targets, per_row, take
 
+_INT32_MAX = 2**31 - 1
 _MAX_RATIO = 1e4  # bounds one merge's log-weight step to log(1 + 1e4) ~ 9.2
 
 
@@ -39,6 +40,14 @@ def mass_at(view: CacheView, idx: mx.array, rate: bool) -> mx.array:
     if not rate:
         return s
     return s / mx.maximum(view.offset - take(view.positions, idx), 1).astype(mx.float32)
+
+
+def after_tokens(after: float, budget: int) -> int:
+    """``ceil(after * budget)``: the offset from which merges begin (0: no threshold, for ``after = 1``), at most
+    2**31 - 1, since the offset enters compiled steps as an int32 (a threshold beyond it is never reached)."""
+    if after == 1:
+        return 0
+    return int(math.ceil(min(after * budget, _INT32_MAX)))
 
 
 class MassMergeDisposition(Disposition):
@@ -89,7 +98,7 @@ class MassMergeDisposition(Disposition):
     def from_config(cls, config) -> "MassMergeDisposition":
         return cls(n_sink=config.n_sink, log_weights=config.merge == "mass", gate=config.merge_gate,
                    merge_keys=config.merge_keys, min_sim=config.merge_min_sim, merge_prompt=config.merge_prompt,
-                   cap=config.merge_cap, after_tokens=0 if config.merge_after == 1 else math.ceil(config.merge_after * config.budget))
+                   cap=config.merge_cap, after_tokens=after_tokens(config.merge_after, config.budget))
 
     def stats(self):
         return STATS

@@ -161,6 +161,10 @@ def paired_ratio(nll_a: Sequence[float], nll_b: Sequence[float], block: int = 32
     the same text, so what the text makes hard cancels; the interval is the noise of this comparison on
     this text (another text is another sample, not covered by it: see :func:`pooled_ratio`). Returns
     ratio, low, high, and ``p_worse``: the share of resamples with ratio > 1 (A worse than B).
+
+    Needs finite NLLs and at least two blocks per text (ValueError otherwise). Coverage, measured on
+    AR(1) noise with correlation 0.5 (200 trials): 0.93 at 512 and 2000 tokens, 0.87 with 8 blocks, lower
+    for fewer or for correlations near 1; the interval is approximate, not exact.
     """
     return pooled_ratio([(nll_a, nll_b)], block, n_boot, seed, level)
 
@@ -175,28 +179,35 @@ def pooled_ratio(pairs: Sequence[Tuple[Sequence[float], Sequence[float]]], block
     (the token-weighted geometric mean of the K ratios). Each resample draws ``ceil(T_k / block)`` circular
     blocks within each sequence (a stratified block bootstrap: blocks never straddle two texts).
     """
+    if int(block) < 1 or int(n_boot) < 1:
+        raise ValueError(f"block and n_boot must be >= 1 (got block={block}, n_boot={n_boot})")
     ds = []
     for a, b in pairs:
-        d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
-        if d.ndim != 1 or d.size == 0:
-            raise ValueError(f"paired_ratio needs two equal-length 1-D NLL sequences (got {np.shape(a)}, "
-                             f"{np.shape(b)})")
-        ds.append(d)
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        if a.ndim != 1 or a.shape != b.shape or a.size == 0:
+            raise ValueError(f"paired_ratio needs two equal-length 1-D NLL sequences (got {a.shape}, {b.shape})")
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise ValueError("paired_ratio needs finite NLLs (a NaN or inf would make the ratio and its interval "
+                             "meaningless); drop or fix the run that produced them")
+        if a.size < 2 * int(block):
+            raise ValueError(f"paired_ratio needs at least two blocks of tokens per text ({a.size} tokens, block "
+                             f"{int(block)}): with one block every resample is the same, and the interval would be "
+                             "a point")
+        ds.append(a - b)
     if not ds:
         raise ValueError("pooled_ratio needs at least one (nll_a, nll_b) pair")
     rng = np.random.default_rng(seed)
-    total, sums = sum(d.size for d in ds), np.zeros(n_boot)
-    blocks = []
+    total, sums, bl, n_all = sum(d.size for d in ds), np.zeros(n_boot), int(block), 0
     for d in ds:
-        T, bl = d.size, max(1, min(int(block), d.size))
+        T = d.size
         n_blocks = -(-T // bl)
+        n_all += n_blocks
         starts = rng.integers(0, T, size=(n_boot, n_blocks))
         idx = (starts[..., None] + np.arange(bl)) % T  # [n_boot, n_blocks, bl] circular blocks
         sums += d[idx].reshape(n_boot, -1)[:, :T].sum(axis=1)
-        blocks.append(bl)
     means = sums / total
     lo, hi = np.quantile(np.exp(means), [(1 - level) / 2, (1 + level) / 2])
     mean = sum(d.sum() for d in ds) / total
     return {"ratio": float(np.exp(mean)), "low": float(lo), "high": float(hi),
-            "p_worse": float((means > 0).mean()), "tokens": int(total), "block": int(max(blocks)),
+            "p_worse": float((means > 0).mean()), "tokens": int(total), "block": bl, "blocks": n_all,
             "texts": len(ds)}

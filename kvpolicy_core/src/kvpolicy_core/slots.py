@@ -280,8 +280,9 @@ class SlotStore:
             self.values = self.values.at[bi, hi, t].add(u.d_values.astype(self.values.dtype))
         if u.d_keys is not None and t.shape[-1] == 1 and self.key_norms is not None:
             # one target per row (decode): the merged row and its norm come from the old row, so the new
-            # keys have one consumer (the next write) and MLX updates the buffer in place instead of
-            # copying [B, H, L, D] every step (reading the new keys back for the norm forced a copy)
+            # keys have one consumer (the next write) and MLX can update the buffer in place (reading the new
+            # keys back for the norm forced a [B, H, L, D] copy every step); whether it does depends on what
+            # else holds the old buffer when the graph runs: a probe saw some float16 steps still copy
             row = mx.take_along_axis(self._keys, t[..., None], axis=2) + u.d_keys.astype(self._keys.dtype)
             self._keys = mx.put_along_axis(self._keys, t[..., None], row, axis=2)
             self.key_norms = mx.put_along_axis(self.key_norms, t, key_norm(row), axis=2)

@@ -284,14 +284,13 @@ class PolicyCache(CacheState, CacheDiagnostics):
         if counts:
             zero = mx.array(0, dtype=mx.int32)
             self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
-        if new_token is None:
-            if update is not None:
-                self._slots.add(update)
-        elif update is not None and update.targets.shape[-1] == 1 and self.n == self._slots.keys.shape[2]:
+        if (new_token is not None and update is not None and update.targets.shape[-1] == 1
+                and self.n == self._slots.keys.shape[2]):
             self._slots.add_and_write(update, losers, *new_token, self.offset)
-        else:
-            if update is not None:
-                self._slots.add(update)
+            return losers
+        if update is not None:
+            self._slots.add(update)
+        if new_token is not None:
             self._slots.write_into(losers, *new_token, self.offset)
         return losers
 

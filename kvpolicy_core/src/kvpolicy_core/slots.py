@@ -49,14 +49,13 @@ _UPDATE_FIELDS = ("d_keys", "d_values", "d_scores", "d_log_weights")
 _merge_writes: dict = {}
 
 
-def _merge_write(present: Tuple[bool, ...], changed: Tuple[bool, ...]):
-    """The compiled :meth:`SlotStore.add` then :meth:`SlotStore.write_into` for the store fields ``present`` and
-    the update fields ``changed``, one trace per (present, changed) (MLX retraces on a new shape or dtype)."""
-    key = (present, changed)
+def _merge_write(fields: Tuple[str, ...], changed: Tuple[bool, ...]):
+    """The compiled :meth:`SlotStore.add` then :meth:`SlotStore.write_into` for the store ``fields`` that are set
+    and the update fields ``changed``, one trace per (fields, changed) (MLX retraces on a new shape or dtype)."""
+    key = (fields, changed)
     if key not in _merge_writes:
         def fn(targets, slots, keys, values, offset, *arrays):
-            store = SlotStore(track_log_weights=present[4], track_key_norms=present[5])
-            fields = [f for f, p in zip(_DECODE_FIELDS, present) if p]
+            store = SlotStore(track_log_weights="log_weights" in fields, track_key_norms="key_norms" in fields)
             for f, x in zip(fields, arrays):  # _keys first: the keys setter would reset key_norms
                 setattr(store, f, x)
             deltas = dict(zip([f for f, c in zip(_UPDATE_FIELDS, changed) if c], arrays[len(fields):]))
@@ -236,18 +235,17 @@ class SlotStore:
     def add_and_write(self, u: MergeUpdate, slots: mx.array, keys: mx.array, values: mx.array, offset: int) -> None:
         """Decode with a merge: :meth:`add` then :meth:`write_into`, the same ops as one compiled call (one target
         and one slot [B, H, 1] per row; their ~25 scatters and elementwise ops cost ~10 µs each when eager)."""
-        present = tuple(getattr(self, f) is not None for f in _DECODE_FIELDS)
+        fields = tuple(f for f in _DECODE_FIELDS if getattr(self, f) is not None)
         changed = tuple(getattr(u, f) is not None for f in _UPDATE_FIELDS)
-        arrays = [getattr(self, f) for f, p in zip(_DECODE_FIELDS, present) if p]
-        arrays += [getattr(u, f) for f, c in zip(_UPDATE_FIELDS, changed) if c]
+        arrays = [getattr(self, f) for f in fields] + [getattr(u, f) for f, c in zip(_UPDATE_FIELDS, changed) if c]
         try:
-            out = _merge_write(present, changed)(u.targets, slots, keys, values, mx.array(offset, dtype=mx.int32),
-                                                 *arrays)
+            out = _merge_write(fields, changed)(u.targets, slots, keys, values, mx.array(offset, dtype=mx.int32),
+                                                *arrays)
         except Exception:  # not traceable here (nothing written yet): the same two calls, eager
             self.add(u)
             self.write_into(slots, keys, values, offset)
             return
-        for f, x in zip([f for f, p in zip(_DECODE_FIELDS, present) if p], out):
+        for f, x in zip(fields, out):
             setattr(self, f, x)
 
     def replace(self, keys: mx.array, values: mx.array, positions: mx.array, scores: mx.array) -> None:

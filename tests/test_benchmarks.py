@@ -26,6 +26,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
     ("needle.py", "needle_smoke.json"),
     ("paired.py", "paired_smoke.json"),
     ("merge_batching.py", "merge_batching_smoke.json"),
+    ("op_cost.py", "op_cost_smoke.json"),
 ])
 def test_benchmark_smoke(tmp_path, script, result):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(tmp_path)],

@@ -243,8 +243,8 @@ def test_cores_selector_adds_no_host_sync_to_a_decode_step(monkeypatch, window):
 
     read = []
     real = PolicyStep._raise_broken
-    monkeypatch.setattr(PolicyStep, "_raise_broken", lambda self, pending, noop=None: (
-        read.append(len(pending) + (noop is not None)), real(self, pending, noop))[1])
+    monkeypatch.setattr(PolicyStep, "_raise_broken", lambda self, pending: (
+        read.append(len(pending)), real(self, pending))[1])
     keys, values = random_kv(S=20)
     cache = PolicyCache("h2o:budget=8,n_sink=1,recent=2,signal=proxy", window=window)
     feed(cache, keys, values, [12] + [1] * 8)
@@ -334,6 +334,39 @@ def test_bad_merge_updates_are_a_plugin_error(bad_plugin, mode, needle):
     with pytest.raises(PluginError, match=needle):
         feed(cache, keys[:, :, 12:13], values[:, :, 12:13], (1,))
     assert cache.offset == 12
+
+
+def test_an_updates_check_code_says_broken_changed_or_nothing():
+    """update_checks: one code per update (4: a target outside [0, L); 2: a non-finite delta; 1: a nonzero delta;
+    0: the update changes nothing), and nonfinite_flags decides a non-finite delta exactly, per target row."""
+    from kvpolicy_core.value_checks import nonfinite_flags, scalar, update_checks
+
+    base = mx.array([[[[1.0, 2.0], [math.nan, math.inf], [3.0, 4.0]]]])  # [1, 1, 3, 2]: row 1 non-finite
+    t = mx.array([[[2]]], dtype=mx.int32)
+    zero, one, nan = mx.zeros((1, 1, 1, 2)), mx.ones((1, 1, 1, 2)), mx.full((1, 1, 1, 2), math.nan)
+
+    def code(targets, d, lw=None):
+        c, _ = update_checks(targets, scalar(2), [(d, base)], lw)
+        return c.item()
+
+    assert code(t, zero) == 0 and code(t, one) == 1 and code(t, nan) == 2
+    assert code(mx.array([[[3]]], dtype=mx.int32), zero) == 4 and code(mx.array([[[-1]]], dtype=mx.int32), nan) == 6
+    assert code(t, zero.astype(mx.int32)) == 0 and code(t, one.astype(mx.int32)) == 1  # integer deltas
+    assert code(t, zero, mx.array([[[math.nan]]])) == 0  # a NaN log-weight delta is made 0: nothing changes
+    assert code(t, zero, mx.array([[[0.5]]])) == 1
+    assert nonfinite_flags(t, 2, [(nan, base)]) == [True]  # a finite row would get NaN: broken
+    assert nonfinite_flags(mx.array([[[1]]], dtype=mx.int32), 2, [(nan, base)]) == [False]  # already non-finite
+
+
+def test_a_non_finite_delta_for_a_non_finite_row_is_allowed(odd_plugin):
+    """Only a finite survivor is protected from NaN: the same NaN delta on a row that is already NaN is applied."""
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("oddmerge:budget=8,n_sink=1,recent=1")
+    feed(cache, keys[:, :, :8], values[:, :, :8], (8,))
+    cache.values = mx.where(mx.arange(cache.values.shape[2])[:, None] == 1, math.nan, cache.values)  # slot 1: NaN
+    OddMerge.mode = "nan"
+    feed(cache, keys[:, :, 8:10], values[:, :, 8:10], (1, 1))  # OddMerge merges into slot 1
+    assert cache.offset == 10 and mx.all(mx.isnan(cache.values[:, :, 1])).item()
 
 
 # ----------------------------------------------------------------------------- weaker spots

@@ -172,13 +172,13 @@ class _Compiled(_PartRef):
             checks = list(update_checks(targets, last, pairs, u.d_log_weights))
             spec[:] = [("update", fields, [k for k, _ in stats],
                         {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)}, u.stats is None,
-                        checks[2] is not None)]
+                        checks[1] is not None)]
             return [getattr(u, f) for f in fields] + [v for _, v in stats] + [c for c in checks if c is not None]
 
         return mx.compile(fn), spec
 
     def __call__(self, view: CacheView, losers: mx.array, key: mx.array):
-        """(the MergeUpdate or None, its in-graph checks (flags, noop, finite d_log_weights) or None)."""
+        """(the MergeUpdate or None, its in-graph checks (check code, finite d_log_weights) or None)."""
         from .value_checks import scalar
 
         layout, arrays = _layout(view)
@@ -192,7 +192,7 @@ class _Compiled(_PartRef):
         update = dict(zip(fields, out[: len(fields)]))
         n = len(fields) + len(stat_names)
         stats: Optional[dict] = None if no_stats else {**constants, **dict(zip(stat_names, out[len(fields):n]))}
-        checks = (out[n], out[n + 1], out[n + 2] if has_lw else None)
+        checks = (out[n], out[n + 1] if has_lw else None)
         return MergeUpdate(**update, stats=stats), checks
 
 

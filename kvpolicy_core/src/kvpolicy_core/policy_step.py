@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
 from .compiled_parts import compiled, compiled_evict_write, compiled_select, wants_compile
-from .value_checks import checked_update, loser_flags
+from .value_checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, loser_flags, nonfinite_flags
 from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, Disposition, MergeUpdate, Selector, pick_lowest
 from .policy import Policy, step_key, step_keys
@@ -142,27 +142,28 @@ class PolicyStep:
             raise PluginError(f"{owner} returned {what} of dtype {dtype}, expected an integer dtype")
         return idx if idx.dtype == mx.int32 else idx.astype(mx.int32)
 
-    def _raise_broken(self, pending, noop: Optional[mx.array] = None) -> bool:
+    def _raise_broken(self, pending) -> List[list]:
         """Evaluate every pending value check of this eviction in one host sync; raise the first broken rule.
 
-        ``pending``: (kind, flags [k] bool mx.array, k messages) per part, in the order the parts ran.
-        ``noop``: a [1] bool flag read in the same sync (the update changes nothing); returned.
+        ``pending``: (kind, flags mx.array, messages) per part, in the order the parts ran; ``messages`` a list
+        (flag i true: ``messages[i]`` is broken) or a callable taking the flags' values and returning the broken
+        rule's message or None (the disposition's check code, :meth:`_checked_update`). Returns the values.
         """
-        flags = [f for _, f, _ in pending] + ([noop] if noop is not None else [])
+        flags = [f for _, f, _ in pending]
         if not flags:
-            return False
+            return []
         try:
             mx.eval(*flags)
         except Exception:  # an error MLX raises only at evaluation: name the part whose output it is
             for kind, f, _ in pending:
                 self.evaluated(kind, "output", f)
             raise
-        values = [bad for f in flags for bad in f.tolist()]  # evaluated: read back without another graph op
-        for (kind, _, messages), broken in zip(pending, _split(values, [len(m) for _, _, m in pending])):
-            for msg, bad in zip(messages, broken):
-                if bad:
-                    raise PluginError(msg)
-        return noop is not None and bool(values[-1])
+        values = [f.tolist() for f in flags]  # evaluated: read back without another graph op
+        for (kind, _, messages), got in zip(pending, values):
+            broken = messages(got) if callable(messages) else next((m for m, bad in zip(messages, got) if bad), None)
+            if broken:
+                raise PluginError(broken)
+        return values
 
     def losers(self, view: CacheView, n_evict: int):
         """Losers [B, H, n_evict] int32 (window-dead slots first, then the selector's choice) and the
@@ -248,15 +249,14 @@ class PolicyStep:
                     self._compiled_ok[1] = False
             if not done:
                 update = self.call("disposition", disposition.dispose, view, losers, key)
-            noop = None
             if update is not None:
-                update, checks, noop = self._checked_update(view, update, in_graph)
+                update, checks = self._checked_update(view, update, in_graph)
                 pending.append(checks)
         except PluginError:
             if pending:
                 self._raise_broken(pending[:1])  # the selector's outputs were wrong first
             raise
-        unchanged = self._raise_broken(pending, noop)
+        values = self._raise_broken(pending)
         if update is None:
             return None, {}
         counts = self._counts(update.stats, rows)
@@ -271,7 +271,7 @@ class PolicyStep:
             for name, value in self._counts({"gate_draws": update.draws, "merges": update.merges}).items():
                 counts.setdefault(name, value)
         # every delta is 0 (e.g. no loser merged): nothing to write (the counters still count)
-        return (None if unchanged else update), counts
+        return (None if values[-1][0] == 0 else update), counts
 
     def _counts(self, stats, rows: Optional[int] = None) -> Counters:
         """A disposition's counters as int32 scalars (summed over a batch), or per row ``[rows]``.
@@ -303,10 +303,11 @@ class PolicyStep:
         return out
 
     def _checked_update(self, view: CacheView, u, in_graph=None):
-        """A disposition's MergeUpdate with its metadata checked (deltas shaped like their rows, real dtypes),
-        its pending value checks (targets in range, finite deltas for finite rows) and its no-op flag.
+        """A disposition's MergeUpdate with its metadata checked (deltas shaped like their rows, real dtypes) and
+        its pending value check (targets in range, finite deltas for finite rows), whose code also says whether the
+        update changes anything (:func:`~kvpolicy_core.value_checks.update_checks`).
 
-        ``in_graph``: (flags, noop, finite d_log_weights) when the compiled decode path already traced
+        ``in_graph``: (check code, finite d_log_weights) when the compiled decode path already traced
         :func:`~kvpolicy_core.value_checks.update_checks` into the disposition's graph; else computed here.
         """
         owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
@@ -332,20 +333,20 @@ class PolicyStep:
                 raise PluginError(f"{owner} returned {name} of dtype {x.dtype}, expected a real dtype")
         bases = {"d_keys": view.keys, "d_values": view.values, "d_scores": view.scores}
         targets = self._index_meta("disposition", "merge targets", u.targets, (B, H, max(T, 0)))
-        finite = [(name, x) for name, x in deltas if mx.issubdtype(x.dtype, mx.floating)]
-        messages = [f"{owner} returned merge targets outside the cache: each must be in [0, L), with L = {L}"] + [
-            f"{owner} returned {name} with non-finite values (NaN or inf) for finite survivors; deltas must be finite"
-            for name, _ in finite]
-        # d_log_weights made finite without a host sync: NaN adds 0, +-inf and huge values are clipped
+        pairs = [(x, bases[name]) for name, x in deltas]
         if in_graph is None:
-            in_graph = checked_update(targets, L, [(x, bases[name]) for name, x in deltas], u.d_log_weights)
-        flags, noop, lw = in_graph
-        return u._replace(targets=targets, d_log_weights=lw), ("disposition", flags, messages), noop
+            in_graph = checked_update(targets, L, pairs, u.d_log_weights)
+        code, lw = in_graph
+        names = [name for name, x in deltas if mx.issubdtype(x.dtype, mx.floating)]
 
+        def broken(got) -> Optional[str]:  # the code's value -> the first broken rule, or None
+            if got[0] & TARGET_OUT_OF_RANGE:
+                return f"{owner} returned merge targets outside the cache: each must be in [0, L), with L = {L}"
+            if got[0] & NONFINITE:  # rare: decide exactly, per delta, whether a finite target row gets it
+                for name, bad in zip(names, nonfinite_flags(targets, L - 1, pairs)):
+                    if bad:
+                        return (f"{owner} returned {name} with non-finite values (NaN or inf) for finite survivors; "
+                                "deltas must be finite")
+            return None
 
-def _split(values, sizes):
-    out, i = [], 0
-    for n in sizes:
-        out.append(values[i : i + n])
-        i += n
-    return out
+        return u._replace(targets=targets, d_log_weights=lw), ("disposition", code, broken)

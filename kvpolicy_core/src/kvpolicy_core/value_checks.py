@@ -1,12 +1,14 @@
 """The value checks of part outputs (issue 13) as compiled MLX graphs: one small fused graph per check.
 
-Each function returns bool flags (True = the rule is broken) for :class:`~kvpolicy_core.policy_step.PolicyStep`,
-which evaluates every flag of one eviction in a single host sync. On CPU each MLX op has a fixed cost
-of ~5-10 µs and these checks are ~25 tiny reductions per merge step; compiled, they are a few
-(docs/benchmarks.md). Sizes enter as input arrays, not Python constants: MLX compiles fused CPU kernels
-with the system C++ compiler once per distinct kernel (cached under its temporary directory), so a
-constant per budget would compile new kernels for every budget. Indices are clamped into ``[0, L)`` before any gather here, so a check never reads
-out of bounds whatever it is given.
+Each function returns flags for :class:`~kvpolicy_core.policy_step.PolicyStep`, which evaluates every
+flag of one eviction in a single host sync. On CPU each MLX op that is not fused (a reduction, a gather)
+costs ~10-25 µs on this project's machines, so a merge update's checks are one summary code with one
+reduction per array and no gather (:func:`update_checks`); the exact per-row rule is decided on the
+host only when that code reports a non-finite delta (:func:`nonfinite_flags`). Sizes enter as input
+arrays, not Python constants: MLX compiles fused CPU kernels with the system C++ compiler once per
+distinct kernel (cached under its temporary directory), so a constant per budget would compile new
+kernels for every budget. Indices are clamped into ``[0, L)`` before any gather here, so a check never
+reads out of bounds whatever it is given.
 """
 
 from __future__ import annotations
@@ -68,23 +70,51 @@ def loser_flags(idx: mx.array, positions: mx.array, n_sink: int, dead: Optional[
     return _compiled_losers_dead(idx, positions, n, last, dead)
 
 
+#: bits of an update's check summary (:func:`update_checks`)
+TARGET_OUT_OF_RANGE = 4  # some target outside [0, L)
+NONFINITE = 2  # some delta element is NaN or inf: broken only where its target row is finite (re-checked on the host)
+CHANGES = 1  # some delta element is nonzero (none, and no bit above: applying the update changes nothing)
+
+
 def update_checks(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.array, mx.array]],
                   d_log_weights: Optional[mx.array]):
-    """A MergeUpdate's value checks, traceable (the compiled decode path runs them in the disposition's graph).
+    """A MergeUpdate's value checks as one summary, traceable (the compiled decode path runs them in the
+    disposition's graph): one reduction per array, no gather.
 
-    ``pairs``: (delta, base) for d_keys, d_values, d_scores as present. Returns (flags [1 + f] bool: a target
-    outside ``[0, last]``, then per floating delta a non-finite value for a finite row; noop [1] bool: every
-    delta is 0, so applying the update changes nothing; the log-weight deltas made finite: NaN as 0, clipped
-    to +-``LOG_WEIGHT_BOUND``, or None).
+    ``pairs``: (delta, base) for d_keys, d_values, d_scores as present (the bases are read only by
+    :func:`nonfinite_flags`, on the rare path). Returns (code [1] int32, the log-weight deltas made finite:
+    NaN as 0, clipped to +-``LOG_WEIGHT_BOUND``, or None), where::
+
+        code = 4 [some target outside [0, last]] + max over deltas d (and the finite log-weight deltas) of
+               (2 if d has a NaN or inf element, else 1 if d has a nonzero element, else 0)
+
+    ``code == 0``: the update changes nothing; ``code & 2``: some delta is non-finite, a broken rule only
+    where its target row is finite, which :func:`nonfinite_flags` decides exactly.
     """
-    flags = _target_flags(targets, last, [(d, b) for d, b in pairs if mx.issubdtype(d.dtype, mx.floating)])
+    code = mx.any((targets < 0) | (targets > last)).astype(mx.int32) * TARGET_OUT_OF_RANGE
     lw = None
     if d_log_weights is not None:
         lw = mx.clip(mx.nan_to_num(d_log_weights.astype(mx.float32), nan=0.0), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
-    noop = mx.array(True)
+    level = mx.array(0, dtype=mx.int32)
     for d in [d for d, _ in pairs] + ([lw] if lw is not None else []):
-        noop = noop & mx.all(d == 0)
-    return flags, noop.reshape(1), lw
+        if d.size == 0:
+            continue
+        if mx.issubdtype(d.dtype, mx.floating):
+            lvl = mx.max(mx.where(mx.isfinite(d), (d != 0).astype(mx.int32), NONFINITE))
+        else:
+            lvl = mx.any(d != 0).astype(mx.int32)
+        level = mx.maximum(level, lvl)
+    return (code + level).reshape(1), lw
+
+
+def nonfinite_flags(targets: mx.array, last: int, pairs: Sequence[Tuple[mx.array, mx.array]]) -> List[bool]:
+    """Per floating (delta, base) of ``pairs``: whether the delta has a NaN or inf where its target row of
+    ``base`` is finite (the broken rule; a non-finite delta on a non-finite row is allowed). Host-side, on
+    the rare path where :func:`update_checks` reported a non-finite delta; targets are clamped before the gather."""
+    floating = [(d, b) for d, b in pairs if mx.issubdtype(d.dtype, mx.floating)]
+    flags = _target_flags(targets, scalar(last), floating)[1:]
+    mx.eval(flags)
+    return [bool(f) for f in flags.tolist()]
 
 
 _compiled_updates = {}
@@ -92,7 +122,8 @@ _compiled_updates = {}
 
 def checked_update(targets: mx.array, L: int, pairs: List[Tuple[mx.array, mx.array]],
                    d_log_weights: Optional[mx.array]):
-    """:func:`update_checks` compiled (once per set of present deltas); sizes enter as arrays."""
+    """:func:`update_checks` compiled (once per set of present deltas): (code [1] int32, finite log-weight
+    deltas or None); sizes enter as arrays."""
     key = (len(pairs), d_log_weights is not None)
     fn = _compiled_updates.get(key)
     if fn is None:

@@ -34,6 +34,7 @@ def _inputs(B, Hq, H, S, L, D, dtype, seed=0):
 @pytest.mark.parametrize("shape, mask_kind", [
     ((1, 4, 4, 1, 50), None), ((2, 8, 2, 1, 50), None), ((2, 4, 1, 7, 30), "causal"),
     ((1, 4, 2, 7, 30), "bool"), ((2, 4, 2, 7, 30), "additive4"), ((2, 4, 2, 1, 30), "bool4"),
+    ((2, 4, 2, 1, 30), "additive4"), ((1, 4, 1, 1, 30), "causal"),  # decode steps: the compiled graph
 ])
 def test_one_pass_output_is_mlx_fused_attention_bit_for_bit(dtype, shape, mask_kind):
     B, Hq, H, S, L = shape

@@ -253,6 +253,32 @@ def test_cores_selector_adds_no_host_sync_to_a_decode_step(monkeypatch, window):
     assert len(read) <= 8 and all(r == 0 for r in read[1:])
 
 
+def test_on_append_is_skipped_only_where_it_returns_the_scores_unchanged():
+    """Core's observed scorers score from the attention hook, so the cache skips their on_append (and its
+    view); a proxy signal, the random scorer and any plugin's scorer (a subclass of core's included) are called."""
+    from kvpolicy_core.parts.observation_window import ObservationWindowScorer
+    from kvpolicy_core.policy import build_policy
+    from kvpolicy_core.policy_step import PolicyStep
+
+    def appends(config, scorer=None):
+        policy = build_policy(config)
+        return PolicyStep(policy if scorer is None else policy._replace(scorer=scorer), 0).appends
+
+    class PluginScorer(ObservationWindowScorer):
+        def on_append(self, view, new_keys, new_positions):
+            return view.scores + 1.0
+
+    assert not appends("h2o:budget=8") and not appends("cam:budget=8")
+    assert appends("h2o:budget=8,signal=proxy") and appends("random:budget=8")
+    assert appends("h2o:budget=8", PluginScorer("observed"))
+    calls = []
+    cache = PolicyCache("h2o:budget=8,signal=proxy")
+    real = cache._step.on_append
+    cache._step.on_append = lambda *a: (calls.append(1), real(*a))[1]
+    cache.update_and_fetch(*random_kv(S=3))
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("window", [None, 5, 12])  # 5: below the budget (dead sinks); 12: above it
 @pytest.mark.parametrize("config", ["h2o:budget=8,n_sink=2,recent=2,signal=proxy", "h2o:budget=8,n_sink=3,recent=0",
                                     "cam:budget=8,n_sink=2,min_sim=-1,signal=proxy"])

@@ -50,8 +50,18 @@ def attention_with_weights(queries: mx.array, keys: mx.array, values: mx.array, 
         out = w v
 
     exactly MLX's fused attention on CPU, including what a non-finite key does (a NaN or +inf logit
-    makes its query row NaN, as in the model's own attention).
+    makes its query row NaN, as in the model's own attention). A decode step (S = 1, mask None or an
+    array) runs as one compiled graph, traced once per layout (the same ops: bit for bit the eager ones,
+    tests/test_attention_once.py; ~20-40 µs less per step at L = 1024, 4 KV heads on CPU).
     """
+    if queries.shape[2] == 1 and (mask is None or isinstance(mask, mx.array)):
+        if mask is None:
+            return _decode_no_mask(queries, keys, values, scale)
+        return _decode_masked(queries, keys, values, scale, mask)
+    return _attention(queries, keys, values, scale, mask)
+
+
+def _attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask):
     B, Hq, S, D = queries.shape
     H, L = keys.shape[1], keys.shape[2]
     G = Hq // H
@@ -70,3 +80,7 @@ def attention_with_weights(queries: mx.array, keys: mx.array, values: mx.array, 
     weights = mx.softmax(logits, axis=-1, precise=True)
     out = weights @ values[:, :, None]  # [B, H, G, S, Dv]
     return out.reshape(B, Hq, S, values.shape[-1]), weights
+
+
+_decode_no_mask = mx.compile(lambda q, k, v, scale: _attention(q, k, v, scale, None))
+_decode_masked = mx.compile(_attention)

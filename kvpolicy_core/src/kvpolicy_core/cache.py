@@ -29,7 +29,6 @@ as the 57 tokens in one chunk). An eviction, a single-token update, ``trim`` and
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Optional, Tuple
 
@@ -103,7 +102,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._last_S = keys.shape[2]
         self._check_observation()
         S = keys.shape[2]
-        with self._transaction():
+        saved = self._save()
+        try:
             over = self.n - self.budget
             self._run = dict(self._run) if (self._run_open and S > 1 and over <= 0) else {}
             self._run_open = S > 1
@@ -114,9 +114,13 @@ class PolicyCache(CacheState, CacheDiagnostics):
                     self._slots.compact(self._evict(over))
                 self._slots.append(keys, values, self.offset, self.budget)
             self.offset += S
-            new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
-            self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
+            if self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
+                new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
+                self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
             self._attended = False
+        except BaseException:
+            self._restore(saved)
+            raise
         self._bound_graph()
         return self._slots.valid()
 
@@ -206,8 +210,12 @@ class PolicyCache(CacheState, CacheDiagnostics):
     def settle(self) -> None:
         """Apply a pending eviction now (after a step), so exactly ``budget`` tokens remain."""
         if self.n > self.budget:
-            with self._transaction():
+            saved = self._save()
+            try:
                 self._slots.compact(self._evict(self.n - self.budget))
+            except BaseException:
+                self._restore(saved)
+                raise
 
     @property
     def log_weights(self) -> Optional[mx.array]:
@@ -312,20 +320,16 @@ class PolicyCache(CacheState, CacheDiagnostics):
         windowed = self.window is not None and self.offset > self.window
         self._step.check_observed(windowed, self._attended or self.offset == 0)
 
-    @contextlib.contextmanager
-    def _transaction(self):
-        """All-or-nothing: if a part (or anything) raises, the cache is left exactly as before.
+    def _save(self) -> tuple:
+        """A snapshot for :meth:`_restore`: all-or-nothing, if a part (or anything) raises, the cache is left
+        exactly as before. Every update is functional (MLX arrays are values), so references are a complete
+        snapshot."""
+        return (self._slots.snapshot(), self.offset, self._counters, self._attended, self._run, self._run_open,
+                self._lw_used)
 
-        Every update is functional (MLX arrays are values), so references are a complete snapshot.
-        """
-        saved = (self._slots.snapshot(), self.offset, self._counters, self._attended, self._run, self._run_open,
-                 self._lw_used)
-        try:
-            yield
-        except BaseException:
-            self._slots.restore(saved[0])
-            self.offset, self._counters, self._attended, self._run, self._run_open, self._lw_used = saved[1:]
-            raise
+    def _restore(self, saved: tuple) -> None:
+        self._slots.restore(saved[0])
+        self.offset, self._counters, self._attended, self._run, self._run_open, self._lw_used = saved[1:]
 
     def _bound_graph(self) -> None:
         """Keep the lazy graph of scores and counters bounded over long runs.

@@ -17,7 +17,7 @@ import mlx.core as mx
 from .compiled_parts import compiled, compiled_evict_write, compiled_select, wants_compile
 from .value_checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, loser_flags, nonfinite_flags
 from .errors import KVPolicyError, ModelError, PluginError
-from .parts.base import CacheView, Disposition, MergeUpdate, Selector, pick_lowest
+from .parts.base import CacheView, Disposition, MergeUpdate, Scorer, Selector, pick_lowest
 from .policy import Policy, step_key, step_keys
 
 Counters = Dict[str, mx.array]
@@ -56,6 +56,11 @@ class PolicyStep:
         #: decode evictions may run as one compiled call (:meth:`evict_and_write`): core's selector with drop
         #: which parts' decode outputs are valid by construction (decided once: the parts do not change)
         self.trusted = {kind: valid_by_construction(getattr(policy, kind)) for kind in ("scorer", "selector")}
+        #: whether the scorer's on_append can change the scores: not for the base class's (it returns them as
+        #: they are), nor for core's own scorers with an observed signal (they score from the attention hook)
+        scorer = policy.scorer
+        self.appends = not (type(scorer).on_append is Scorer.on_append
+                            or (self.trusted["scorer"] and getattr(scorer, "signal", "proxy") != "proxy"))
         self.fuses_drop = (type(policy.disposition).dispose is Disposition.dispose and self.ranked_selection
                            and wants_compile(policy.selector, 1) and self.trusted["selector"])
 

@@ -49,6 +49,8 @@ def test_one_pass_output_is_mlx_fused_attention_bit_for_bit(dtype, shape, mask_k
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     out, weights = attention_with_weights(q, k, v, 0.25, mask)
     assert out.dtype == want.dtype and mx.array_equal(out, want)
+    out_c, weights_c = attention_with_weights(q, k, v, 0.25, mask, compiled=True)  # a steady-state decode step
+    assert mx.array_equal(out_c, want) and mx.array_equal(weights_c, weights)
     assert weights.shape == (B, H, Hq // H, S, L)
     np.testing.assert_allclose(np.array(weights.astype(mx.float32).sum(-1)), 1.0, rtol=1e-2)
 
@@ -110,7 +112,7 @@ def test_the_one_pass_is_what_the_hook_runs_for_observed_policies(monkeypatch):
     """The observed scorer gets the weights of the model's pass: no second softmax(q k^T) per step."""
     calls = []
     real = cache_module.attention_with_weights
-    monkeypatch.setattr(cache_module, "attention_with_weights", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cache_module, "attention_with_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = tiny_llama()
     tokens = mx.random.randint(0, VOCAB, (1, 20), key=mx.random.key(5))
     run_chunks(model, KVCacheBuilder.for_model(model, "h2o:budget=8"), tokens, [10] + [1] * 10)

@@ -43,18 +43,21 @@ def grouped_mask(mask: mx.array, H: int, G: int) -> mx.array:
 
 
 def attention_with_weights(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                           mask) -> Tuple[mx.array, mx.array]:
+                           mask, compiled: bool = False) -> Tuple[mx.array, mx.array]:
     """The attention output [B, Hq, S, Dv] and its weights [B, H, G, S, L] (queries' dtype)::
 
         w = softmax(scale * q k^T + mask)      (precise softmax; a bool mask gives -inf where False)
         out = w v
 
     exactly MLX's fused attention on CPU, including what a non-finite key does (a NaN or +inf logit
-    makes its query row NaN, as in the model's own attention). A decode step (S = 1, mask None or an
-    array) runs as one compiled graph, traced once per layout (the same ops: bit for bit the eager ones,
-    tests/test_attention_once.py; ~20-40 µs less per step at L = 1024, 4 KV heads on CPU).
+    makes its query row NaN, as in the model's own attention).
+
+    ``compiled``: a decode step (S = 1, mask None or an array) runs as one compiled graph (the same ops:
+    bit for bit the eager ones, tests/test_attention_once.py; ~20-40 µs less per step at L = 1024, 4 KV
+    heads on CPU). MLX traces it once per shape, so only for shapes that repeat: a policy cache's full
+    buffer (its steady state), not a cache that still grows by one slot per step.
     """
-    if queries.shape[2] == 1 and (mask is None or isinstance(mask, mx.array)):
+    if compiled and queries.shape[2] == 1 and (mask is None or isinstance(mask, mx.array)):
         if mask is None:
             return _decode_no_mask(queries, keys, values, scale)
         return _decode_masked(queries, keys, values, scale, mask)

@@ -251,7 +251,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         if not (self._weights_once and attend_once(queries.shape[2])):
             return fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
         mask = self._attention_mask(queries, mask)
-        out, weights = attention_with_weights(queries, keys, values, scale, mask)
+        out, weights = attention_with_weights(queries, keys, values, scale, mask,
+                                              compiled=self.n == self._slots.keys.shape[2])
         run = dict(self._run)  # adopted only if the scorer succeeds (as in before_attention)
         self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)
         self._run = run

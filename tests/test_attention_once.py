@@ -120,3 +120,19 @@ def test_the_one_pass_is_what_the_hook_runs_for_observed_policies(monkeypatch):
     calls.clear()
     run_chunks(model, KVCacheBuilder.for_model(model, "h2o:budget=8,signal=proxy"), tokens, [10] + [1] * 10)
     assert calls == []  # no policy needs the weights: mlx-lm's kernel
+
+
+def test_only_a_full_buffers_decode_step_takes_the_compiled_attention(monkeypatch):
+    """MLX traces a compiled graph once per shape: a cache that still grows (a new length every step) runs
+    the eager ops; once its buffer is full (budget + 1 slots, the steady state) every step is compiled."""
+    seen = []
+    real = cache_module.attention_with_weights
+    monkeypatch.setattr(cache_module, "attention_with_weights",
+                        lambda q, k, v, *a, **kw: seen.append((k.shape[2], kw.get("compiled"))) or real(q, k, v, *a, **kw))
+    cache = PolicyCache("h2o:budget=8")
+    keys, values = _inputs(1, 2, 2, 1, 20, 16, mx.float32)[1:]
+    q = mx.random.normal((1, 2, 1, 16))
+    for i in range(20):
+        k, v = cache.update_and_fetch(keys[:, :, i : i + 1], values[:, :, i : i + 1])
+        mx.eval(cache.attend(q, k, v, 0.25, None, None))
+    assert [c for L, c in seen if L < 9] == [False] * 8 and [c for L, c in seen if L == 9] == [True] * 12

@@ -381,7 +381,33 @@ def test_an_updates_check_code_says_broken_changed_or_nothing():
     assert code(t, zero, mx.array([[[math.nan]]])) == 0  # a NaN log-weight delta is made 0: nothing changes
     assert code(t, zero, mx.array([[[0.5]]])) == 1
     assert nonfinite_flags(t, 2, [(nan, base)]) == [True]  # a finite row would get NaN: broken
+    half = base.astype(mx.float16)  # checked as added: 1e6 is inf in float16
+    assert update_checks(t, scalar(2), [(one * 1e6, half)], None)[0].item() == 2
+    assert nonfinite_flags(t, 2, [(one * 1e6, half)]) == [True]
     assert nonfinite_flags(mx.array([[[1]]], dtype=mx.int32), 2, [(nan, base)]) == [False]  # already non-finite
+
+
+def test_targets_past_int32_are_out_of_range_not_wrapped_into_the_cache(odd_plugin):
+    """An int64 target of 2**32 + 1 is outside the cache (a cast to int32 would have made it slot 1)."""
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("oddmerge:budget=8,n_sink=1,recent=1")
+    feed(cache, keys[:, :, :12], values[:, :, :12], (12,))
+    for mode in ("wide_target", "wide_negative"):
+        OddMerge.mode = mode
+        with pytest.raises(PluginError, match="merge targets outside the cache"):
+            feed(cache, keys[:, :, 12:13], values[:, :, 12:13], (1,))
+        assert cache.offset == 12
+
+
+def test_a_delta_that_is_inf_in_the_caches_dtype_is_refused(odd_plugin):
+    """float32 d_values of 1e6 are finite, but inf once added to a float16 cache: refused, nothing written."""
+    keys, values = random_kv(S=20, dtype=mx.float16)
+    cache = PolicyCache("oddmerge:budget=8,n_sink=1,recent=1")
+    feed(cache, keys[:, :, :12], values[:, :, :12], (12,))
+    OddMerge.mode = "big"
+    with pytest.raises(PluginError, match="d_values with non-finite values"):
+        feed(cache, keys[:, :, 12:13], values[:, :, 12:13], (1,))
+    assert cache.offset == 12 and mx.all(mx.isfinite(cache.values)).item()
 
 
 def test_a_non_finite_delta_for_a_non_finite_row_is_allowed(odd_plugin):
@@ -540,6 +566,10 @@ class OddMerge:
         mode, OddMerge.mode = OddMerge.mode, None
         if mode == "nan":
             dv = dv * math.nan
+        elif mode == "big":
+            dv = dv * 1e6
+        elif mode in ("wide_target", "wide_negative"):
+            t = mx.zeros((B, H, E), mx.int64) + (2**32 + 1 if mode == "wide_target" else -(2**32) + 1)
         elif mode == "inf_scores":
             return MergeUpdate(t, None, dv, mx.full((B, H, E), math.inf))
         elif mode in ("bool", "complex"):

@@ -21,6 +21,7 @@ from .parts.base import CacheView, Disposition, MergeUpdate, Scorer, Selector, p
 from .policy import Policy, step_key, step_keys
 
 Counters = Dict[str, mx.array]
+_INT32_MAX = 2**31 - 1
 
 
 def valid_by_construction(part) -> bool:
@@ -145,6 +146,10 @@ class PolicyStep:
         if not mx.issubdtype(idx.dtype, mx.integer):
             dtype = str(idx.dtype).removeprefix("mlx.core.")
             raise PluginError(f"{owner} returned {what} of dtype {dtype}, expected an integer dtype")
+        if idx.dtype in (mx.int64, mx.uint32, mx.uint64):  # saturate first: a plain cast would wrap 2**32 + 1 to 1
+            idx = mx.minimum(idx, _INT32_MAX)
+            if idx.dtype == mx.int64:
+                idx = mx.maximum(idx, -1)
         return idx if idx.dtype == mx.int32 else idx.astype(mx.int32)
 
     def _raise_broken(self, pending) -> List[list]:
@@ -342,7 +347,7 @@ class PolicyStep:
         if in_graph is None:
             in_graph = checked_update(targets, L, pairs, u.d_log_weights)
         code, lw = in_graph
-        names = [name for name, x in deltas if mx.issubdtype(x.dtype, mx.floating)]
+        names = [name for name, _ in deltas]
 
         def broken(got) -> Optional[str]:  # the code's value -> the first broken rule, or None
             if got[0] & TARGET_OUT_OF_RANGE:

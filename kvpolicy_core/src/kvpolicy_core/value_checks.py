@@ -81,8 +81,9 @@ def update_checks(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.ar
     """A MergeUpdate's value checks as one summary, traceable (the compiled decode path runs them in the
     disposition's graph): one reduction per array, no gather.
 
-    ``pairs``: (delta, base) for d_keys, d_values, d_scores as present (the bases are read only by
-    :func:`nonfinite_flags`, on the rare path). Returns (code [1] int32, the log-weight deltas made finite:
+    ``pairs``: (delta, base) for d_keys, d_values, d_scores as present (each delta is checked in its buffer's
+    dtype, as it will be added; the bases' rows are read only by :func:`nonfinite_flags`, on the rare path).
+    Returns (code [1] int32, the log-weight deltas made finite:
     NaN as 0, clipped to +-``LOG_WEIGHT_BOUND``, or None), where::
 
         code = 4 [some target outside [0, last]] + max over deltas d (and the finite log-weight deltas) of
@@ -96,23 +97,24 @@ def update_checks(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.ar
     if d_log_weights is not None:
         lw = mx.clip(mx.nan_to_num(d_log_weights.astype(mx.float32), nan=0.0), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
     level = mx.array(0, dtype=mx.int32)
-    for d in [d for d, _ in pairs] + ([lw] if lw is not None else []):
+    for d in [_as_written(d, base) for d, base in pairs] + ([lw] if lw is not None else []):
         if d.size == 0:
             continue
-        if mx.issubdtype(d.dtype, mx.floating):
-            lvl = mx.max(mx.where(mx.isfinite(d), (d != 0).astype(mx.int32), NONFINITE))
-        else:
-            lvl = mx.any(d != 0).astype(mx.int32)
-        level = mx.maximum(level, lvl)
+        level = mx.maximum(level, mx.max(mx.where(mx.isfinite(d), (d != 0).astype(mx.int32), NONFINITE)))
     return (code + level).reshape(1), lw
 
 
+def _as_written(delta: mx.array, base: mx.array) -> mx.array:
+    """The delta in its buffer's dtype, as :meth:`~kvpolicy_core.slots.SlotStore.add` adds it: a value finite in
+    the delta's dtype but not in the buffer's (1e6 into float16) is a non-finite delta."""
+    return delta if delta.dtype == base.dtype else delta.astype(base.dtype)
+
+
 def nonfinite_flags(targets: mx.array, last: int, pairs: Sequence[Tuple[mx.array, mx.array]]) -> List[bool]:
-    """Per floating (delta, base) of ``pairs``: whether the delta has a NaN or inf where its target row of
-    ``base`` is finite (the broken rule; a non-finite delta on a non-finite row is allowed). Host-side, on
-    the rare path where :func:`update_checks` reported a non-finite delta; targets are clamped before the gather."""
-    floating = [(d, b) for d, b in pairs if mx.issubdtype(d.dtype, mx.floating)]
-    flags = _target_flags(targets, scalar(last), floating)[1:]
+    """Per (delta, base) of ``pairs``: whether the delta, in the buffer's dtype, has a NaN or inf where its target
+    row of ``base`` is finite (the broken rule; a non-finite delta on a non-finite element is allowed). Host-side,
+    on the rare path where :func:`update_checks` reported a non-finite delta; targets are clamped before the gather."""
+    flags = _target_flags(targets, scalar(last), [(_as_written(d, b), b) for d, b in pairs])[1:]
     mx.eval(flags)
     return [bool(f) for f in flags.tolist()]
 

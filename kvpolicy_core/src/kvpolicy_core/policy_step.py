@@ -280,7 +280,8 @@ class PolicyStep:
                 )
             for name, value in self._counts({"gate_draws": update.draws, "merges": update.merges}).items():
                 counts.setdefault(name, value)
-        # every delta is 0 (e.g. no loser merged): nothing to write (the counters still count)
+        # the update's check code (the last pending check) is 0: every delta is 0 (e.g. no loser merged), nothing
+        # to write (the counters still count)
         return (None if values[-1][0] == 0 else update), counts
 
     def _counts(self, stats, rows: Optional[int] = None) -> Counters:

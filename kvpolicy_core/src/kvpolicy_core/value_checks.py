@@ -73,7 +73,6 @@ def loser_flags(idx: mx.array, positions: mx.array, n_sink: int, dead: Optional[
 #: bits of an update's check summary (:func:`update_checks`)
 TARGET_OUT_OF_RANGE = 4  # some target outside [0, L)
 NONFINITE = 2  # some delta element is NaN or inf: broken only where its target row is finite (re-checked on the host)
-CHANGES = 1  # some delta element is nonzero (none, and no bit above: applying the update changes nothing)
 
 
 def update_checks(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.array, mx.array]],

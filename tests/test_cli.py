@@ -117,3 +117,42 @@ def test_bad_config_files_are_clear(capsys, tmp_path, tiny_model_dir):
 def test_no_prompt_is_an_error(capsys, tiny_model_dir, monkeypatch):
     code, _, err = run(capsys, "generate", "--model", str(tiny_model_dir), stdin="", monkeypatch=monkeypatch)
     assert code == 2 and "no prompt" in err
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"\x00\x01\x9c\xffELF", "not UTF-8 text (byte 0x9c at offset 2)"),
+    (b"", "the file is empty"),
+    (b" \n\t\n", "the file is empty"),
+    (None, "is a directory, not a file"),
+])
+def test_unreadable_text_files_are_one_line_naming_the_file(capsys, tmp_path, tiny_model_dir, content, needle):
+    path = tmp_path / "in.toml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    for argv, who in ((["generate", "--file", str(path)], "kvpolicy: error: --file"),
+                      (["eval", "--config", str(path)], "kvpolicy: error: --config"),
+                      (["serve", "--method", str(path)], "kvpolicy serve: error: --method")):
+        code, _, err = run(capsys, *argv, "--model", str(tiny_model_dir))
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0] == f"{who} {path}: {needle}", err
+
+
+def test_prompt_file_with_a_bom_and_from_a_pipe(capsys, tmp_path, tiny_model_dir):
+    import os
+    import threading
+
+    from kvpolicy_core.textfile import read_text_file
+
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbfhello")
+    assert read_text_file(str(bom), "--file") == "hello"
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # as `--file <(...)` gives: readable, not a regular file
+    writer = threading.Thread(target=lambda: fifo.write_text("hello world from a pipe"))
+    writer.start()
+    code, out, err = run(capsys, "generate", "--file", str(fifo), "--model", str(tiny_model_dir), "--max-tokens", "2",
+                         "--method", "full")
+    writer.join(timeout=10)
+    assert code == 0 and "[full]" in err, err

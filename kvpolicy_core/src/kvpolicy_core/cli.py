@@ -22,11 +22,10 @@ class CLIError(Exception):
 
 # ----------------------------------------------------------------------------- helpers
 def _config_from_file(path: str) -> Any:
-    p = Path(path)
-    if not p.is_file():
-        raise CLIError(f"--config {path}: no such file")
-    text = p.read_text()
-    if p.suffix.lower() == ".toml":
+    from .textfile import read_text_file
+
+    text = read_text_file(path, "--config")
+    if Path(path).suffix.lower() == ".toml":
         try:
             import tomllib
         except ImportError:  # Python 3.10
@@ -146,10 +145,9 @@ def cmd_methods(args) -> int:
 
 def _read_prompt(args) -> str:
     if args.file:
-        p = Path(args.file)
-        if not p.is_file():
-            raise CLIError(f"--file {args.file}: no such file")
-        return p.read_text()
+        from .textfile import read_text_file
+
+        return read_text_file(args.file, "--file")
     if args.prompt and args.prompt != "-":
         return args.prompt
     if args.prompt == "-" or not sys.stdin.isatty():

@@ -19,3 +19,7 @@ class PluginError(KVPolicyError):
 
 class ModelError(KVPolicyError, ValueError):
     """A model that kvpolicy cannot attach caches to (no ``layers``, foreign cache types, ...)."""
+
+
+class InputFileError(KVPolicyError, ValueError):
+    """A file the user named that cannot be read as text: missing, a directory, not UTF-8, empty."""

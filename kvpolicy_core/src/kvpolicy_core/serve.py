@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any, List, Optional
 
 _RECENT = 64  # finished requests kept for /kvpolicy/stats
@@ -44,12 +43,11 @@ def load_method(spec: str) -> Any:
     from .config import parse_config
     from .errors import ConfigError
 
-    path = Path(spec)
     if spec.lower().endswith((".json", ".toml")):
-        if not path.is_file():
-            raise ConfigError(f"--method {spec}: no such file")
-        text = path.read_text()
-        if path.suffix.lower() == ".toml":
+        from .textfile import read_text_file
+
+        text = read_text_file(spec, "--method")
+        if spec.lower().endswith(".toml"):
             import tomllib
 
             try:

@@ -65,9 +65,12 @@ def free_port() -> int:
 class Server:
     """A `kvpolicy serve` subprocess on a free loopback port."""
 
-    def __init__(self, args: List[str], timeout: float = 120.0) -> None:
+    def __init__(self, args: List[str], timeout: float = 120.0, prelude: str = "") -> None:
+        """``prelude``: Python run in the server process before the CLI (e.g. to inject a fault)."""
         self.port = free_port()
-        cmd = [sys.executable, "-m", "kvpolicy_core.cli", "serve", "--port", str(self.port), *args]
+        entry = ["-c", f"{prelude}\nimport sys\nfrom kvpolicy_core.cli import main\nsys.exit(main(sys.argv[1:]))"] \
+            if prelude else ["-m", "kvpolicy_core.cli"]
+        cmd = [sys.executable, *entry, "serve", "--port", str(self.port), *args]
         # SIGINT restored to its default in the child, as at a terminal: a test run started in the
         # background by a non-interactive shell inherits SIGINT ignored, and Ctrl-C (stop()) would do nothing
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -99,6 +102,19 @@ class Server:
             return r.status, r.read()
         finally:
             conn.close()
+
+    def raw_post(self, path: str, headers: bytes, body: bytes, timeout: float = 30.0) -> Tuple[int, bytes]:
+        """POST with hand-written header lines (bytes, CRLF-separated); (status, body) or (0, b"") if dropped."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as conn:
+            conn.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + headers + b"\r\n\r\n" + body)
+            conn.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+        if not data:
+            return 0, b""
+        head, _, rest = data.partition(b"\r\n\r\n")
+        return int(head.split()[1]), rest
 
     def get(self, path: str) -> Tuple[int, bytes]:
         return self.request("GET", path, timeout=5)

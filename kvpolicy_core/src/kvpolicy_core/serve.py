@@ -8,12 +8,17 @@ server option parses and behaves as upstream) with these pieces swapped in:
 - ``RecordingBatchGenerator`` (mlx-lm's ``BatchGenerator``) and :class:`StatsPromptCache`
   (mlx-lm's ``LRUPromptCache``) record each finished request's cache: tokens seen and kept
   per layer, KV bytes;
-- :class:`PolicyAPIHandler`, mlx-lm's handler plus ``GET /kvpolicy/stats``.
+- :class:`PolicyAPIHandler`, mlx-lm's handler plus ``GET /kvpolicy/stats``; it checks each
+  request before mlx-lm's generation thread sees it (``serve_requests``: headers, body, fields,
+  an empty prompt), so bad input is an HTTP 400;
+- :class:`PolicyResponseGenerator`, mlx-lm's generation loop, restarted when it fails: the
+  requests it held get the error, the server keeps serving (upstream, the thread dies and every
+  later request is refused).
 
 One method per server. mlx-lm builds caches in its generation thread from the model alone
 (``make_prompt_cache(model)``) and keys reusable prompt caches by model, so a per-request
 method cannot be honoured without replacing that loop; a request that asks for one (a
-``kvpolicy`` field) is refused with HTTP 400 instead of being silently ignored.
+``kvpolicy`` or ``method`` field) is refused with HTTP 400 instead of being silently ignored.
 
 Prompt-cache reuse is mlx-lm's own: a stored cache is handed out as a deep copy; mlx-lm trims
 a longer one to serve a shorter prompt only if ``is_trimmable()``, which a policy cache answers
@@ -27,15 +32,67 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import io
 import json
+import logging
 import os
+import socket
 import sys
 import threading
 import time
+import types
+import warnings
 from collections import deque
 from typing import Any, List, Optional
 
+from .serve_requests import (
+    EMPTY_PROMPT,
+    BadRequest,
+    check_fields,
+    check_logit_bias,
+    check_prompt_shape,
+    content_length,
+    parse_body,
+    read_body,
+)
+
 _RECENT = 64  # finished requests kept for /kvpolicy/stats
+
+
+class StartupError(Exception):
+    """The server cannot start (e.g. its port is in use): one error line, exit status 2."""
+
+
+class GenerationFailed(RuntimeError):
+    """The generation loop failed while it held this request (the request gets it as its error)."""
+
+
+class _TrackedQueue:
+    """A request's response queue as the generation loop sees it: it knows when the request is done
+    (``None`` or an exception put on it), so a failed loop can fail exactly the requests it held."""
+
+    __slots__ = ("queue", "finished")
+
+    def __init__(self, queue) -> None:
+        self.queue = queue
+        self.finished = False
+
+    def put(self, item) -> None:
+        if item is None or isinstance(item, BaseException):
+            self.finished = True
+        self.queue.put(item)
+
+
+def _vocab_size(model, tokenizer) -> Optional[int]:
+    """Rows of the model's logits: its config's ``vocab_size`` (or its text config's), else the tokenizer's size."""
+    args = getattr(model, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        n = source.get("vocab_size") if isinstance(source, dict) else getattr(source, "vocab_size", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    with contextlib.suppress(Exception):
+        return len(tokenizer._tokenizer)
+    return None
 
 
 def load_method(spec: str) -> Any:
@@ -166,8 +223,24 @@ def _server_classes():
                 self.model.set_dtype(getattr(mx, self.dtype))
             attach(self.model, self.kv_config)
             self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(self.model))
+            self.vocab_size = _vocab_size(self.model, self.tokenizer)
             self.stats.model_path = str(model_path)
-            self.stats.batching = self.is_batchable
+            # mlx-lm batches only without --kv-bits (ResponseGenerator._is_batchable)
+            self.stats.batching = self.is_batchable and self.cli_args.kv_bits is None
+
+        def loaded_for(self, model, adapter, draft):
+            """(tokenizer, vocab size) of the loaded model if a request for ``model`` gets it, else None.
+
+            Resolves the names as ``load`` does; None when the request names another model (the
+            generation thread loads it) or a name mlx-lm cannot look up.
+            """
+            tokenizer, vocab_size, loaded = self.tokenizer, getattr(self, "vocab_size", None), self.model_key
+            try:
+                key = (self._model_map.get(model, model), self._adapter_map.get(model, adapter),
+                       self._draft_model_map.get(draft, draft))
+            except TypeError:  # an unhashable name
+                return None
+            return (tokenizer, vocab_size) if tokenizer is not None and key == loaded else None
 
     class StatsPromptCache(LRUPromptCache):
         """mlx-lm's prompt cache; records the final cache of requests served one at a time.
@@ -219,8 +292,86 @@ def _server_classes():
                         self.stats.record(r.prompt_cache)
             return prompt_responses, generation_responses
 
+    class PolicyResponseGenerator(mls.ResponseGenerator):
+        """mlx-lm's response generator; one request's failure never stops the generation thread.
+
+        mlx-lm runs its whole generation loop (``_generate``) in one thread and lets it die on the
+        first exception, after which every request is refused. Here the loop is restarted instead:
+        the requests it had taken (in the batch, or waiting for it) get the error, requests still
+        queued are served by the new loop. A loop that fails before taking any request (loading
+        the model) stops the server as upstream, rather than failing in a circle.
+        """
+
+        def __init__(self, *args, **kwargs) -> None:
+            self._taken: List[_TrackedQueue] = []  # before super() starts the thread
+            self._requests_taken = 0
+            super().__init__(*args, **kwargs)
+
+        def _run_generate(self):
+            while True:
+                taken_before = self._requests_taken
+                try:
+                    self._generate()
+                    return
+                except Exception as exc:
+                    logging.exception(f"kvpolicy serve: the generation loop failed ({exc}); "
+                                      "its requests get the error, the loop restarts")
+                    self._fail_taken(exc)
+                    if self._stop or self._requests_taken == taken_before:
+                        self._generation_failed = True
+                        return
+
+        def _next_request(self, timeout=None):
+            request = super()._next_request(timeout)
+            if request is None:
+                return None
+            tracked = _TrackedQueue(request[0])
+            self._taken = [q for q in self._taken if not q.finished]
+            self._taken.append(tracked)
+            self._requests_taken += 1
+            return (tracked, *request[1:])
+
+        def _fail_taken(self, exc: BaseException) -> None:
+            # a fresh error, not exc: its traceback holds the failed loop's frames (batch, caches)
+            error = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+            for q in self._taken:
+                if not q.finished:
+                    q.put(error)
+            self._taken = []
+
+        def pretokenize(self, tokenizer, request, chat_template_kwargs) -> None:
+            """Tokenize ``request`` in the HTTP thread: BadRequest if it cannot be, or has no tokens.
+
+            The generation thread then takes these tokens (same tokenizer) instead of tokenizing again.
+            """
+            args = types.SimpleNamespace(chat_template_kwargs=chat_template_kwargs)
+            what = "prompt" if request.request_type == "text" else "messages"
+            try:
+                tokenized = mls.ResponseGenerator._tokenize(self, tokenizer, request, args)
+            except Exception as exc:
+                raise BadRequest(f"{what}: cannot be tokenized: {type(exc).__name__}: {exc}") from None
+            if not tokenized[0]:
+                raise BadRequest(EMPTY_PROMPT[request.request_type])
+            request._kvpolicy_tokenized = (tokenizer, tokenized)
+
+        def _tokenize(self, tokenizer, request, args):
+            done = request.__dict__.pop("_kvpolicy_tokenized", None)
+            if done is not None and done[0] is tokenizer:
+                return done[1]
+            tokenized = super()._tokenize(tokenizer, request, args)
+            if not tokenized[0]:  # mlx-lm's batch would fail on it (a request for another model)
+                raise ValueError(EMPTY_PROMPT[request.request_type])
+            return tokenized
+
     class PolicyAPIHandler(mls.APIHandler):
-        """mlx-lm's request handler plus ``GET /kvpolicy/stats``."""
+        """mlx-lm's request handler plus ``GET /kvpolicy/stats``, checking each request first.
+
+        Before mlx-lm sees a POST: its Content-Length and body are read and parsed here (a bad
+        header, a short, non-UTF-8 or non-JSON body is a 400, not a dropped connection), a
+        per-request method is refused, and fields mlx-lm would fail on in its generation thread
+        are checked. Before generation: the prompt is tokenized (an empty one is a 400). A failure
+        after the response started is answered (500, or an SSE error event) instead of dropped.
+        """
 
         def do_GET(self):
             if self.path.split("?")[0].rstrip("/") == "/kvpolicy/stats":
@@ -234,39 +385,103 @@ def _server_classes():
             super().do_GET()
 
         def do_POST(self):
-            # Refuse a per-request method instead of silently ignoring it (see the module docstring).
             length = self.headers.get("Content-Length")
-            if length is not None and length.isdigit():
-                import io
-
-                raw = self.rfile.read(int(length))
-                self.rfile = io.BytesIO(raw)
+            if length is not None:  # without one, mlx-lm answers 411
                 try:
-                    body = json.loads(raw.decode())
-                except (ValueError, UnicodeDecodeError):
-                    body = None  # mlx-lm answers malformed bodies itself
-                if isinstance(body, dict) and "kvpolicy" in body:
-                    method = self.response_generator.model_provider.kv_config.method
-                    self._set_completion_headers(400)
-                    self.end_headers()
-                    self.wfile.write(json.dumps({"error": (
-                        "kvpolicy: a per-request method is not supported; this server applies "
-                        f"its --method ({method}) to every request. Start another server for another method."
-                    )}).encode())
+                    raw = read_body(self.rfile, content_length(length))
+                    body = parse_body(raw)
+                    if isinstance(body, dict):  # mlx-lm refuses any other JSON value
+                        check_fields(body, self.response_generator.model_provider.kv_config.method)
+                except BadRequest as exc:
+                    self._send_error(400, str(exc))
                     return
+                self.rfile = io.BytesIO(raw)
             super().do_POST()
 
-    return PolicyModelProvider, StatsPromptCache, PolicyAPIHandler, RecordingBatchGenerator
+        def validate_model_parameters(self) -> None:
+            super().validate_model_parameters()  # mlx-lm's checks; logit_bias keys become ints
+            loaded = self._loaded()
+            if loaded is not None:
+                check_logit_bias(self.logit_bias, loaded[1])
+
+        def handle_completion(self, request, stop_words):
+            try:
+                check_prompt_shape(request)
+                loaded = self._loaded()
+                if loaded is not None and not any(mls._image_parts(request.messages)):
+                    self.response_generator.pretokenize(loaded[0], request, self.chat_template_kwargs)
+            except BadRequest as exc:
+                self._send_error(400, str(exc))
+                return
+            try:
+                super().handle_completion(request, stop_words)
+            except OSError:
+                raise  # the client went away: nothing to answer
+            except Exception as exc:
+                self._send_failure(exc)
+
+        def _loaded(self):
+            return self.response_generator.model_provider.loaded_for(
+                self.requested_model, self.adapter, self.requested_draft_model)
+
+        def _send_error(self, status: int, message: str) -> None:
+            self._set_completion_headers(status)
+            self.end_headers()
+            self.wfile.write(json.dumps({"error": message}).encode())
+            self.wfile.flush()
+
+        def _send_failure(self, exc: Exception) -> None:
+            """A request that failed after its response started (mlx-lm would drop the connection)."""
+            message = str(exc) if isinstance(exc, GenerationFailed) else \
+                f"generation failed: {type(exc).__name__}: {exc}"
+            logging.error(f"kvpolicy serve: {message}")
+            with contextlib.suppress(OSError):
+                if self.stream:  # headers and maybe some events are out: end the stream with an error event
+                    self.wfile.write(f"data: {json.dumps({'error': message})}\n\n".encode())
+                    self.wfile.flush()
+                else:  # the 200 status line is still buffered: replace it
+                    self._headers_buffer = []
+                    self._send_error(500, message)
+
+    return types.SimpleNamespace(
+        ModelProvider=PolicyModelProvider, PromptCache=StatsPromptCache, APIHandler=PolicyAPIHandler,
+        BatchGenerator=RecordingBatchGenerator, ResponseGenerator=PolicyResponseGenerator,
+    )
 
 
 def run(host: str, port: int, model_provider) -> None:
-    """mlx-lm's ``server.run`` with the kvpolicy prompt cache and handler (one process, rank 0)."""
+    """mlx-lm's ``server.run`` with the kvpolicy prompt cache, generator and handler (one process, rank 0).
+
+    The port is bound before the generation thread starts: a port in use (or a bad ``--host``) is
+    :class:`StartupError`, with no thread left running to keep the process alive.
+    """
+    from http.server import ThreadingHTTPServer
+
     from mlx_lm import server as mls
 
-    _, StatsPromptCache, PolicyAPIHandler, _ = _server_classes()
-    prompt_cache = StatsPromptCache(model_provider.stats, model_provider.cli_args.prompt_cache_size)
-    response_generator = mls.ResponseGenerator(model_provider, prompt_cache)
-    mls._run_http_server(host, port, response_generator, handler_class=PolicyAPIHandler)
+    classes = _server_classes()
+    if not 0 <= port <= 65535:  # getaddrinfo would wrap it (70000 -> 4464)
+        raise StartupError(f"--port {port}: not a port number (0 to 65535)")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        server_class = type("HTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+        httpd = server_class(address, None)  # the handler needs the generator, made next
+    except (OSError, OverflowError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise StartupError(f"--host {host} --port {port}: cannot listen there: {reason}") from None
+    prompt_cache = classes.PromptCache(model_provider.stats, model_provider.cli_args.prompt_cache_size)
+    response_generator = classes.ResponseGenerator(model_provider, prompt_cache)
+    fingerprint = mls.get_system_fingerprint()
+    httpd.RequestHandlerClass = lambda *args, **kwargs: classes.APIHandler(
+        response_generator, *args, system_fingerprint=fingerprint, **kwargs)
+    warnings.warn("mlx_lm.server is not recommended for production as it only implements basic security checks.")
+    logging.info(f"Starting httpd at {host} on port {port}...")
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        httpd.server_close()
+        response_generator.stop_and_join()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -312,13 +527,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from mlx_lm import server as mls
 
-    PolicyModelProvider, _, _, RecordingBatchGenerator = _server_classes()
+    classes = _server_classes()
     stats = ServerStats(config)
-    generator = type("BatchGenerator", (RecordingBatchGenerator,), {"stats": stats})
+    generator = type("BatchGenerator", (classes.BatchGenerator,), {"stats": stats})
     failed: List[BaseException] = []
 
     def provider(cli_args):
-        mp = PolicyModelProvider(cli_args, config, stats, ours.dtype)
+        mp = classes.ModelProvider(cli_args, config, stats, ours.dtype)
         try:
             mp.load_default()  # load and attach now: a model the method cannot serve fails at start-up
         except Exception as exc:
@@ -330,6 +545,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             _patched(mls, ModelProvider=provider, run=run, BatchGenerator=generator):
         try:
             mls.main()
+        except StartupError as exc:
+            print(f"kvpolicy serve: error: {exc}", file=sys.stderr)
+            return 2
         except SystemExit as exc:
             if failed:
                 print(f"kvpolicy serve: error: {failed[0]}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Paired comparison of two methods' perplexity on the same tokens, from saved quality results.
 
-    python benchmarks/paired.py benchmarks/results/quality_token_r18_paired_*.json --a cam --b h2o
+    python benchmarks/paired.py benchmarks/results/quality_token_cam_vs_h2o_*.json --a cam --b h2o
     python benchmarks/paired.py --smoke          # two runs of the tiny model (the test suite runs this)
 
 Rows of ``quality.py``'s json files (which keep per-token NLLs) are matched by the tokens they ran on (the

@@ -72,7 +72,7 @@ def perturbation():
 
 
 def speed():
-    d = load("step_cost")
+    d = load("step_cost_grid")
     if d:
         print(f"\n### step cost; `{d['command']}`\n")
         print("| budget | D | H | KVCache us | Rotating x | H2O x | CaM x | scoring / attention |")
@@ -80,7 +80,7 @@ def speed():
         for r in d["rows"]:
             print(f"| {r['budget']} | {r['head_dim']} | {r['kv_heads']} | {r['us_KVCache']:.0f} | {r['ratio_RotatingKVCache']:.2f} | "
                   f"{r['ratio_h2o']:.2f} | {r['ratio_cam']:.2f} | {r['scoring_over_attention']:.2f} |")
-    d = load("e2e_speed")
+    d = load("e2e_speed_interleaved")
     if d:
         print(f"\n### end to end; `{d['command']}`\n")
         print("| method | prefill tok/s | x full | decode tok/s | x full | KV kept MiB | KV full MiB | peak MB |")
@@ -92,7 +92,7 @@ def speed():
             p = r["points"]
             print(f"\nlong {r['spec']}: ms/step {p[0]['ms_per_step']:.1f} -> {p[-1]['ms_per_step']:.1f}, "
                   f"active MB {p[0]['active_mb']:.0f} -> {p[-1]['active_mb']:.0f}")
-    d = load("soak")
+    d = load("soak_10k")
     if d:
         print(f"\n### soak; `{d['command']}`\n")
         print("| method | steps | ms/step first | ms/step last | last/first | active MB first | last |")

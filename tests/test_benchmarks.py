@@ -62,12 +62,12 @@ def test_step_cost_with_clustered_keys_times_steps_that_merge(tmp_path):
 
 def test_perplexity_reports_the_share_of_evictions_that_merged():
     """evaluation.perplexity: ``merges_per_eviction`` for caches that count merges (CaM), absent for H2O;
-    0 where CaM never merges (min_sim above 1), the share of (token, KV head) evictions otherwise."""
+    0 where CaM never merges (cap=1), the share of (token, KV head) evictions otherwise."""
     from kvpolicy_core.evaluation import perplexity
     from kvpolicy_core.testing import tiny_llama
 
     model, ids = tiny_llama(), list(range(3, 43))
-    never = perplexity(model, ids, "cam:budget=16,min_sim=1.5", progress=False)
+    never = perplexity(model, ids, "cam:budget=16,cap=1", progress=False)
     some = perplexity(model, ids, "cam:budget=16,min_sim=-1,cap=none", progress=False)
     h2o = perplexity(model, ids, "h2o:budget=16", progress=False)
     assert never["merges_per_eviction"] == 0 and 0 < some["merges_per_eviction"] <= 1

@@ -169,7 +169,7 @@ def test_mass_caches_hold_the_budget_stay_finite_and_count_merges(merge, chunks)
 
 
 @pytest.mark.parametrize("chunks", [[1] * 40, [15, 1, 1, 18, 5]])
-def test_min_sim_trades_merges_for_drops_and_above_one_is_h2o_exactly(chunks):
+def test_min_sim_trades_merges_for_drops_and_one_is_h2o_exactly_on_keys_of_distinct_directions(chunks):
     K, V = random_kv(B=2, H=2, S=40, D=8, seed=6)
     base = "budget=10,n_sink=2,signal=proxy,prompt=true"
     merges = []
@@ -178,7 +178,7 @@ def test_min_sim_trades_merges_for_drops_and_above_one_is_h2o_exactly(chunks):
         feed(cache, K, V, chunks)
         merges.append(int(cache.merges))
     assert merges[0] > merges[1] > merges[2] > 0  # a higher threshold merges fewer losers
-    never, h2o = PolicyCache(f"cam:{base},min_sim=1.5"), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
+    never, h2o = PolicyCache(f"cam:{base},min_sim=1"), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
     for c in (never, h2o):
         feed(c, K, V, chunks)
     assert never.merges == 0 and not mx.any(never.log_weights).item()
@@ -249,7 +249,7 @@ def test_an_update_that_changes_nothing_is_not_written(monkeypatch):
     real_add = SlotStore.add
     monkeypatch.setattr(SlotStore, "add", lambda self, u: (writes.append(u), real_add(self, u))[1])
     K, V = random_kv(B=1, H=2, S=30, D=8, seed=10)
-    never = PolicyCache("cam:budget=10,n_sink=2,signal=proxy,min_sim=1.5,gate=true")
+    never = PolicyCache("cam:budget=10,n_sink=2,signal=proxy,min_sim=1,gate=true")  # no two keys parallel
     h2o = PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
     for c in (never, h2o):
         feed(c, K, V, [1] * 30)

@@ -146,3 +146,135 @@ def test_registry_is_lazy_and_pluggy_is_not_on_the_decode_path(llama_model, monk
     llama_model(mx.zeros((1, 20), dtype=mx.int32), cache=caches)
     for _ in range(3):
         llama_model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+
+
+# ----------------------------------------------------------------------------- identity by distribution
+def method_plugin(*methods):
+    """A plugin module registering the ``methods`` (scored, selected and disposed by core's parts)."""
+    line = '\n        register(MethodSpec("{}", OldestConfig, "cumulative_attention", "lowest_score", "drop"))'
+    calls = "".join(line.format(m) for m in methods)
+    return GOOD.split("    @hookimpl")[0] + "    @hookimpl\n    def register_methods(register):" + calls + "\n"
+
+
+def test_a_third_party_entry_point_named_like_a_shipped_one_does_not_hide_it(site):
+    make_dist(site, "other_pkg", {"other_oldest": GOOD}, {"h2o": "other_oldest"})
+    reset_registry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg = get_registry()
+    methods = reg.methods()
+    assert methods["h2o"].dist == "kvpolicy-h2o" and methods["oldest"].dist == "other_pkg"
+    from kvpolicy_core import parse_config
+
+    assert parse_config("h2o:budget=9").policy.budget == 9
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_third_party_method_with_a_shipped_name_is_reported_and_the_shipped_one_kept(site, monkeypatch, strict):
+    make_dist(site, "other_pkg", {"other_clash": method_plugin("h2o", "other")}, {"h2o": "other_clash"})
+    if strict:
+        monkeypatch.setenv("KVPOLICY_STRICT_PLUGINS", "1")
+        reset_registry()
+        with pytest.raises(PluginError, match=r"'h2o' is registered twice.*other_pkg.*kvpolicy-h2o") as e:
+            get_registry()
+        assert "skipped" not in str(e.value)
+        return
+    reset_registry()
+    with pytest.warns(RuntimeWarning, match=r"'h2o' is registered twice.*other_pkg.*kvpolicy-h2o") as w:
+        reg = get_registry()
+    assert len(w) == 1 and "shipped" in str(w[0].message)
+    assert reg.methods()["h2o"].dist == "kvpolicy-h2o"
+    assert reg.method("h2o").config_class.__name__ == "H2OConfig"
+    assert reg.methods()["other"].dist == "other_pkg"  # only the clashing registration is skipped
+    (conflict,) = reg.conflicts
+    assert (conflict.kind, conflict.name, conflict.kept, conflict.skipped) == (
+        "methods", "h2o", "kvpolicy-h2o:h2o", "other_pkg:h2o")
+    assert conflict.message in " ".join(reg.failures)  # `kvpolicy methods` shows the failures
+
+
+def test_a_third_party_entry_point_loading_a_shipped_module_does_not_take_its_methods(site):
+    make_dist(site, "other_pkg", {}, {"mine": "kvpolicy_h2o.plugin"})
+    reset_registry()
+    with pytest.warns(RuntimeWarning, match=r"'mine' \(kvpolicy_h2o.plugin, from other_pkg\).*'kvpolicy-h2o:h2o' already"):
+        reg = get_registry()
+    assert reg.methods()["h2o"].dist == "kvpolicy-h2o" and reg.methods()["h2o"].plugin == "h2o"
+
+
+@pytest.mark.parametrize("alpha_first", [True, False])
+def test_a_clash_between_two_third_party_plugins_is_won_by_the_first_distribution_name(
+        site, tmp_path_factory, monkeypatch, alpha_first):
+    """The winner does not depend on sys.path order: distributions load in name order (shipped ones first)."""
+    other = tmp_path_factory.mktemp("other_site")
+    first, second = (site, other) if alpha_first else (other, site)
+    make_dist(first, "kvp_alpha", {"kvp_alpha_mod": method_plugin("oldest")}, {"oldest": "kvp_alpha_mod"})
+    make_dist(second, "kvp_beta", {"kvp_beta_mod": method_plugin("oldest")}, {"oldest": "kvp_beta_mod"})
+    monkeypatch.syspath_prepend(str(other))
+    reset_registry()
+    with pytest.warns(RuntimeWarning, match="'oldest' is registered twice: plugin 'oldest' .from kvp_beta.") as w:
+        reg = get_registry()
+    assert "kvp_alpha" in str(w[0].message) and "keeps it" in str(w[0].message)
+    assert reg.methods()["oldest"].dist == "kvp_alpha"
+    assert [(c.kept, c.skipped) for c in reg.conflicts] == [("kvp_alpha:oldest", "kvp_beta:oldest")]
+
+
+@pytest.mark.parametrize("block, left", [("other-pkg", {"h2o": "kvpolicy-h2o"}),
+                                         ("Other_Pkg:h2o", {"h2o": "kvpolicy-h2o"}),
+                                         ("kvpolicy-h2o", {"h2o": "other_pkg"}),
+                                         ("kvpolicy-h2o:h2o, other_pkg", {}),
+                                         ("h2o", {})])  # a bare entry-point name: every entry point so named
+def test_blocking_names_a_distribution_or_one_of_its_entry_points(site, monkeypatch, block, left):
+    make_dist(site, "other_pkg", {"other_h2o": method_plugin("h2o")}, {"h2o": "other_h2o"})
+    monkeypatch.setenv("KVPOLICY_BLOCK_PLUGINS", block)
+    reset_registry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg = get_registry()
+    methods = reg.methods()
+    assert {m: methods[m].dist for m in methods if m == "h2o"} == left
+    assert "cam" in methods and "random" in methods
+
+
+def test_a_blocked_shipped_method_says_it_is_installed_and_blocked(site, monkeypatch):
+    from kvpolicy_core import UnknownMethodError, parse_config
+
+    monkeypatch.setenv("KVPOLICY_BLOCK_PLUGINS", "kvpolicy-h2o")
+    reset_registry()
+    with pytest.raises(UnknownMethodError, match=r"kvpolicy-h2o is installed.*BLOCK_PLUGINS.*kvpolicy-h2o:h2o") as e:
+        parse_config("h2o")
+    assert "pip install" not in str(e.value)
+
+
+def test_a_plugin_that_exits_at_import_is_reported_and_skipped(site):
+    make_dist(site, "kvp_exits", {"kvp_exits_mod": "import sys\nsys.exit(3)\n"}, {"exits": "kvp_exits_mod"})
+    make_dist(site, "kvpolicy_oldest", {"kvp_oldest": GOOD}, {"oldest": "kvp_oldest"})
+    reset_registry()
+    with pytest.warns(RuntimeWarning, match=r"skipping plugin 'exits' .*SystemExit: 3"):
+        reg = get_registry()
+    assert "oldest" in reg.methods() and "h2o" in reg.methods()
+    assert any("SystemExit" in f for f in reg.failures)
+
+
+def test_a_plugin_that_exits_in_a_hook_is_reported_and_rolled_back(site):
+    class Exiter:
+        from kvpolicy_core import hookimpl
+
+        @hookimpl
+        def register_scorers(self, register):
+            register("half", object)
+            raise SystemExit(4)
+
+    register_plugin(Exiter(), "exiter")
+    try:
+        with pytest.warns(RuntimeWarning, match=r"'exiter' failed in register_scorers: SystemExit: 4"):
+            reg = get_registry()
+        assert "half" not in reg.parts["scorers"] and "h2o" in reg.methods()
+    finally:
+        unregister_plugin("exiter")
+
+
+def test_ctrl_c_while_a_plugin_imports_is_not_swallowed(site):
+    make_dist(site, "kvp_interrupted", {"kvp_interrupted_mod": "raise KeyboardInterrupt\n"},
+              {"interrupted": "kvp_interrupted_mod"})
+    reset_registry()
+    with pytest.raises(KeyboardInterrupt):
+        get_registry()

@@ -2,7 +2,7 @@
 
 from typing import Literal, Optional
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from kvpolicy_core.attention_config import AttentionPolicyConfig
 
@@ -42,12 +42,10 @@ class CamConfig(AttentionPolicyConfig):
     )
     merge_min_sim: float = Field(
         -1.0,
-        ge=-1.0,
-        le=2.0,
         allow_inf_nan=False,
         validation_alias=AliasChoices("merge_min_sim", "min_sim"),
         description="mass merges only: a loser merges only if its key cosine to the target is >= min_sim, "
-        "else it is dropped (-1: always merge; above 1: never, i.e. H2O).",
+        "else it is dropped; a cosine in [-1, 1] (-1: always merge; merge=drop never merges, i.e. H2O).",
     )
     merge_prompt: bool = Field(
         True,
@@ -78,6 +76,14 @@ class CamConfig(AttentionPolicyConfig):
         validation_alias=AliasChoices("merge_window", "m"),
         description="m, the number of following tokens the paper's merge spreads a loser over.",
     )
+
+    @field_validator("merge_min_sim")
+    @classmethod
+    def _min_sim_is_a_cosine(cls, value: float) -> float:
+        if not -1.0 <= value <= 1.0:
+            raise ValueError(f"a key cosine threshold in [-1, 1] (got {value!r}); -1 merges every loser, "
+                             "and merge=drop merges none (H2O exactly)")
+        return value
 
     @model_validator(mode="before")
     @classmethod

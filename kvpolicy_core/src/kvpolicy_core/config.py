@@ -11,6 +11,10 @@ Config-string grammar::
     config  := method [ ":" item ( "," item )* ]
     item    := key "=" value          (no spaces needed; values are parsed by the field)
 
+A value written as a number in the ASCII digits 0-9 (``16``, ``-0.5``, ``1e-3``, ``inf``) is read
+as a number; any other value stays a string for its field to validate (so digits of other scripts,
+``１６``, are refused by a numeric field, naming it).
+
 A JSON object string (``'{"method": "cam", "budget": 256}'``) and a dict with the
 same keys are accepted as well.
 """
@@ -18,6 +22,7 @@ same keys are accepted as well.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Dict, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
@@ -147,23 +152,27 @@ def parse_config_string(text: str) -> Dict[str, Any]:
         if key in out:
             raise ConfigError(f"config string {text!r}: {key!r} is given twice")
         digits = value.lstrip("+-")
-        if digits.isdigit() and len(digits) > 20:  # beyond 64 bits: a range error, not float('inf')
+        if _INT.fullmatch(value) and len(digits) > 20:  # beyond 64 bits: a range error, not float('inf')
             raise ConfigError(f"{key}: {value[:8]}... ({len(digits)} digits) is out of range; "
                               "integer fields hold at most 64-bit values")
         out[key] = _coerce(value)
     return out
 
 
+#: Numbers in config strings, ASCII only: Python's int() and float() would also read '１６' (full-width) as 16.
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", re.IGNORECASE)
+
+
 def _coerce(value: str) -> Any:
-    """Config-string values: ints and floats become numbers; everything else stays a string."""
+    """Config-string values: ints and floats (ASCII digits) become numbers; everything else stays a string."""
     low = value.lower()
     if low in ("none", "null"):
         return None
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
+    if _INT.fullmatch(value):
+        return int(value)
+    if _FLOAT.fullmatch(value):
+        return float(value)
     return value
 
 

@@ -55,7 +55,8 @@ def register_methods(register):
     Call ``register(MethodSpec(...))`` (see :class:`kvpolicy_core.registry.MethodSpec`).
     The method name becomes selectable as ``method="<name>"`` and as the config
     string ``"<name>:field=value,..."``. Method names are global: registering a
-    name that another plugin already registered is an error naming both plugins.
+    name that another plugin already registered is reported naming both plugins and
+    their distributions, and skipped (the shipped distributions keep their names).
 
     Since 0.1.0.
     """

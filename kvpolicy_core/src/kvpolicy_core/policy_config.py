@@ -70,8 +70,15 @@ def format_errors(exc: ValidationError, prefix: str, written: Optional[Mapping[s
             parts.append(f"{field}: unknown field")
             continue
         shown = err.get("input")
+        if err["type"] in ("int_parsing", "float_parsing") and isinstance(shown, str) and _foreign_digits(shown):
+            msg += "; numbers are written in the ASCII digits 0-9"
         parts.append(f"{field}: {msg} (got {shown!r})" if err["type"] != "value_error" else f"{field}: {msg}")
     return "; ".join(parts)
+
+
+def _foreign_digits(text: str) -> bool:
+    """Whether ``text`` has digits of another script than ASCII (``１６``, ``٣``), which Python's int() reads."""
+    return any(not c.isascii() and c.isnumeric() for c in text)
 
 
 #: Integer fields hold at most a signed 64-bit value (MLX and JSON round trips need it).

@@ -24,6 +24,16 @@ Counters = Dict[str, mx.array]
 _INT32_MAX = 2**31 - 1
 
 
+def wrong_output(owner: str, what: str, x, expected: Tuple[int, ...]) -> PluginError:
+    """The error for a part output ``x`` that is not an mx.array of shape ``expected``: a numpy array or a
+    list of the right shape is named as such (its shape alone would read like the expected one)."""
+    if not isinstance(x, mx.array):
+        kind = type(x).__name__ if type(x).__module__ == "builtins" else f"{type(x).__module__}.{type(x).__name__}"
+        return PluginError(f"{owner} returned {what} as a {kind}, not an mx.array: it must return an mx.array of "
+                           f"shape {tuple(expected)} (convert with mx.array(...))")
+    return PluginError(f"{owner} returned {what} of shape {tuple(x.shape)}, expected {tuple(expected)}")
+
+
 def valid_by_construction(part) -> bool:
     """Whether ``part`` is one of kvpolicy-core's own parts whose decode output is valid by construction, so
     its value checks (and their host sync) are skipped: the class itself (not a subclass defined elsewhere)
@@ -104,10 +114,7 @@ class PolicyStep:
         if current is not None and scores is current:
             return scores
         if not isinstance(scores, mx.array) or tuple(scores.shape) != tuple(shape):
-            raise PluginError(
-                f"layer {self.layer}: {self.policy.owners['scorer']} returned scores of shape "
-                f"{getattr(scores, 'shape', type(scores).__name__)}, expected {tuple(shape)}"
-            )
+            raise wrong_output(f"layer {self.layer}: {self.policy.owners['scorer']}", "scores", scores, shape)
         scores = mx.nan_to_num(scores if scores.dtype == mx.float32 else scores.astype(mx.float32), nan=0.0)
         if self.eager_checks > 0:
             self.eager_checks -= 1
@@ -141,8 +148,7 @@ class PolicyStep:
         """Metadata checks of slot indices a part returned (an integer mx.array of ``shape``); int32 indices."""
         owner = f"layer {self.layer}: {self.policy.owners[kind]}"
         if not isinstance(idx, mx.array) or tuple(idx.shape) != tuple(shape):
-            raise PluginError(f"{owner} returned {what} of shape {getattr(idx, 'shape', type(idx).__name__)}, "
-                              f"expected {tuple(shape)}")
+            raise wrong_output(owner, what, idx, shape)
         if not mx.issubdtype(idx.dtype, mx.integer):
             dtype = str(idx.dtype).removeprefix("mlx.core.")
             raise PluginError(f"{owner} returned {what} of dtype {dtype}, expected an integer dtype")
@@ -330,8 +336,7 @@ class PolicyStep:
                              ("d_values", u.d_values, (view.values.shape[-1],)),
                              ("d_scores", u.d_scores, ()), ("d_log_weights", u.d_log_weights, ())):
             if x is not None and (not isinstance(x, mx.array) or tuple(x.shape) != (B, H, T, *row)):
-                raise PluginError(f"{owner} returned {name} of shape {getattr(x, 'shape', type(x).__name__)}, "
-                                  f"expected {(B, H, max(T, 0), *row)}")
+                raise wrong_output(owner, name, x, (B, H, max(T, 0), *row))
         if u.d_log_weights is not None and view.log_weights is None:
             raise PluginError(f"{owner} returned d_log_weights, but its uses_log_weights is False "
                               "(the cache keeps no log-weights)")

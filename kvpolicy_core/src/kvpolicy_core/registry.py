@@ -3,11 +3,15 @@
 Plugins register through the hooks in :mod:`kvpolicy_core.hookspecs`; each hook
 implementation is called separately with a ``register`` callback bound to its
 plugin's name, so duplicate names and failures can be attributed to a plugin.
+The shipped distributions (:data:`SHIPPED`) own the names they register: a clash
+always skips the other plugin's registration, never theirs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import re
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
@@ -54,37 +58,70 @@ class Registered:
     """One registered object and the plugin (and distribution) that registered it."""
 
     obj: Any
-    plugin: str
+    plugin: str  #: the plugin's entry-point name (or the name given to ``register_plugin``)
     dist: Optional[str] = None
     version: Optional[str] = None
+
+    @property
+    def source(self) -> str:
+        """The plugin's identity, ``"<dist>:<plugin>"`` (``"kvpolicy-h2o:h2o"``), or ``plugin`` without a dist."""
+        return f"{self.dist}:{self.plugin}" if self.dist else self.plugin
+
+
+@dataclasses.dataclass(frozen=True)
+class Conflict:
+    """A name two plugins registered: ``kept`` (a plugin's :attr:`Registered.source`) keeps it, ``skipped``'s
+    registration of it is not used."""
+
+    kind: str
+    name: str
+    kept: str
+    skipped: str
+    message: str
+
+
+class NameClash(PluginError):
+    """A plugin registered a name another plugin already holds (recorded in :attr:`Registry.conflicts`)."""
 
 
 KINDS = ("scorers", "selectors", "dispositions", "methods")
 
 
 class Registry:
-    """Named scorers, selectors, dispositions and methods, and the plugin failures seen."""
+    """Named scorers, selectors, dispositions and methods, and what went wrong while filling them.
+
+    ``failures``: one message per plugin that failed to load or register, and per name clash (``kvpolicy
+    methods`` shows them); ``conflicts``: the name clashes, who kept the name and who was skipped;
+    ``blocked``: the plugins ``KVPOLICY_BLOCK_PLUGINS`` kept out (``"<dist>:<name>"``).
+    """
 
     def __init__(self) -> None:
         self.parts: Dict[str, Dict[str, Registered]] = {k: {} for k in KINDS}
         self.failures: List[str] = []
-        self.conflicts: Dict[str, str] = {}
+        self.conflicts: List[Conflict] = []
+        self.blocked: List[str] = []
 
     # -- filling ---------------------------------------------------------------------------
     def add(self, kind: str, name: str, obj: Any, plugin: str, dist=None, version=None) -> None:
+        """Register ``obj`` as ``name``; a name already held raises :class:`NameClash` (recorded in
+        :attr:`conflicts`): the first registrant keeps it (shipped distributions register first)."""
         table = self.parts[kind]
         if not isinstance(name, str) or not name.isidentifier():
             raise PluginError(f"plugin {plugin!r} registered a {kind[:-1]} with an invalid name {name!r}")
-        if name in table:  # the first registrant (shipped plugins register first) keeps the name
-            other = table[name]
+        if name in table:
+            other, new = table[name], Registered(obj, plugin, dist, version)
+            if shipped_rank(other.dist) < len(SHIPPED):
+                why = f"the name belongs to the shipped distribution {other.dist}"
+            else:
+                why = "plugins register in a fixed order, the shipped distributions first, then by distribution name"
             message = (
                 f"{kind[:-1]} {name!r} is registered twice: plugin {plugin!r}{_from(dist)} tried to take the "
-                f"name, which plugin {other.plugin!r}{_from(other.dist)} already registered; {other.plugin!r} "
-                f"keeps it and {plugin!r}'s {kind} are not registered (rename them in {plugin!r}, or block it "
-                "with KVPOLICY_BLOCK_PLUGINS)"
+                f"name, which plugin {other.plugin!r}{_from(other.dist)} already registered; {why}, so "
+                f"{other.source!r} keeps it (rename {name!r} in {dist or plugin!r}, or block the plugin with "
+                f"KVPOLICY_BLOCK_PLUGINS={new.source})"
             )
-            self.conflicts[f"{kind}:{name}"] = message
-            raise PluginError(message)
+            self.conflicts.append(Conflict(kind, name, other.source, new.source, message))
+            raise NameClash(message)
         table[name] = Registered(obj, plugin, dist, version)
 
     # -- lookup ----------------------------------------------------------------------------
@@ -94,10 +131,20 @@ class Registry:
         if name not in table:
             installed = ", ".join(sorted(table)) or "none"
             raise UnknownMethodError(
-                f"unknown method {name!r}; installed methods: {installed}. "
-                f"To add it, install its plugin: pip install kvpolicy-{name}"
+                f"unknown method {name!r}; installed methods: {installed}. {self._why_missing(name)}"
             )
         return table[name].obj
+
+    def _why_missing(self, method: str) -> str:
+        """Why a method is not registered, as far as the plugin named after it (``kvpolicy-<method>``) tells."""
+        dist = f"kvpolicy-{method}"
+        blocked = [b for b in self.blocked if normalize_dist(b.partition(":")[0]) == normalize_dist(dist)]
+        if blocked:
+            return f"{dist} is installed, but KVPOLICY_BLOCK_PLUGINS blocks its plugin ({', '.join(blocked)})"
+        failed = f" ({len(self.failures)} plugin problems: `kvpolicy methods` lists them)" if self.failures else ""
+        if _installed(dist):
+            return f"{dist} is installed but did not register {method!r}{failed}"
+        return f"To add it, install its plugin: pip install {dist}{failed}"
 
     def resolve(self, data: Mapping[str, Any]) -> Dict[str, Any]:
         """Resolve ``data["method"]`` and validate its fields into the method's config class.
@@ -166,8 +213,27 @@ def _from(dist: Optional[str]) -> str:
     return f" (from {dist})" if dist else ""
 
 
-#: The distributions shipped together; their plugins register before any third-party plugin.
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return True
+
+
+#: The distributions shipped together: their plugins register before any third-party plugin and own their names.
 SHIPPED = ("kvpolicy-core", "kvpolicy-h2o", "kvpolicy-cam")
+
+
+def normalize_dist(name: str) -> str:
+    """A distribution name as packaging compares it (PEP 503): ``Other_Pkg`` -> ``other-pkg``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def shipped_rank(dist: Optional[str]) -> int:
+    """The position of ``dist`` in :data:`SHIPPED` (``len(SHIPPED)`` for any other distribution or none)."""
+    own = normalize_dist(dist) if dist else None
+    return next((i for i, name in enumerate(SHIPPED) if name == own), len(SHIPPED))
 
 
 def _check_method(spec: Any, plugin: str) -> None:
@@ -191,19 +257,20 @@ def _check_method(spec: Any, plugin: str) -> None:
 def fill(registry: Registry, pm, strict: bool) -> None:
     """Call every plugin's registration hooks, one plugin at a time.
 
-    A plugin whose hook raises, or that registers something invalid or a name another
-    plugin already registered, is reported (warning, or :class:`PluginError` when
-    ``strict``) and its own registrations of that kind are rolled back; the other plugins
-    carry on. Shipped plugins (:data:`SHIPPED`) register first, so a name clash never takes a
-    shipped method's name away (the intruder is the one reported and rolled back).
+    A plugin whose hook raises (``SystemExit`` included), or that registers something invalid,
+    is reported (warning, or :class:`PluginError` when ``strict``) and its own registrations
+    of that kind are rolled back; the other plugins carry on. A name another plugin already
+    registered is reported the same way and only that registration is skipped. Shipped plugins
+    (:data:`SHIPPED`) register first, so a clash never takes a shipped name away; the other
+    plugins register in ``pm``'s registration order (entry points by distribution name).
     """
     for kind in KINDS:
         caller = getattr(pm.hook, f"register_{kind}")
-        impls = list(reversed(caller.get_hookimpls()))  # registration order, shipped plugins first
-        impls.sort(key=lambda impl: pm.dist_of(impl.plugin_name)[0] not in SHIPPED)
+        impls = list(caller.get_hookimpls())  # registration order (pluggy calls them in reverse)
+        impls.sort(key=lambda impl: shipped_rank(pm.dist_of(impl.plugin_name)[0]))  # stable: shipped first
         for impl in impls:
-            plugin = impl.plugin_name
-            dist, version = pm.dist_of(plugin)
+            dist, version = pm.dist_of(impl.plugin_name)
+            plugin = pm.label_of(impl.plugin_name)
             added: List[str] = []
 
             def register(*args, _plugin=plugin, _kind=kind, _added=added, _d=dist, _v=version):
@@ -213,12 +280,23 @@ def fill(registry: Registry, pm, strict: bool) -> None:
                     name, obj = spec.name, spec
                 else:
                     name, obj = args
-                registry.add(_kind, name, obj, _plugin, _d, _v)
+                try:
+                    registry.add(_kind, name, obj, _plugin, _d, _v)
+                except NameClash as clash:  # only this registration is skipped; the plugin's others stand
+                    if strict:
+                        raise
+                    skipped = registry.conflicts[-1].skipped
+                    message = f"kvpolicy: {clash}; the {_kind[:-1]} {name!r} of {skipped!r} is skipped"
+                    registry.failures.append(message)
+                    warnings.warn(message, RuntimeWarning, stacklevel=2)
+                    return
                 _added.append(name)
 
             try:
                 impl.function(register=register)
-            except Exception as exc:
+            except NameClash as exc:  # strict: the clash is the error
+                raise PluginError(f"kvpolicy: {exc}") from None
+            except (Exception, SystemExit) as exc:  # a hook's sys.exit() must not end the host program
                 for name in added:
                     registry.parts[kind].pop(name, None)
                 message = f"kvpolicy: plugin {plugin!r} failed in register_{kind}: {type(exc).__name__}: {exc}"

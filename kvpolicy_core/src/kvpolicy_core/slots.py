@@ -141,6 +141,9 @@ class SlotStore:
             )
         if keys.shape[2] == 0:
             raise ValueError(f"layer {layer}: update_and_fetch needs at least one new token (got S=0)")
+        if keys.shape[3] < 1 or values.shape[3] < 1:
+            raise ValueError(f"layer {layer}: keys and values need a head dim of at least 1 (got keys "
+                             f"{tuple(keys.shape)}, values {tuple(values.shape)})")
         if self.keys is None:
             return
         if (keys.dtype == self.keys.dtype and values.dtype == self.values.dtype and keys.shape[:2] == self.keys.shape[:2]

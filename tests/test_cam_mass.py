@@ -240,25 +240,35 @@ def test_the_default_merges_only_at_decode_steps_so_a_prompt_is_compressed_as_h2
     assert prompts.merges > 0  # prompt=true merges prompt losers too
 
 
-def test_an_update_that_changes_nothing_is_not_written(monkeypatch):
-    """Decode evictions where no loser merges return all-zero deltas: the cache skips the scatter-adds
-    (read in the eviction's one host sync) and the buffers are H2O's bit for bit."""
-    from kvpolicy_core.slots import SlotStore
+def bits(x: mx.array) -> mx.array:
+    """The bit patterns of a float array (array_equal calls -0.0 and 0.0 equal; these differ)."""
+    return x.view({mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}.get(x.dtype, x.dtype))
 
-    writes = []
-    real_add = SlotStore.add
-    monkeypatch.setattr(SlotStore, "add", lambda self, u: (writes.append(u), real_add(self, u))[1])
-    K, V = random_kv(B=1, H=2, S=30, D=8, seed=10)
-    never = PolicyCache("cam:budget=10,n_sink=2,signal=proxy,min_sim=1,gate=true")  # no two keys parallel
-    h2o = PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_an_update_that_changes_nothing_leaves_the_buffers_bit_for_bit(monkeypatch, dtype):
+    """Decode evictions where no loser merges return all-zero deltas; decided on the device, the cache then
+    holds H2O's buffers bit for bit (a -0.0 value stays -0.0: adding +0.0 would turn it into 0.0), and the key
+    norms and log-weights of a disposition that returns no update at all."""
+    K, V = random_kv(B=1, H=2, S=30, D=8, seed=10, dtype=dtype)
+    V = mx.where(mx.arange(8) % 3 == 0, mx.array(-0.0, dtype), V)  # some -0.0 elements in every row
+    config = "cam:budget=10,n_sink=2,signal=proxy,min_sim=1,gate=true"  # no two keys parallel
+    never, h2o = PolicyCache(config), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
     for c in (never, h2o):
         feed(c, K, V, [1] * 30)
-    assert writes == [] and never.merges == 0 and never.gate_draws == 0
+    assert never.merges == 0 and never.gate_draws == 0
     for x, y in zip(never.state[:4], h2o.state[:4]):
-        assert mx.array_equal(x, y)
+        assert mx.array_equal(bits(x), bits(y))
+    monkeypatch.setattr(MassMergeDisposition, "dispose", lambda self, view, losers, key: None)
+    untouched = PolicyCache(config)
+    feed(untouched, K, V, [1] * 30)
+    untouched.settle()  # as never.state did
+    for x, y in ((never.log_weights, untouched.log_weights), (never._slots.key_norms, untouched._slots.key_norms)):
+        assert mx.array_equal(bits(x), bits(y))
+    monkeypatch.undo()
     merging = PolicyCache("cam:budget=10,n_sink=2,signal=proxy,min_sim=-1")
     feed(merging, K, V, [1] * 30)
-    assert len(writes) > 0 and merging.merges > 0
+    assert merging.merges > 0
 
 
 def test_after_drops_until_the_cache_has_seen_after_times_its_budget_then_merges():

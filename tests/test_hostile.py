@@ -281,10 +281,14 @@ def test_on_append_is_skipped_only_where_it_returns_the_scores_unchanged():
 
 @pytest.mark.parametrize("window", [None, 5, 12])  # 5: below the budget (dead sinks); 12: above it
 @pytest.mark.parametrize("config", ["h2o:budget=8,n_sink=2,recent=2,signal=proxy", "h2o:budget=8,n_sink=3,recent=0",
-                                    "cam:budget=8,n_sink=2,min_sim=-1,signal=proxy"])
+                                    "cam:budget=8,n_sink=2,min_sim=-1,signal=proxy", "cam:budget=8,n_sink=2",
+                                    "cam:budget=8,n_sink=2,merge=sim_weighted,keys=true,signal=proxy",
+                                    "cam:budget=8,n_sink=2,merge=paper,m=3,signal=proxy",
+                                    "cam:budget=8,n_sink=2,merge=mass_blend,min_sim=-1,signal=proxy"])
 def test_what_core_trusts_passes_the_checks_it_skips(monkeypatch, config, window):
-    """The decode choices core's selector makes unchecked (valid by construction, sliding-window layers
-    included) pass every value check when the checks are forced on: the same caches, no PluginError."""
+    """The decode outputs the shipped parts give unchecked (core's selector's choices, CaM's merges: valid by
+    construction, sliding-window layers included) pass every value check when the checks are forced on: the
+    same caches bit for bit, log-weights and key norms included, and no PluginError."""
     from kvpolicy_core import policy_step
 
     keys, values = random_kv(B=2, S=48)
@@ -296,6 +300,9 @@ def test_what_core_trusts_passes_the_checks_it_skips(monkeypatch, config, window
     assert trusted.offset == checked.offset == 48
     for x, y in zip(trusted.state, checked.state):
         assert mx.array_equal(x, y) if isinstance(x, mx.array) else x == y
+    for f in ("log_weights", "key_norms"):
+        x, y = getattr(trusted._slots, f), getattr(checked._slots, f)
+        assert (x is None and y is None) or mx.array_equal(x, y)
 
 
 @pytest.mark.parametrize("window", [None, 10])  # a sliding-window layer: window-dead slots (sinks too) go first
@@ -385,6 +392,52 @@ def test_an_updates_check_code_says_broken_changed_or_nothing():
     assert update_checks(t, scalar(2), [(one * 1e6, half)], None)[0].item() == 2
     assert nonfinite_flags(t, 2, [(one * 1e6, half)]) == [True]
     assert nonfinite_flags(mx.array([[[1]]], dtype=mx.int32), 2, [(nan, base)]) == [False]  # already non-finite
+
+
+def test_the_store_never_adds_a_non_finite_delta_to_a_finite_element():
+    """SlotStore.add's device-side guard (what protects the cache from a shipped merge, which is not checked): a
+    delta element that is NaN or inf in the buffer's dtype is not added where the target element is finite
+    (that element keeps its value), is added where it is not; finite elements of the same row still change."""
+    from kvpolicy_core.parts.base import MergeUpdate
+    from kvpolicy_core.slots import SlotStore
+
+    store = SlotStore(track_log_weights=True, track_key_norms=True)
+    keys, values = random_kv(B=1, H=1, S=3, D=2, dtype=mx.float16)
+    values = values.at[0, 0, 1, 1].add(math.inf)  # slot 1's second element is non-finite
+    store.append(keys, values, 0, budget=8)
+    t = mx.array([[[1, 2]]], dtype=mx.int32)
+    d_values = mx.array([[[[0.5, math.nan], [1e6, 0.25]]]])  # 1e6 is inf in float16
+    store.add(MergeUpdate(t, d_values=d_values, d_scores=mx.array([[[math.inf, 2.0]]]),
+                          d_log_weights=mx.array([[[math.nan, 0.5]]])))
+    v = np.array(store.values[0, 0, :3].astype(mx.float32))
+    want = np.array(values[0, 0].astype(mx.float32))
+    assert v[0].tolist() == want[0].tolist() and v[1, 0] == np.float16(want[1, 0] + np.float16(0.5))
+    assert np.isnan(v[1, 1])  # inf + NaN: the non-finite element may take any delta
+    assert v[2, 0] == want[2, 0] and v[2, 1] == np.float16(want[2, 1] + np.float16(0.25))  # 1e6 (inf) not added
+    assert store.scores.tolist() == [[[0.0, 0.0, 2.0]]] and store.log_weights.tolist() == [[[0.0, 0.0, 0.5]]]
+
+
+def test_a_shipped_merge_whose_delta_overflows_the_cache_dtype_leaves_the_element_as_it_was():
+    """float16 values near +-60000 blended by a similarity weight near 1: the delta (~120000) is inf in float16.
+    Checked (as a plugin's update is), that is a PluginError; CaM's own decode merge is not checked, and the
+    guard keeps those elements (every value stays finite) while the rest of the merge applies."""
+    from kvpolicy_core import policy_step
+
+    keys = mx.ones((1, 1, 12, 4), mx.float16)  # identical keys: cosine 1, weight 1
+    values = mx.where(mx.arange(12)[None, None, :, None] % 2 == 0, 60000.0, -60000.0) * mx.ones((1, 1, 12, 4))
+    values = values.astype(mx.float16)
+    config = "cam:budget=8,n_sink=1,signal=proxy,merge=sim_weighted,gate=false"
+    cache = PolicyCache(config)
+    feed(cache, keys, values, [9] + [1] * 3)
+    assert cache.merges > 0 and mx.all(mx.isfinite(cache.values)).item()
+    original = policy_step.valid_by_construction
+    try:
+        policy_step.valid_by_construction = lambda part: False
+        checked = PolicyCache(config)
+        with pytest.raises(PluginError, match="non-finite values"):
+            feed(checked, keys, values, [9] + [1] * 3)
+    finally:
+        policy_step.valid_by_construction = original
 
 
 def test_targets_past_int32_are_out_of_range_not_wrapped_into_the_cache(odd_plugin):

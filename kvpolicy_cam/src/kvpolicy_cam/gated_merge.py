@@ -8,6 +8,7 @@ from typing import Optional
 import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
+from kvpolicy_core.shipped_parts import shipped
 
 
 #: The counters CaM's dispositions report (``cache.stats()``, ``cache.gate_draws``, ``cache.merges``).
@@ -125,6 +126,7 @@ def bernoulli(p: mx.array, key: mx.array, head_offset: int = 0, heads_total: Opt
     return u < p
 
 
+@shipped  # kvpolicy_core.shipped_parts: decode updates trusted, guarded on the device
 class GatedMergeDisposition(Disposition):
     """Merge each loser l into its target t (the most similar surviving non-sink key).
 

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
 from kvpolicy_core.parts.merge import per_target_sum
+from kvpolicy_core.shipped_parts import shipped
 
 from .gated_merge import STATS, bernoulli, blend_update, finite_rows, gate_probability, merge_targets, per_row, take
 
@@ -50,6 +51,7 @@ def after_tokens(after: float, budget: int) -> int:
     return int(math.ceil(min(after * budget, _INT32_MAX)))
 
 
+@shipped  # kvpolicy_core.shipped_parts: decode updates trusted, guarded on the device
 class MassMergeDisposition(Disposition):
     """Merge each loser into its nearest survivor, weighted by attention drawn.
 

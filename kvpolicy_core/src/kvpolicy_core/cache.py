@@ -88,8 +88,9 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._run: dict = {}  # the scorer's state for the current run of prompt chunks (CacheView.run)
         self._run_open = False  # the last update was a chunk (S > 1) and nothing was evicted since
         self.attention_hook = None  # the attention hook install this cache keeps alive, if it needs one
-        #: some log-weight may be nonzero (a merge changed one, or restored state carries them); until then
-        #: the attention needs no bias (all zero: the same attention bit for bit) and skips building it
+        #: some log-weight may be nonzero (a checked update changed one, a shipped disposition evicted at a decode
+        #: step: whether it merged is decided on the device, or restored state carries them); until then the
+        #: attention needs no bias (all zero: the same attention bit for bit) and skips building it
         self._lw_used = False
         #: the scorer takes the model's attention weights (``on_attention_weights``): one pass gives both
         scorer = self.policy.scorer

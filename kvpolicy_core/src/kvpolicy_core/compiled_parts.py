@@ -144,12 +144,14 @@ def compiled_evict_write(selector) -> Callable:
 class _Compiled(_PartRef):
     """One disposition's compiled ``dispose``, one trace per view layout (which optional fields are set).
 
-    The update's value checks (:func:`kvpolicy_core.value_checks.update_checks`) are traced into the same
-    graph, so a decode step's merge is one compiled call; the call returns them next to the update.
+    With ``checks``, the update's value checks (:func:`kvpolicy_core.value_checks.update_checks`) are traced
+    into the same graph, so a decode step's merge is one compiled call; the call returns them next to the
+    update. Without (a shipped disposition, :mod:`kvpolicy_core.shipped_parts`), the graph is the update alone.
     """
 
-    def __init__(self, disposition) -> None:
+    def __init__(self, disposition, checks: bool = True) -> None:
         self._hold(disposition)
+        self.checks = checks
         self._fns: Dict[Tuple, Tuple[Callable, List]] = {}
 
     def _build(self, layout: Tuple) -> Tuple[Callable, List]:
@@ -169,10 +171,10 @@ class _Compiled(_PartRef):
             targets = u.targets.astype(mx.int32) if mx.issubdtype(u.targets.dtype, mx.integer) else u.targets
             pairs = [(getattr(u, f), base) for f, base in (("d_keys", view.keys), ("d_values", view.values),
                                                            ("d_scores", view.scores)) if getattr(u, f) is not None]
-            checks = list(update_checks(targets, last, pairs, u.d_log_weights))
+            checks = list(update_checks(targets, last, pairs, u.d_log_weights)) if self.checks else []
             spec[:] = [("update", fields, [k for k, _ in stats],
                         {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)}, u.stats is None,
-                        checks[1] is not None)]
+                        len(checks) > 1 and checks[1] is not None)]
             return [getattr(u, f) for f in fields] + [v for _, v in stats] + [c for c in checks if c is not None]
 
         return mx.compile(fn), spec
@@ -192,10 +194,11 @@ class _Compiled(_PartRef):
         update = dict(zip(fields, out[: len(fields)]))
         n = len(fields) + len(stat_names)
         stats: Optional[dict] = None if no_stats else {**constants, **dict(zip(stat_names, out[len(fields):n]))}
-        checks = (out[n], out[n + 1] if has_lw else None)
+        checks = (out[n], out[n + 1] if has_lw else None) if self.checks else None
         return MergeUpdate(**update, stats=stats), checks
 
 
-def compiled(disposition) -> Callable:
-    """The compiled ``dispose`` of ``disposition`` with its update's checks (shared by every layer's cache)."""
-    return _per_part(disposition, "dispose", lambda: _Compiled(disposition))
+def compiled(disposition, checks: bool = True) -> Callable:
+    """The compiled ``dispose`` of ``disposition``, with its update's checks unless ``checks=False`` (shared by
+    every layer's cache)."""
+    return _per_part(disposition, ("dispose", checks), lambda: _Compiled(disposition, checks))

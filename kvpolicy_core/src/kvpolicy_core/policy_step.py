@@ -19,6 +19,7 @@ from .value_checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, loser_
 from .errors import KVPolicyError, ModelError, PluginError
 from .parts.base import CacheView, Disposition, MergeUpdate, Scorer, Selector, pick_lowest
 from .policy import Policy, step_key, step_keys
+from .shipped_parts import is_shipped
 
 Counters = Dict[str, mx.array]
 _INT32_MAX = 2**31 - 1
@@ -35,11 +36,10 @@ def wrong_output(owner: str, what: str, x, expected: Tuple[int, ...]) -> PluginE
 
 
 def valid_by_construction(part) -> bool:
-    """Whether ``part`` is one of kvpolicy-core's own parts whose decode output is valid by construction, so
-    its value checks (and their host sync) are skipped: the class itself (not a subclass defined elsewhere)
-    declares ``valid_by_construction`` and lives in kvpolicy_core. Plugins' parts are always checked."""
-    cls = type(part)
-    return cls.__dict__.get("valid_by_construction", False) is True and cls.__module__.startswith("kvpolicy_core.")
+    """Whether ``part``'s decode outputs are trusted without value checks (and their host sync): its class is
+    exactly one the shipped packages registered (:mod:`kvpolicy_core.shipped_parts`; a subclass, a copy or any
+    other plugin part is checked)."""
+    return is_shipped(part)
 
 
 def dead_first(dead: mx.array, chosen: mx.array, n_evict: int) -> mx.array:
@@ -66,7 +66,8 @@ class PolicyStep:
         self._compiled_ok = [True, True]
         #: decode evictions may run as one compiled call (:meth:`evict_and_write`): core's selector with drop
         #: which parts' decode outputs are valid by construction (decided once: the parts do not change)
-        self.trusted = {kind: valid_by_construction(getattr(policy, kind)) for kind in ("scorer", "selector")}
+        self.trusted = {kind: valid_by_construction(getattr(policy, kind))
+                        for kind in ("scorer", "selector", "disposition")}
         #: whether the scorer's on_append can change the scores: not for the base class's (it returns them as
         #: they are), nor for core's own scorers with an observed signal (they score from the attention hook)
         scorer = policy.scorer
@@ -255,19 +256,23 @@ class PolicyStep:
         seed = self.policy.config.seed
         key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
         pending = list(pending)
+        # a shipped disposition's decode update (one loser per row): no value checks to read, its guards run on
+        # the device as the store adds it (SlotStore.add); a prompt chunk's update is checked like a plugin's
+        trusted = self.trusted["disposition"] and losers.shape[-1] == 1
         try:
             update, in_graph, done = None, None, False
             if wants_compile(disposition, losers.shape[-1]) and self._compiled_ok[1]:
                 try:
-                    update, in_graph = compiled(disposition)(view, losers, key)
+                    update, in_graph = compiled(disposition, checks=not trusted)(view, losers, key)
                     done = True
                 except Exception:  # not compilable (or a part error): the eager call below decides
                     self._compiled_ok[1] = False
             if not done:
                 update = self.call("disposition", disposition.dispose, view, losers, key)
             if update is not None:
-                update, checks = self._checked_update(view, update, in_graph)
-                pending.append(checks)
+                update, checks = self._checked_update(view, update, in_graph, check_values=not trusted)
+                if checks is not None:
+                    pending.append(checks)
         except PluginError:
             if pending:
                 self._raise_broken(pending[:1])  # the selector's outputs were wrong first
@@ -286,6 +291,8 @@ class PolicyStep:
                 )
             for name, value in self._counts({"gate_draws": update.draws, "merges": update.merges}).items():
                 counts.setdefault(name, value)
+        if trusted:  # an update that changes nothing writes nothing (decided on the device, SlotStore.add)
+            return update, counts
         # the update's check code (the last pending check) is 0: every delta is 0 (e.g. no loser merged), nothing
         # to write (the counters still count)
         return (None if values[-1][0] == 0 else update), counts
@@ -319,13 +326,14 @@ class PolicyStep:
             out[str(name)] = value.reshape(rows) if rows is not None else value.sum()
         return out
 
-    def _checked_update(self, view: CacheView, u, in_graph=None):
+    def _checked_update(self, view: CacheView, u, in_graph=None, check_values: bool = True):
         """A disposition's MergeUpdate with its metadata checked (deltas shaped like their rows, real dtypes) and
         its pending value check (targets in range, finite deltas for finite rows), whose code also says whether the
         update changes anything (:func:`~kvpolicy_core.value_checks.update_checks`).
 
         ``in_graph``: (check code, finite d_log_weights) when the compiled decode path already traced
         :func:`~kvpolicy_core.value_checks.update_checks` into the disposition's graph; else computed here.
+        ``check_values=False`` (a trusted update): the metadata checks only, and None for the pending check.
         """
         owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
         if not isinstance(u, MergeUpdate):
@@ -349,6 +357,8 @@ class PolicyStep:
                 raise PluginError(f"{owner} returned {name} of dtype {x.dtype}, expected a real dtype")
         bases = {"d_keys": view.keys, "d_values": view.values, "d_scores": view.scores}
         targets = self._index_meta("disposition", "merge targets", u.targets, (B, H, max(T, 0)))
+        if not check_values:
+            return u._replace(targets=targets), None
         pairs = [(x, bases[name]) for name, x in deltas]
         if in_graph is None:
             in_graph = checked_update(targets, L, pairs, u.d_log_weights)

@@ -43,6 +43,20 @@ def token_written(buffers, slots: mx.array, keys: mx.array, values: mx.array, of
             mx.put_along_axis(S, slots, mx.array(0.0, dtype=mx.float32), axis=2))
 
 
+def _nothing(like: mx.array) -> mx.array:
+    """-0.0 shaped like ``like``: ``x + (-0.0)`` is ``x`` for every x (-0.0 and NaN included), where ``x + 0.0``
+    turns -0.0 into 0.0. Computed, not a literal: a -0.0 constant in a compiled graph is emitted as 0.0."""
+    return -mx.zeros_like(like)
+
+
+def _kept(delta: mx.array, buffer: mx.array, targets: mx.array) -> mx.array:
+    """``delta`` [B, H, T(, D)] in ``buffer``'s dtype, with -0.0 (adds nothing) where it is NaN or inf but the
+    buffer's element at its target (``targets`` [B, H, T] into buffer [B, H, L(, D)]) is finite."""
+    d = delta if delta.dtype == buffer.dtype else delta.astype(buffer.dtype)
+    rows = mx.take_along_axis(buffer, targets[..., None] if buffer.ndim == 4 else targets, axis=2)
+    return mx.where(mx.isfinite(d) | ~mx.isfinite(rows), d, _nothing(d))
+
+
 #: the fields a decode merge-and-write reads and writes, in the order the compiled call takes them
 _DECODE_FIELDS = ("_keys", "values", "positions", "scores", "log_weights", "key_norms")
 _UPDATE_FIELDS = ("d_keys", "d_values", "d_scores", "d_log_weights")
@@ -273,33 +287,57 @@ class SlotStore:
 
     def add(self, u: MergeUpdate) -> None:
         """Scatter-add a disposition's deltas at ``u.targets`` [B, H, T] (duplicate targets sum; a None delta
-        leaves its field as it is)."""
+        leaves its field as it is), guarded on the device, with no host read:
+
+        - a delta element that is NaN or inf in its buffer's dtype where the buffer's target element is finite
+          is not added (that element keeps its value; a non-finite element may take any delta);
+        - log-weight deltas are added with NaN as 0, and the sums clipped to +-``LOG_WEIGHT_BOUND``;
+        - an update whose every delta is then 0 (no loser merged) leaves every buffer, key norms and
+          log-weights included, bit for bit as it was.
+
+        The value checks refuse a plugin's update that breaks the first rule before it gets here (the guard
+        is then the identity); a shipped disposition's decode update comes here unchecked
+        (:mod:`kvpolicy_core.shipped_parts`), and these guards are what protects the cache from it.
+        """
         B, H = self.keys.shape[:2]
         bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
         t = u.targets.astype(mx.int32)
-        if u.d_values is not None:
-            self.values = self.values.at[bi, hi, t].add(u.d_values.astype(self.values.dtype))
-        if u.d_keys is not None and t.shape[-1] == 1 and self.key_norms is not None:
+        d_values, d_keys, d_scores = (None if d is None else _kept(d, buf, t) for d, buf in (
+            (u.d_values, self.values), (u.d_keys, self._keys), (u.d_scores, self.scores)))
+        d_lw = getattr(u, "d_log_weights", None)
+        if d_lw is not None:
+            if self.log_weights is None:
+                raise ValueError("MergeUpdate.d_log_weights needs a disposition with uses_log_weights = True")
+            d_lw = mx.clip(mx.nan_to_num(d_lw.astype(mx.float32), nan=0.0), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+        present = [d for d in (d_values, d_keys, d_scores, d_lw) if d is not None]
+        changes = mx.array(False)
+        for d in present:
+            changes = changes | mx.any(d != 0)
+        d_values, d_keys, d_scores = (None if d is None else mx.where(changes, d, _nothing(d))
+                                      for d in (d_values, d_keys, d_scores))
+        if d_values is not None:
+            self.values = self.values.at[bi, hi, t].add(d_values)
+        if d_keys is not None and t.shape[-1] == 1 and self.key_norms is not None:
             # one target per row (decode): the merged row and its norm come from the old row, so the new
             # keys have one consumer (the next write) and MLX can update the buffer in place (reading the new
             # keys back for the norm forced a [B, H, L, D] copy every step); whether it does depends on what
             # else holds the old buffer when the graph runs: a probe saw some float16 steps still copy
-            row = mx.take_along_axis(self._keys, t[..., None], axis=2) + u.d_keys.astype(self._keys.dtype)
+            row = mx.take_along_axis(self._keys, t[..., None], axis=2) + d_keys
             self._keys = mx.put_along_axis(self._keys, t[..., None], row, axis=2)
-            self.key_norms = mx.put_along_axis(self.key_norms, t, key_norm(row), axis=2)
-        elif u.d_keys is not None:
-            self._keys = self.keys.at[bi, hi, t].add(u.d_keys.astype(self.keys.dtype))
+            norms = mx.where(changes, key_norm(row), mx.take_along_axis(self.key_norms, t, axis=2))
+            self.key_norms = mx.put_along_axis(self.key_norms, t, norms, axis=2)
+        elif d_keys is not None:
+            self._keys = self.keys.at[bi, hi, t].add(d_keys)
             if self.key_norms is not None:  # the changed rows only (duplicate targets write the same norm)
-                self.key_norms = mx.put_along_axis(self.key_norms, t, key_norm(mx.take_along_axis(
-                    self._keys, t[..., None], axis=2)), axis=2)
-        if u.d_scores is not None:
+                norms = mx.where(changes, key_norm(mx.take_along_axis(self._keys, t[..., None], axis=2)),
+                                 mx.take_along_axis(self.key_norms, t, axis=2))
+                self.key_norms = mx.put_along_axis(self.key_norms, t, norms, axis=2)
+        if d_scores is not None:
             # finite as PolicyStep.scores keeps them (a sum can overflow to inf)
-            self.scores = mx.nan_to_num(self.scores.at[bi, hi, t].add(u.d_scores.astype(mx.float32)), nan=0.0)
-        if getattr(u, "d_log_weights", None) is not None:
-            if self.log_weights is None:
-                raise ValueError("MergeUpdate.d_log_weights needs a disposition with uses_log_weights = True")
-            lw = self.log_weights.at[bi, hi, t].add(u.d_log_weights.astype(mx.float32))
-            self.log_weights = mx.clip(lw, -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+            self.scores = mx.nan_to_num(self.scores.at[bi, hi, t].add(d_scores), nan=0.0)
+        if d_lw is not None:
+            lw = mx.clip(self.log_weights.at[bi, hi, t].add(d_lw), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+            self.log_weights = mx.where(changes, lw, self.log_weights)
 
     def in_temporal_order(self):
         """(keys, values, positions, scores) of the n valid slots sorted by position."""

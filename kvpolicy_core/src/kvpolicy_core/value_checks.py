@@ -1,9 +1,11 @@
 """The value checks of part outputs (issue 13) as compiled MLX graphs: one small fused graph per check.
 
 Each function returns flags for :class:`~kvpolicy_core.policy_step.PolicyStep`, which evaluates every
-flag of one eviction in a single host sync. On CPU each MLX op that is not fused (a reduction, a gather)
-costs ~10-25 µs on this project's machines, so a merge update's checks are one summary code with one
-reduction per array and no gather (:func:`update_checks`); the exact per-row rule is decided on the
+flag of one eviction in a single host sync. They check plugins' parts (and every part's prompt-chunk
+update); the shipped parts' decode outputs are trusted (:mod:`kvpolicy_core.shipped_parts`), a shipped
+merge's guarded on the device (:meth:`kvpolicy_core.slots.SlotStore.add`), and cost no sync. On CPU
+each MLX op that is not fused (a reduction, a gather) costs ~10-25 µs on this project's machines, so a
+merge update's checks are one summary code with one reduction per array and no gather (:func:`update_checks`); the exact per-row rule is decided on the
 host only when that code reports a non-finite delta (:func:`nonfinite_flags`). Sizes enter as input
 arrays, not Python constants: MLX compiles fused CPU kernels with the system C++ compiler once per
 distinct kernel (cached under its temporary directory), so a constant per budget would compile new

@@ -6,6 +6,7 @@ import math
 
 import mlx.core as mx
 
+from ..shipped_parts import shipped
 from .base import CacheView, Selector, pick_lowest
 
 __all__ = ["LowestScoreSelector", "protected_mask", "pick_lowest"]
@@ -16,6 +17,7 @@ def protected_mask(positions: mx.array, offset: int, n_sink: int, recent: int) -
     return (positions < n_sink) | (positions >= offset - recent)
 
 
+@shipped
 class LowestScoreSelector(Selector):
     """The unprotected tokens with the lowest scores lose.
 
@@ -29,12 +31,11 @@ class LowestScoreSelector(Selector):
     """
 
     compile_decode = True  # decode steps: rank, argmin and the value checks as one compiled graph
-    #: a decode step's loser is valid by construction, so the cache skips its value checks and host sync
-    #: (kvpolicy_core.policy_step.valid_by_construction): argmin over [0, L) of finite scores (the cache keeps
-    #: them finite) where sinks and the recent window rank +inf and window-dead slots -inf, and the config
-    #: leaves an unprotected slot (budget > n_sink + recent), so the loser is in range and a sink only when
-    #: it is window-dead (which the contract allows).
-    valid_by_construction = True
+    # shipped (kvpolicy_core.shipped_parts): a decode step's loser is valid by construction, so the cache skips
+    # its value checks and host sync: argmin over [0, L) of finite scores (the cache keeps them finite) where
+    # sinks and the recent window rank +inf and window-dead slots -inf, and the config leaves an unprotected
+    # slot (budget > n_sink + recent, :meth:`leaves_a_loser`), so the loser is in range and a sink only when
+    # it is window-dead (which the contract allows).
     batch_rows = True  # view.offset may be [B, 1, 1]: protected_mask broadcasts
 
     def __init__(self, n_sink: int = 4, recent: int = 0) -> None:

@@ -20,6 +20,7 @@ import math
 import mlx.core as mx
 
 from .attention_scorer import AttentionScorer, finite_weights, observed_weights, proxy_weights
+from ..shipped_parts import shipped
 from .base import CacheView
 
 
@@ -67,6 +68,7 @@ def _decode_add(scores: mx.array, weights: mx.array) -> mx.array:
     return scores + finite_weights(weights).sum(axis=(2, 3))
 
 
+@shipped
 class ObservationWindowScorer(AttentionScorer):
     """Scores from the last ``W`` queries of each step, max-pooled over ``P`` positions.
 
@@ -95,9 +97,8 @@ class ObservationWindowScorer(AttentionScorer):
     """
 
     default_signal = "observed"
-    #: a decode step's scores are valid by construction (kvpolicy_core.policy_step.valid_by_construction):
-    #: finite scores plus the step's weights with NaN as 0 (each in [0, 1]), float32, shaped as the view's
-    valid_by_construction = True
+    # shipped (kvpolicy_core.shipped_parts): a decode step's scores are valid by construction, finite scores
+    # plus the step's weights with NaN as 0 (each in [0, 1]), float32, shaped as the view's
 
     def __init__(self, signal: str = None, window: int = 32, pool: int = 7) -> None:
         super().__init__(signal)

@@ -61,6 +61,8 @@ class BatchPolicyCache:
         rows: one :class:`PolicyCache` per sequence (batch 1 each, or empty); owned from now on.
     """
 
+    kvpolicy_attention = "batch"  #: the attention hook calls :meth:`before_attention` for this cache
+
     def __init__(self, rows: Sequence[Row]) -> None:
         for i, r in enumerate(rows):
             if not isinstance(r, Row):

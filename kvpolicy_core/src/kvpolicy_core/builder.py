@@ -70,9 +70,7 @@ def check_supported(model, natives: List[Any], layers) -> None:
 
 def needs_hook(caches: List[Any]) -> bool:
     """The attention hook is needed for an observed signal, attention log-weights or a sliding window."""
-    return any(isinstance(c, PolicyCache) and (c.window is not None or c.policy.scorer.needs_attention
-                                               or c.uses_log_weights)
-               for c in caches)
+    return any(isinstance(c, PolicyCache) and c.needs_hook for c in caches)
 
 
 def model_head_dim(model) -> int | None:

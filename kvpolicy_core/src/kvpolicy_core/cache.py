@@ -361,4 +361,5 @@ class PolicyCache(CacheState, CacheDiagnostics):
             mx.async_eval(list(self._counters.values()))
 
 
+BatchPolicyCache.row_class = PolicyCache
 interop.register_with_mlx_lm(PolicyCache)

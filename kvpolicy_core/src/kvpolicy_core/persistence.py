@@ -21,7 +21,8 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -101,23 +102,34 @@ def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] 
 
 
 def _write_atomically(path: Path, arrays: Dict[str, mx.array], metadata: Dict[str, str]) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over ``path``.
+    """Write to a temporary file in the target's directory, fsync, then rename over the target.
 
-    A failed write (disk full, interrupted) leaves the previous file as it was.
+    A failed write (disk full, interrupted) leaves the previous file as it was. The file gets the mode a new
+    file gets (``0o666`` less the umask) or, when it replaces one, the old file's mode; a symlink is written
+    through (its target is replaced, the link stays); a missing directory is an error, not created.
     """
-    if path.is_dir():
+    target = Path(os.path.realpath(path))
+    if target.is_dir():
         raise CacheFileError(f"{path}: is a directory; give a file name ending in .safetensors")
+    if not target.parent.is_dir():
+        raise CacheFileError(f"{path}: directory {target.parent} does not exist; create it first")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".safetensors")
-        os.close(fd)
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = None
     except OSError as exc:
         raise CacheFileError(f"{path}: cannot write there: {exc}") from None
     try:
-        mx.save_safetensors(tmp, arrays, metadata=metadata)
+        tmp = _new_file(target.parent, target.stem)
+        if mode is not None:
+            os.chmod(tmp, mode)
+    except OSError as exc:
+        raise CacheFileError(f"{path}: cannot write there: {exc}") from None
+    try:
+        mx.save_safetensors(str(tmp), arrays, metadata=metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -125,11 +137,23 @@ def _write_atomically(path: Path, arrays: Dict[str, mx.array], metadata: Dict[st
             raise CacheFileError(f"{path}: writing failed ({type(exc).__name__}: {exc}); the previous file is unchanged") from None
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
+        dfd = os.open(target.parent, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def _new_file(directory: Path, stem: str) -> Path:
+    """A new, empty temporary ``.safetensors`` file in ``directory``, created with mode 0o666 less the umask
+    (``tempfile.mkstemp`` would make it 0o600 whatever the umask)."""
+    while True:
+        tmp = directory / f".{stem}.{secrets.token_hex(8)}.tmp.safetensors"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def load_caches(path, *, shard: Optional[Tuple[int, int]] = None, model=None,
@@ -140,14 +164,16 @@ def load_caches(path, *, shard: Optional[Tuple[int, int]] = None, model=None,
     file, and a file saved by another rank or world size is refused. ``model`` (the caches'
     model: one cache per entry of its ``make_prompt_cache``) or ``expect_layers``: a file with
     another number of layers is refused instead of failing (or silently misaligning) in generation;
-    with ``model`` the attention hook is installed on the model's modules (else on the modules the file
-    records) for the caches that need it.
+    with ``model`` also a layer whose KV heads or head dims are not the model's, and the attention hook
+    is installed on the model's modules (else on the modules the file records) for the caches that need it.
     Every layer's arrays are checked against its meta (:func:`.restore_checks.check_restored`).
     """
+    shapes = None
     if model is not None:
-        from mlx_lm.models.cache import make_prompt_cache
+        from .builder import model_kv_shapes
 
-        expect_layers = len(make_prompt_cache(model))
+        shapes = model_kv_shapes(model)
+        expect_layers = len(shapes)
     base, shard = Path(path), resolve_shard(shard)
     path = rank_path(base, shard)
     if not path.is_file():
@@ -181,6 +207,7 @@ def load_caches(path, *, shard: Optional[Tuple[int, int]] = None, model=None,
             raise
         except KVPolicyError as exc:
             raise CacheFileError(f"{path}: layer {i}: {exc}") from None
+    _check_shapes(path, caches, shapes)
     return caches
 
 
@@ -237,3 +264,18 @@ def _load_layer(arrays: Dict[str, mx.array], i: int, entry: Dict[str, Any], mode
         c.keys, c.values = keys, values
     c.offset = offset
     return c
+
+
+def _check_shapes(path: Path, caches: List[Any], shapes) -> None:
+    """All layers hold one batch; with the model's (kv heads, key dim, value dim) per layer, each layer has them."""
+    batch = {c.keys.shape[0] for c in caches if getattr(c, "keys", None) is not None}
+    if len(batch) > 1:
+        raise CacheFileError(f"{path}: layers hold different batch sizes ({sorted(batch)}); one file holds one batch")
+    for i, (c, want) in enumerate(zip(caches, shapes or [])):
+        k = getattr(c, "keys", None)
+        if want is None or k is None:
+            continue
+        got = (k.shape[1], k.shape[3], c.values.shape[3])
+        if got != want:
+            raise CacheFileError(f"{path}: layer {i} holds (kv heads, key dim, value dim) {got}, but the model's "
+                                 f"layer {i} has {want}: these caches belong to another model")

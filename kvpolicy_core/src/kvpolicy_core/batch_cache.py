@@ -37,6 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from . import interop
 from .batch_rows import StackedRows, can_stack
 from .cache_state import CacheState
 from .errors import KVPolicyError
@@ -60,6 +61,10 @@ class BatchPolicyCache:
     Args:
         rows: one :class:`PolicyCache` per sequence (batch 1 each, or empty); owned from now on.
     """
+
+    kvpolicy_attention = "batch"  #: the attention hook calls :meth:`before_attention` for this cache
+    #: the rows' class, :class:`~kvpolicy_core.cache.PolicyCache` (set by that module, which imports this one)
+    row_class: type = Row
 
     def __init__(self, rows: Sequence[Row]) -> None:
         for i, r in enumerate(rows):
@@ -264,8 +269,9 @@ class BatchPolicyCache:
     # ------------------------------------------------------------------ bookkeeping
     @property
     def state(self):
-        """The rows' arrays (for ``mx.eval``); each row is settled to its budget first."""
-        return [tuple(r.state[:4]) for r in self.rows]
+        """Every row's ``PolicyCache.state`` (each row settled to its budget first): what ``mx.eval`` needs and
+        what mlx-lm's ``save_prompt_cache`` writes (``load_prompt_cache`` rebuilds the batch, :meth:`from_state`)."""
+        return [r.state for r in self.rows]
 
     @property
     def meta_state(self):
@@ -273,9 +279,10 @@ class BatchPolicyCache:
 
     @classmethod
     def from_state(cls, state, meta_state=None):
-        raise KVPolicyError(
-            "a BatchPolicyCache is not saved as one: save each row (batch.extract(i)) as a PolicyCache"
-        )
+        """A batch from :attr:`state` (one ``PolicyCache`` state per row; ``meta_state`` is not needed)."""
+        if not isinstance(state, (list, tuple)) or not all(isinstance(s, (list, tuple)) for s in state):
+            raise KVPolicyError("BatchPolicyCache state must be a list of PolicyCache states, one per row")
+        return cls([cls.row_class.from_state(s) for s in state])
 
     def is_trimmable(self) -> bool:
         return all(r.is_trimmable() for r in self.rows)
@@ -319,3 +326,6 @@ def _row_mask_in(n: int, L: int, window: Optional[int]):
     if window is not None:
         return causal_allowed(n, L)
     return None if n == 1 else "causal"
+
+
+interop.register_with_mlx_lm(BatchPolicyCache)

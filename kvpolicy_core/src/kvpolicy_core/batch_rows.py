@@ -66,6 +66,8 @@ class StackedRows:
         self.policy, self.layer, self.window, self.budget = r0.policy, r0.layer, r0.window, r0.budget
         self.head_shard, self.uses_log_weights = r0.head_shard, bool(getattr(r0, "uses_log_weights", False))
         self.step = r0._step
+        self.hooks = tuple({id(h): h for h in (r.attention_hook for r in rows) if h is not None}.values())
+        self.hooked_always = r0._hooked_always
         self.slots = SlotStore(r0.step, track_log_weights=self.uses_log_weights,
                                track_key_norms=r0._slots.track_key_norms)
         n = r0.n
@@ -113,6 +115,8 @@ class StackedRows:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         """keys [B, H, 1, D], values [B, H, 1, Dv] -> every row's slots [B, H, budget + 1, D(v)]."""
+        if self.hooks:
+            self.step.check_hook(self.hooks, self.hooked_always or self._windowed())
         self.step.check_observed(self._windowed(), self.attended or all(o == 0 for o in self.offsets))
         saved = (self.slots.snapshot(), list(self.offsets), self.counters, self.attended)
         try:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
 from . import attention
@@ -70,9 +71,7 @@ def check_supported(model, natives: List[Any], layers) -> None:
 
 def needs_hook(caches: List[Any]) -> bool:
     """The attention hook is needed for an observed signal, attention log-weights or a sliding window."""
-    return any(isinstance(c, PolicyCache) and (c.window is not None or c.policy.scorer.needs_attention
-                                               or c.uses_log_weights)
-               for c in caches)
+    return any(isinstance(c, PolicyCache) and c.needs_hook for c in caches)
 
 
 def model_head_dim(model) -> int | None:
@@ -85,6 +84,27 @@ def model_head_dim(model) -> int | None:
         return int(hd)
     hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
     return hidden // heads if hidden and heads else None
+
+
+def model_kv_shapes(model) -> List[Optional[Tuple[int, int, int]]]:
+    """(kv heads, key dim, value dim) of each layer's cache, one entry per cache the model makes (None where a
+    layer's cache holds no keys, or for every layer when the model cannot run a one-token step).
+
+    Read from the shapes of a one-token forward pass through the model's own caches that is never evaluated
+    (MLX knows shapes without computing), so it is exact for every family (per-layer heads, tensor-parallel
+    ranks) and costs only building the graph.
+    """
+    caches = native_caches(model)
+    try:
+        model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    except Exception:
+        return [None] * len(caches)
+    shapes = []
+    for c in caches:
+        k, v = getattr(c, "keys", None), getattr(c, "values", None)
+        ok = isinstance(k, mx.array) and isinstance(v, mx.array) and k.ndim == 4 and v.ndim == 4
+        shapes.append((k.shape[1], k.shape[3], v.shape[3]) if ok else None)
+    return shapes
 
 
 class KVCacheBuilder:

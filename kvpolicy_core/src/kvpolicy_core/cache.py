@@ -23,8 +23,12 @@ exact after evictions without any re-rotation.
 form one run; the scorer gets a dict (``CacheView.run``) that the cache carries across the
 run's chunks, so a scorer can score the run as one chunk (the observation window does: a
 prompt fed as 3 + 54 tokens, e.g. after mlx-lm's server reused a stored prefix, is scored
-as the 57 tokens in one chunk). An eviction, a single-token update, ``trim`` and restoring
-``state`` end the run; the next chunk starts a new one with an empty dict.
+as the 57 tokens in one chunk). An eviction, a single-token update and ``trim`` end the run; the
+next chunk starts a new one with an empty dict. A saved ``state`` carries the run in progress.
+
+*Attention hook.* A cache that needs it (observed signal, log-weights, sliding window) holds the
+install (``attention_hook``) and restores it with its state (:mod:`.cache_state`); a step that needs
+the hook is refused, before anything changes, when the install was removed or a restored cache has none.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from . import interop
 from .batch_cache import BatchPolicyCache
 from .cache_diagnostics import CacheDiagnostics
 from .cache_state import CacheState
-from .errors import KVPolicyError
+from .errors import KVPolicyError, ModelError
 from .parts.attention_scorer import causal_allowed
 from .policy import Policy, build_policy
 from .policy_step import PolicyStep
@@ -69,6 +73,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
     step = 256
     keys, values, positions, scores, n = (_slot(f) for f in FIELDS)
+    kvpolicy_attention = "single"  #: the attention hook calls :meth:`attend` for this cache
 
     def __init__(self, policy, layer: int = 0, window: Optional[int] = None,
                  head_shard: Tuple[int, int] = (0, 1)) -> None:
@@ -88,6 +93,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._run: dict = {}  # the scorer's state for the current run of prompt chunks (CacheView.run)
         self._run_open = False  # the last update was a chunk (S > 1) and nothing was evicted since
         self.attention_hook = None  # the attention hook install this cache keeps alive, if it needs one
+        self._hook_missing = None  # why a restored cache has no hook it needs (it refuses its next update)
         #: some log-weight may be nonzero (a checked update changed one, a shipped disposition evicted at a decode
         #: step: whether it merged is decided on the device, or restored state carries them); until then the
         #: attention needs no bias (all zero: the same attention bit for bit) and skips building it
@@ -95,6 +101,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         #: the scorer takes the model's attention weights (``on_attention_weights``): one pass gives both
         scorer = self.policy.scorer
         self._weights_once = scorer.needs_attention and getattr(scorer, "on_attention_weights", None) is not None
+        #: every step needs the attention hook (observed signal or log-weights; a window only past its length)
+        self._hooked_always = bool(scorer.needs_attention) or self.uses_log_weights
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -319,7 +327,15 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._evict(1, (keys, values))
 
     def _check_observation(self) -> None:
+        """Refuse (before anything changes) a step that needs the attention hook when the hook cannot run: the
+        install this cache holds was removed, a restored cache has none, or the last step did not call it."""
         windowed = self.window is not None and self.offset > self.window
+        hook = self.attention_hook
+        if hook is not None and not hook.active:
+            self._step.check_hook((hook,), windowed or self._hooked_always)
+        if self._hook_missing is not None and not self._attended:
+            raise ModelError(f"layer {self.layer}: this cache needs kvpolicy's attention hook, but "
+                             f"{self._hook_missing}")
         self._step.check_observed(windowed, self._attended or self.offset == 0)
 
     def _save(self) -> tuple:
@@ -346,4 +362,5 @@ class PolicyCache(CacheState, CacheDiagnostics):
             mx.async_eval(list(self._counters.values()))
 
 
+BatchPolicyCache.row_class = PolicyCache
 interop.register_with_mlx_lm(PolicyCache)

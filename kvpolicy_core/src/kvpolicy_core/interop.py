@@ -1,9 +1,10 @@
 """Interoperation with mlx-lm's own cache files.
 
 mlx-lm's ``load_prompt_cache`` looks cache classes up by name in ``mlx_lm.models.cache``;
-:func:`register_with_mlx_lm` makes ``PolicyCache`` one of those names (done when
-:mod:`kvpolicy_core.cache` is imported, so any process that can have saved a policy cache
-can load one).
+:func:`register_with_mlx_lm` makes ``PolicyCache`` and ``BatchPolicyCache`` two of those names
+(done when :mod:`kvpolicy_core.cache` is imported, so any process that can have saved a policy
+cache can load one). The classes' ``from_state`` restores everything a cache needs in a new
+process, the attention hook included (:mod:`kvpolicy_core.cache_state`).
 """
 
 from __future__ import annotations

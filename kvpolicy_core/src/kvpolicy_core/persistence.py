@@ -5,7 +5,9 @@ the configs, offsets and counters, and a SHA-256 over all arrays: loading it bac
 generation bit for bit, and a truncated or modified file is rejected, never half-loaded.
 
 mlx-lm's ``save_prompt_cache``/``load_prompt_cache`` also work with kvpolicy caches (their
-``state`` carries the config), but they save the settled state; use these for exact resumption.
+``state`` carries the config), but they save the settled state (settling the saved caches in place).
+Every layer is checked against its meta when loaded (:mod:`kvpolicy_core.restore_checks`), and the
+caches that need the attention hook get it again (:mod:`kvpolicy_core.cache_state`).
 
 Under ``mlx.launch`` each rank holds only its own heads or layers: ``save_caches("run.safetensors")``
 on rank r of N writes ``run.rank<r>-of-<N>.safetensors`` (the header records (r, N)), and
@@ -19,7 +21,8 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -28,7 +31,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .cache import PolicyCache
 from .distributed import check_shard, missing_rank_file, rank_path, resolve_shard
-from .errors import KVPolicyError
+from .errors import KVPolicyError, ModelError
 
 FORMAT = "kvpolicy-caches/2"  # /2: the checksum covers the header too (/1 files still load)
 _FORMATS = ("kvpolicy-caches/1", FORMAT)
@@ -99,23 +102,34 @@ def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] 
 
 
 def _write_atomically(path: Path, arrays: Dict[str, mx.array], metadata: Dict[str, str]) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over ``path``.
+    """Write to a temporary file in the target's directory, fsync, then rename over the target.
 
-    A failed write (disk full, interrupted) leaves the previous file as it was.
+    A failed write (disk full, interrupted) leaves the previous file as it was. The file gets the mode a new
+    file gets (``0o666`` less the umask) or, when it replaces one, the old file's mode; a symlink is written
+    through (its target is replaced, the link stays); a missing directory is an error, not created.
     """
-    if path.is_dir():
+    target = Path(os.path.realpath(path))
+    if target.is_dir():
         raise CacheFileError(f"{path}: is a directory; give a file name ending in .safetensors")
+    if not target.parent.is_dir():
+        raise CacheFileError(f"{path}: directory {target.parent} does not exist; create it first")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".safetensors")
-        os.close(fd)
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = None
     except OSError as exc:
         raise CacheFileError(f"{path}: cannot write there: {exc}") from None
     try:
-        mx.save_safetensors(tmp, arrays, metadata=metadata)
+        tmp = _new_file(target.parent, target.stem)
+        if mode is not None:
+            os.chmod(tmp, mode)
+    except OSError as exc:
+        raise CacheFileError(f"{path}: cannot write there: {exc}") from None
+    try:
+        mx.save_safetensors(str(tmp), arrays, metadata=metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -123,11 +137,23 @@ def _write_atomically(path: Path, arrays: Dict[str, mx.array], metadata: Dict[st
             raise CacheFileError(f"{path}: writing failed ({type(exc).__name__}: {exc}); the previous file is unchanged") from None
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
+        dfd = os.open(target.parent, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def _new_file(directory: Path, stem: str) -> Path:
+    """A new, empty temporary ``.safetensors`` file in ``directory``, created with mode 0o666 less the umask
+    (``tempfile.mkstemp`` would make it 0o600 whatever the umask)."""
+    while True:
+        tmp = directory / f".{stem}.{secrets.token_hex(8)}.tmp.safetensors"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def load_caches(path, *, shard: Optional[Tuple[int, int]] = None, model=None,
@@ -137,12 +163,17 @@ def load_caches(path, *, shard: Optional[Tuple[int, int]] = None, model=None,
     ``shard`` = (rank, world size), default this process's: the file read is ``path``'s rank
     file, and a file saved by another rank or world size is refused. ``model`` (the caches'
     model: one cache per entry of its ``make_prompt_cache``) or ``expect_layers``: a file with
-    another number of layers is refused instead of failing (or silently misaligning) in generation.
+    another number of layers is refused instead of failing (or silently misaligning) in generation;
+    with ``model`` also a layer whose KV heads or head dims are not the model's, and the attention hook
+    is installed on the model's modules (else on the modules the file records) for the caches that need it.
+    Every layer's arrays are checked against its meta (:func:`.restore_checks.check_restored`).
     """
+    shapes = None
     if model is not None:
-        from mlx_lm.models.cache import make_prompt_cache
+        from .builder import model_kv_shapes
 
-        expect_layers = len(make_prompt_cache(model))
+        shapes = model_kv_shapes(model)
+        expect_layers = len(shapes)
     base, shard = Path(path), resolve_shard(shard)
     path = rank_path(base, shard)
     if not path.is_file():
@@ -155,42 +186,96 @@ def load_caches(path, *, shard: Optional[Tuple[int, int]] = None, model=None,
         header = json.loads(meta["kvpolicy"])
     except (KeyError, json.JSONDecodeError):
         raise CacheFileError(f"{path}: not a kvpolicy cache file (use kvpolicy_core.save_caches)") from None
-    if header.get("format") not in _FORMATS:
-        raise CacheFileError(f"{path}: format {header.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(header, dict) or header.get("format") not in _FORMATS:
+        raise CacheFileError(f"{path}: format {header.get('format') if isinstance(header, dict) else None!r}, "
+                             f"expected {FORMAT!r}")
     covered = header if header["format"] == FORMAT else None
     if _digest(arrays, covered) != header.get("sha256"):
         raise CacheFileError(f"{path}: checksum mismatch: the file was modified or corrupted")
     check_shard(path, header.get("shard"), shard, CacheFileError)
-    if expect_layers is not None and len(header["layers"]) != expect_layers:
-        raise CacheFileError(f"{path}: holds caches for {len(header['layers'])} layers, but the model has "
+    layers = header.get("layers")
+    if not isinstance(layers, list) or not all(isinstance(e, dict) for e in layers):
+        raise CacheFileError(f"{path}: the header's layers must be a list of objects")
+    if expect_layers is not None and len(layers) != expect_layers:
+        raise CacheFileError(f"{path}: holds caches for {len(layers)} layers, but the model has "
                              f"{expect_layers}: these caches belong to another model")
     caches = []
-    for i, entry in enumerate(header["layers"]):
-        get = lambda name: arrays.get(f"{i}.{name}")  # noqa: E731
-        kind = entry["class"]
-        if kind == "PolicyCache":
-            if get("keys") is None:
-                caches.append(PolicyCache.from_meta(entry["meta"]))
-            else:
-                state = (get("keys"), get("values"), get("positions"), get("scores"), entry["meta"])
-                if get("log_weights") is not None:
-                    state += (get("log_weights"),)
-                caches.append(PolicyCache.from_state(state, (entry["meta"],)))
-            if "run" in entry:
-                caches[-1]._run = {k: get(f"run.{k}") for k in entry["run"]}
-                caches[-1]._run_open = True
-        elif kind == "KVCache":
-            c = KVCache()
-            if get("keys") is not None:
-                c.keys, c.values = get("keys"), get("values")
-            c.offset = entry["offset"]
-            caches.append(c)
-        elif kind == "RotatingKVCache":
-            c = RotatingKVCache(max_size=entry["max_size"], keep=entry["keep"])
-            if get("keys") is not None:
-                c.keys, c.values = get("keys"), get("values")
-            c.offset, c._idx = entry["offset"], entry["idx"]
-            caches.append(c)
-        else:
-            raise CacheFileError(f"{path}: layer {i} has unknown cache class {kind!r}")
+    for i, entry in enumerate(layers):
+        try:
+            caches.append(_load_layer(arrays, i, entry, model))
+        except (CacheFileError, ModelError):
+            raise
+        except KVPolicyError as exc:
+            raise CacheFileError(f"{path}: layer {i}: {exc}") from None
+    _check_shapes(path, caches, shapes)
     return caches
+
+
+def _int(entry: Dict[str, Any], key: str, low: int = 0) -> int:
+    x = entry.get(key)
+    if isinstance(x, bool) or not isinstance(x, int) or x < low:
+        raise KVPolicyError(f"{key} must be an int >= {low} (got {x!r})")
+    return x
+
+
+def _load_layer(arrays: Dict[str, mx.array], i: int, entry: Dict[str, Any], model) -> Any:
+    """One layer's cache from the file's arrays ``{i}.*`` and its header entry, checked."""
+    get = lambda name: arrays.get(f"{i}.{name}")  # noqa: E731
+    kind = entry.get("class")
+    if kind == "PolicyCache":
+        meta = entry.get("meta")
+        cache = PolicyCache.from_meta(meta, model=model)
+        run = entry.get("run", [])
+        if not isinstance(run, list) or any(get(f"run.{k}") is None for k in run):
+            raise KVPolicyError(f"its run of prompt chunks names arrays the file lacks ({run!r})")
+        state = (get("keys"), get("values"), get("positions"), get("scores"), meta)
+        state += (get("log_weights"), {k: get(f"run.{k}") for k in run})
+        if state[0] is None and any(x is not None for x in state[1:4]):
+            raise KVPolicyError("it has values, positions or scores but no keys")
+        if state[0] is not None and entry.get("n") != state[0].shape[2]:
+            raise KVPolicyError(f"n = {entry.get('n')!r} but {state[0].shape[2]} keys are stored")
+        cache._set_state(state, settled=False, model=model)
+        return cache
+    if kind not in ("KVCache", "RotatingKVCache"):
+        raise CacheFileError(f"layer {i} has unknown cache class {kind!r}")
+    keys, values = get("keys"), get("values")
+    offset = _int(entry, "offset")
+    if (keys is None) != (values is None):
+        raise KVPolicyError("it has keys without values or values without keys")
+    if keys is not None:
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise KVPolicyError(f"keys and values must be [B, H, L, D] with equal B, H, L (got keys "
+                                f"{list(keys.shape)}, values {list(values.shape)})")
+        if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
+            raise KVPolicyError(f"keys and values must have a floating dtype (got {keys.dtype}, {values.dtype})")
+    if kind == "KVCache":
+        if keys is not None and keys.shape[2] != offset:
+            raise KVPolicyError(f"a KVCache holds its offset's {offset} tokens, but {keys.shape[2]} are stored")
+        c = KVCache()
+    else:
+        max_size, keep, idx = _int(entry, "max_size", 1), _int(entry, "keep"), _int(entry, "idx")
+        held = 0 if keys is None else keys.shape[2]
+        if keep > max_size or idx > held:
+            raise KVPolicyError(f"RotatingKVCache with max_size {max_size}, keep {keep}: idx {idx} is not within "
+                                f"its {held} stored slots, or keep exceeds max_size")
+        c = RotatingKVCache(max_size=max_size, keep=keep)
+        c._idx = idx
+    if keys is not None:
+        c.keys, c.values = keys, values
+    c.offset = offset
+    return c
+
+
+def _check_shapes(path: Path, caches: List[Any], shapes) -> None:
+    """All layers hold one batch; with the model's (kv heads, key dim, value dim) per layer, each layer has them."""
+    batch = {c.keys.shape[0] for c in caches if getattr(c, "keys", None) is not None}
+    if len(batch) > 1:
+        raise CacheFileError(f"{path}: layers hold different batch sizes ({sorted(batch)}); one file holds one batch")
+    for i, (c, want) in enumerate(zip(caches, shapes or [])):
+        k = getattr(c, "keys", None)
+        if want is None or k is None:
+            continue
+        got = (k.shape[1], k.shape[3], c.values.shape[3])
+        if got != want:
+            raise CacheFileError(f"{path}: layer {i} holds (kv heads, key dim, value dim) {got}, but the model's "
+                                 f"layer {i} has {want}: these caches belong to another model")

@@ -98,6 +98,13 @@ class PolicyStep:
                 "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
             )
 
+    def check_hook(self, hooks, needed: bool) -> None:
+        """The attention-hook installs a cache holds (``hooks``) must be live when this step ``needed`` the hook."""
+        if needed and any(not h.active for h in hooks):
+            raise ModelError(f"layer {self.layer}: this cache needs kvpolicy's attention hook, but the install it "
+                             "holds was removed (AttentionHook.remove); build caches with "
+                             "KVCacheBuilder.for_model(model, config) again")
+
     def call(self, kind: str, fn, *args):
         try:
             return fn(*args)

@@ -191,7 +191,7 @@ def record_prefill(model, prompt: Sequence[int]) -> List[tuple]:
 
     from mlx_lm.models.cache import KVCache
 
-    from ..attention import ATTR, _model_modules
+    from ..attention import ATTR, model_modules
 
     caches = [KVCache() for _ in model.layers]
     seen: Dict[int, tuple] = {}
@@ -205,7 +205,7 @@ def record_prefill(model, prompt: Sequence[int]) -> List[tuple]:
         return scaled_dot_product_attention
 
     try:
-        for name in _model_modules(model):
+        for name in model_modules(model):
             module = sys.modules[name]
             patched.append((module, getattr(module, ATTR)))
             setattr(module, ATTR, wrap(getattr(module, ATTR)))

@@ -69,11 +69,7 @@ def test_cpu_flags_and_model_read_from_a_cpuinfo_file(tmp_path):
     assert blas_check.cpu_flags(str(tmp_path / "missing")) == frozenset()
 
 
-LOADS_AS_NOT_OPENBLAS = 'print("BUILD " + __import__("json").dumps({"config": None, "corename": None}))'
-
-
 def test_a_probe_that_dies_is_reported_not_propagated(monkeypatch):
-    monkeypatch.setattr(blas_check, "_INSPECT_SRC", LOADS_AS_NOT_OPENBLAS)
     monkeypatch.setattr(blas_check, "_PROBE_SRC", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
     verdict = blas_check.probe("/does/not/matter.so")
     assert verdict["ok"] is False and "SIGILL" in verdict["reason"]
@@ -81,36 +77,16 @@ def test_a_probe_that_dies_is_reported_not_propagated(monkeypatch):
 
 def test_a_wrong_result_or_load_failure_rejects(monkeypatch, tmp_path):
     assert "failed to load" in blas_check.probe(str(tmp_path / "nope.so"))["reason"]
-    monkeypatch.setattr(blas_check, "_INSPECT_SRC", LOADS_AS_NOT_OPENBLAS)
     monkeypatch.setattr(blas_check, "_PROBE_SRC", "import sys; sys.exit(3)")
     assert blas_check.probe("x.so")["reason"] == "probe sgemm gave a wrong result"
 
 
-def test_a_library_that_dies_while_loading_is_refused_before_any_sgemm(monkeypatch):
-    monkeypatch.setattr(blas_check, "_INSPECT_SRC", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-    monkeypatch.setattr(blas_check, "_PROBE_SRC", "raise SystemExit('the sgemm probe must not run')")
-    verdict = blas_check.probe("/does/not/matter.so")
-    assert verdict["ok"] is False and "loading it alone died with SIGSEGV" in verdict["reason"]
-
-
 # ------------------------------------------------------------------ the loader, in child processes
 SIGILL_C = r"""
-#include <stdio.h>
-#include <stdlib.h>
 const char *openblas_get_config(void) { return "OpenBLAS 0.3.31 NO_AFFINITY SKYLAKEX MAX_THREADS=4"; }
 const char *openblas_get_corename(void) { return "SKYLAKEX"; }
-void cblas_sgemm(void) {  /* leaves a mark (it ran), then ud2 on x86-64: an AVX-512 kernel on an AVX2 CPU */
-    const char *mark = getenv("KVP_SGEMM_MARK");
-    if (mark) { FILE *f = fopen(mark, "w"); if (f) fclose(f); }
-    __builtin_trap();
-}
+void cblas_sgemm(void) { __builtin_trap(); }  /* ud2 on x86-64: what an AVX-512 kernel does on an AVX2 CPU */
 """
-#: CPUs to pretend (``KVPOLICY_CPUINFO``), whatever the real one is
-AVX512_CPUINFO = ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\nmodel name\t: pretend SKX\n"
-                  "flags\t\t: fpu sse sse2 pni ssse3 sse4_1 sse4_2 avx avx2 fma avx512f avx512cd avx512bw avx512dq "
-                  "avx512vl\n")
-AVX2_CPUINFO = ("vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC\n"
-                "flags\t\t: fpu sse sse2 pni ssse3 sse4_1 sse4_2 avx avx2 fma\n")
 
 CHILD = r"""
 import json, sys, warnings
@@ -154,9 +130,7 @@ def system_or_mkl_available():
 
 
 def test_a_library_that_dies_with_sigill_is_never_loaded(tmp_path, sigill_lib):
-    (tmp_path / "cpuinfo").write_text(AVX512_CPUINFO)  # its build fits this CPU: only the sgemm probe can tell
-    env = {"KVPOLICY_BLAS": sigill_lib, "KVPOLICY_CPUINFO": str(tmp_path / "cpuinfo")}
-    out = run_child(tmp_path, **env)  # the process survives and computes right
+    out = run_child(tmp_path, KVPOLICY_BLAS=sigill_lib)  # the process survives and computes right
     assert out["info"]["path"] != sigill_lib
     warned = [w for w in out["warnings"] if sigill_lib in w]
     assert len(warned) == 1 and "died with" in warned[0]
@@ -165,20 +139,8 @@ def test_a_library_that_dies_with_sigill_is_never_loaded(tmp_path, sigill_lib):
     # The verdict is cached: the second process does not probe again, and still refuses it.
     cache = json.loads((tmp_path / "cache" / "blas-verdicts.json").read_text())
     assert any(not v["ok"] and "died with" in v["reason"] for v in cache.values())
-    again = run_child(tmp_path, **env)
+    again = run_child(tmp_path, KVPOLICY_BLAS=sigill_lib)
     assert again["info"]["path"] != sigill_lib and any(sigill_lib in w for w in again["warnings"])
-
-
-def test_a_build_this_cpu_cannot_run_is_refused_by_its_target_and_never_run(tmp_path, sigill_lib):
-    """An AVX-512-only build on an AVX2 CPU: the warning names the missing flags, and its sgemm never ran."""
-    (tmp_path / "cpuinfo").write_text(AVX2_CPUINFO)
-    mark = tmp_path / "sgemm-ran"
-    out = run_child(tmp_path, KVPOLICY_BLAS=sigill_lib, KVPOLICY_CPUINFO=str(tmp_path / "cpuinfo"),
-                    KVP_SGEMM_MARK=str(mark))
-    warned = [w for w in out["warnings"] if sigill_lib in w]
-    assert len(warned) == 1 and "SKYLAKEX" in warned[0] and "avx512f" in warned[0] and "died" not in warned[0]
-    assert not mark.exists(), "the sgemm probe ran a library whose build target this CPU lacks"
-    assert out["info"]["path"] != sigill_lib
 
 
 def test_avx512_only_build_is_refused_on_a_pretended_avx2_cpu(tmp_path):
@@ -186,7 +148,8 @@ def test_avx512_only_build_is_refused_on_a_pretended_avx2_cpu(tmp_path):
     if not cmeel:
         pytest.skip("cmeel-openblas is not installed")  # it is a dependency on Linux: always there in CI
     fake = tmp_path / "cpuinfo"
-    fake.write_text(AVX2_CPUINFO)
+    fake.write_text("vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC\n"
+                    "flags\t\t: fpu sse sse2 pni ssse3 sse4_1 sse4_2 avx avx2 fma\n")
     out = run_child(tmp_path, KVPOLICY_BLAS=cmeel[0], KVPOLICY_CPUINFO=str(fake))
     assert out["info"]["path"] != cmeel[0]
     assert any(cmeel[0] in w and "SKYLAKEX" in w and "avx512f" in w for w in out["warnings"])
@@ -220,8 +183,7 @@ def test_no_candidate_left_warns_with_the_fix(tmp_path, sigill_lib):
 def test_a_corrupt_verdict_cache_is_ignored(tmp_path, sigill_lib):
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "blas-verdicts.json").write_text("{not json")
-    (tmp_path / "cpuinfo").write_text(AVX512_CPUINFO)
-    out = run_child(tmp_path, KVPOLICY_BLAS=sigill_lib, KVPOLICY_CPUINFO=str(tmp_path / "cpuinfo"))
+    out = run_child(tmp_path, KVPOLICY_BLAS=sigill_lib)
     assert out["info"]["path"] != sigill_lib
 
 
@@ -236,19 +198,3 @@ def test_cli_doctor_reports_the_blas(tmp_path):
     if list(blas.candidates()):
         assert report["blas"]["path"] and report["blas"]["source"]
         assert report["blas"]["config"] is not None or report["blas"]["source"] == "mkl"
-
-
-def test_the_build_target_is_read_from_the_file_without_running_it(tmp_path):
-    cases = {
-        b"\0OpenBLAS 0.3.31 NO_AFFINITY SKYL\0 MAX_THREADS=%d\0SKYLAKEX\0": "SKYLAKEX",  # the cmeel wheel's layout
-        b"\0OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFIN\0": "DYNAMIC_ARCH",
-        b"\0OpenBLAS 0.3.26 x\0HASWELL\0SKYLAKEX\0": None,  # two targets named: the file does not tell
-        b"\0Intel MKL\0SKYLAKEX\0": None,  # not OpenBLAS
-    }
-    for i, (data, want) in enumerate(cases.items()):
-        (tmp_path / f"lib{i}.so").write_bytes(b"\x7fELF" + data)
-        got = blas_check.static_build(str(tmp_path / f"lib{i}.so"))
-        assert (got if got is None else got.split()[-1]) == want, (data, got)
-    assert blas_check.static_build(str(tmp_path / "missing.so")) is None
-    verdict = blas_check.probe(str(tmp_path / "lib0.so"), flags=AVX2)  # refused before any child process
-    assert not verdict["ok"] and "avx512f" in verdict["reason"]

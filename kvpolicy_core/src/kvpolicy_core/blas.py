@@ -5,9 +5,8 @@ fp32 matmul runs at ~6 GFLOP/s on a 2-core x86-64 machine. A library with the st
 ``cblas_sgemm`` names loaded into the global symbol namespace first makes it 10-60x faster.
 
 A library is loaded only once it is *proven* to run on this CPU (:mod:`.blas_check`): its
-build target must fit the CPU's flags (judged first, from the build string, so a library the CPU
-cannot run is never run at all), and then a child process must have run an sgemm with it and got the
-right numbers. A candidate that fails is skipped with a one-line warning that
+build target must fit the CPU's flags, and a child process must have run an sgemm with it
+and got the right numbers. A candidate that fails is skipped with a one-line warning that
 names it and why; with none left MLX keeps its reference BLAS, and the warning says how to
 fix that. Verdicts are cached per (library path, size, mtime; CPU model and flags) in
 ``$KVPOLICY_CACHE`` (default ``~/.cache/kvpolicy``), so the probe costs ~0.5 s once.
@@ -118,7 +117,7 @@ def _probe_cached(path: str, env: Dict[str, str], flags) -> Dict:
         return {"ok": False, "reason": f"cannot read it ({e.strerror})"}
     verdict = _read_verdicts().get(key)
     if not isinstance(verdict, dict) or "ok" not in verdict:
-        verdict = blas_check.probe(path, env, flags=flags)
+        verdict = blas_check.probe(path, env)
         _write_verdict(key, verdict)
     return verdict
 

@@ -1,19 +1,16 @@
 """Is a BLAS library safe to load on this CPU? Pure decision logic plus a subprocess probe.
 
-Two checks, in this order, both required before :func:`kvpolicy_core.blas.load_optimized_blas`
+Two independent checks, both required before :func:`kvpolicy_core.blas.load_optimized_blas`
 puts a library into the process:
 
-1. *Build target*: OpenBLAS builds for one target (``openblas_get_config()`` names it, e.g.
+1. *Static*: OpenBLAS builds for one target (``openblas_get_config()`` names it, e.g.
    ``"OpenBLAS 0.3.31 NO_AFFINITY SKYLAKEX MAX_THREADS=4"``) use that target's instructions
-   unconditionally, even while loading (on a CPU without AVX, the AVX-512 wheel dies in its
-   initialisation). So the target is first read from the file's bytes without running anything
-   (:func:`static_build`); where the file does not tell, a short-lived child process loads the library
-   and reads the string. :func:`judge` compares the target's required CPU flags with ``/proc/cpuinfo``;
-   a ``DYNAMIC_ARCH`` build picks its kernels at run time and needs none. A library whose target the
-   CPU cannot run is refused here, naming the missing flags.
-2. *Computation*: only then does :func:`probe` run a 512x512x512 ``cblas_sgemm`` on small
-   integers in a second child, checking sampled entries exactly. A child killed by SIGILL (or any
-   signal), a timeout or a wrong result rejects the library, and this process never loaded it.
+   unconditionally. :func:`judge` compares the target's required CPU flags with
+   ``/proc/cpuinfo``; a ``DYNAMIC_ARCH`` build picks its kernels at run time and needs none.
+2. *Dynamic*: :func:`probe` loads the library in a short-lived child process and runs a
+   512x512x512 ``cblas_sgemm`` on small integers, checking sampled entries exactly. A child
+   killed by SIGILL (or any signal), a timeout or a wrong result rejects the library, and
+   this process never loaded it.
 
 This module must not import mlx or numpy.
 """
@@ -64,7 +61,7 @@ CORETYPE_LADDER: Tuple[Tuple[str, FrozenSet[str]], ...] = (
 _CORE_RANK = {"SKYLAKEX": 3, "COOPERLAKE": 3, "SAPPHIRERAPIDS": 3, "HASWELL": 2, "ZEN": 2,
               "EXCAVATOR": 2, "SANDYBRIDGE": 1}
 
-PROBE_VERSION = 2  # 2: the build target is judged before anything of the library runs
+PROBE_VERSION = 1
 
 
 def _cpuinfo_path() -> str:
@@ -148,20 +145,7 @@ def best_coretype(corename: Optional[str], flags: FrozenSet[str]) -> Optional[st
     return None
 
 
-# The first child: load and report the build, nothing else (no kernel runs).
-_INSPECT_SRC = r"""
-import ctypes, json, sys
-lib = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_LOCAL)
-out = {"config": None, "corename": None}
-for name in ("openblas_get_config", "openblas_get_corename"):
-    fn = getattr(lib, name, None)
-    if fn is not None:
-        fn.restype = ctypes.c_char_p
-        out[name[len("openblas_get_"):]] = fn().decode(errors="replace")
-print("BUILD " + json.dumps(out), flush=True)
-"""
-
-# The second child: load, report the build, run sgemm, check sampled entries exactly.
+# The child process: load, report the build, run sgemm, check sampled entries exactly.
 _PROBE_SRC = r"""
 import ctypes, json, sys, time
 path = sys.argv[1]
@@ -205,83 +189,17 @@ def _signal_name(rc: int) -> str:
     return {"SIGILL": "SIGILL (illegal instruction)", "SIGSEGV": "SIGSEGV (segmentation fault)"}.get(name, name)
 
 
-def _run_child(src: str, path: str, env: Dict[str, str], timeout: float):
-    """Run a check in a child Python. ``KVPOLICY_BLAS_PROBE_PREFIX`` (e.g. ``qemu-x86_64 -cpu Haswell``) is put
-    before the command: the test suite so runs the checks on an emulated CPU, as they run on a real one."""
-    prefix = os.environ.get("KVPOLICY_BLAS_PROBE_PREFIX", "").split()
-    try:
-        return subprocess.run([*prefix, sys.executable, "-c", src, path], capture_output=True, text=True, env=env,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None
-
-
-def static_build(path: str) -> Optional[str]:
-    """An OpenBLAS build string read from the library file's bytes, executing nothing, or None if they do not tell.
-
-    ``"... DYNAMIC_ARCH"`` when the file carries OpenBLAS's DYNAMIC_ARCH marker; ``"... <TARGET>"`` when it is an
-    OpenBLAS naming exactly one known single target as a string of its own (its ``openblas_get_corename``
-    constant, e.g. ``SKYLAKEX`` in the ``cmeel-openblas`` wheel); else None (not OpenBLAS, or ambiguous).
-    """
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    if b"OpenBLAS 0." not in data and b"OpenBLAS 1." not in data:
-        return None
-    if b"DYNAMIC_ARCH" in data:
-        return "OpenBLAS (read from the file) DYNAMIC_ARCH"
-    named = [t for t in TARGET_FLAGS if b"\0" + t.encode() + b"\0" in data]
-    return f"OpenBLAS (read from the file) {named[0]}" if len(named) == 1 else None
-
-
-def inspect(path: str, env: Optional[Dict[str, str]] = None, timeout: float = 60.0) -> Dict:
-    """Load ``path`` in a child process and read its build (``openblas_get_config``), running no kernel.
-
-    Returns ``{"ok": bool, "reason": str, "config", "corename"}``; ``ok`` False when loading alone failed.
-    """
-    proc = _run_child(_INSPECT_SRC, path, dict(os.environ if env is None else env), timeout)
-    if proc is None:
-        return {"ok": False, "reason": f"loading it timed out after {timeout:.0f} s"}
-    result: Dict = {"ok": False, "config": None, "corename": None}
-    for line in proc.stdout.splitlines():
-        tag, _, payload = line.partition(" ")
-        if tag == "BUILD":
-            result.update(json.loads(payload))
-    if proc.returncode == 0:
-        result.update(ok=True, reason="loaded")
-    elif proc.returncode < 0:
-        result["reason"] = f"loading it alone died with {_signal_name(proc.returncode)}"
-    else:
-        err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        result["reason"] = f"failed to load it (exit {proc.returncode}: {err[:200]})"
-    return result
-
-
-def probe(path: str, env: Optional[Dict[str, str]] = None, timeout: float = 60.0,
-          flags: Optional[FrozenSet[str]] = None) -> Dict:
-    """The verdict on ``path``: its build judged against ``flags`` (this CPU's by default) first, then, only
-    if the CPU can run it, an sgemm run and checked in a child process; never loads it into this one.
+def probe(path: str, env: Optional[Dict[str, str]] = None, timeout: float = 60.0) -> Dict:
+    """Load ``path`` and run sgemm in a child process; never loads it into this one.
 
     Returns ``{"ok": bool, "reason": str, "config", "corename", "threads", "probe_gflops"}``.
     """
-    flags = cpu_flags() if flags is None else flags
-    static = static_build(path)
-    if static is not None:
-        fits, why = judge(static, flags)
-        if not fits:
-            return {"ok": False, "reason": why, "config": static, "corename": None}
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
-    build = inspect(path, child_env, timeout)
-    if not build["ok"]:
-        return build
-    fits, why = judge(build.get("config"), flags)
-    if not fits:
-        return {**build, "ok": False, "reason": why}
-    proc = _run_child(_PROBE_SRC, path, child_env, timeout)
-    if proc is None:
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE_SRC, path], capture_output=True, text=True,
+                              env=child_env, timeout=timeout)
+    except subprocess.TimeoutExpired:
         return {"ok": False, "reason": f"probe timed out after {timeout:.0f} s"}
     result: Dict = {"ok": False}
     for line in proc.stdout.splitlines():

@@ -5,18 +5,21 @@ fp32 matmul runs at ~6 GFLOP/s on a 2-core x86-64 machine. A library with the st
 ``cblas_sgemm`` names loaded into the global symbol namespace first makes it 10-60x faster.
 
 A library is loaded only once it is *proven* to run on this CPU (:mod:`.blas_check`): its
-build target must fit the CPU's flags, and a child process must have run an sgemm with it
-and got the right numbers. A candidate that fails is skipped with a one-line warning that
-names it and why; with none left MLX keeps its reference BLAS, and the warning says how to
-fix that. Verdicts are cached per (library path, size, mtime; CPU model and flags) in
-``$KVPOLICY_CACHE`` (default ``~/.cache/kvpolicy``), so the probe costs ~0.5 s once.
+build target, read from the file without running any of it (:mod:`.blas_elf`), must fit the
+CPU's flags, and then a child process must have run an sgemm with it and got the right
+numbers. A candidate that fails is skipped with a one-line warning that names it and why (for
+a build target: the flags the CPU lacks); with none left MLX keeps its reference BLAS, and
+the warning says how to fix that. Probe verdicts are cached per (library path, size, mtime;
+CPU model and flags) in ``$KVPOLICY_CACHE`` (default ``~/.cache/kvpolicy``), so the probe
+costs ~0.5 s once; the build is read from the file every time (a few ms).
 
 Candidates, in order: ``$KVPOLICY_BLAS`` (a path; ``off`` disables all of this); the
 system OpenBLAS (Debian/Ubuntu ``libopenblas0-pthread``, a DYNAMIC_ARCH build that
 ``scripts/setup.sh`` installs when it can); Intel MKL (``pip install mkl``); the
 ``cmeel-openblas`` wheel (a SKYLAKEX-only build: AVX-512 CPUs only). On a DYNAMIC_ARCH
 OpenBLAS older than the CPU (it falls back to a generic core), ``OPENBLAS_CORETYPE`` is set
-to the best core the CPU's flags allow, unless the user set it. Threads: all cores.
+to the best core the CPU's flags allow, unless the user set it (a user's core the CPU cannot
+run refuses the library). Threads: all cores.
 
 This module must not import mlx: call :func:`load_optimized_blas` first thing.
 """
@@ -36,7 +39,7 @@ import warnings
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from . import blas_check
+from . import blas_check, blas_elf
 
 _loaded: Optional[str] = None
 _info: Dict = {}
@@ -123,17 +126,28 @@ def _probe_cached(path: str, env: Dict[str, str], flags) -> Dict:
 
 
 def _check(source: str, path: str, flags) -> Tuple[Dict, Dict[str, str]]:
-    """The verdict on one candidate and the environment to load it with."""
+    """The verdict on one candidate and the environment to load it with.
+
+    Its build is judged from the file first (:mod:`.blas_elf`): a library the CPU cannot run is
+    refused before any of it runs, the probe's child included; only then is it probed.
+    """
     env = dict(os.environ)
     if "mkl_rt" in os.path.basename(path):
         env.setdefault("MKL_THREADING_LAYER", "GNU" if ctypes.util.find_library("gomp") else "SEQUENTIAL")
+    try:
+        build = blas_elf.read_build(path)
+    except OSError as e:
+        return {"ok": False, "reason": f"cannot read it ({e.strerror})"}, env
+    ok, why = blas_check.judge_build(build, flags, env.get("OPENBLAS_CORETYPE"))
+    if not ok:
+        return {"ok": False, "reason": why}, env
     verdict = _probe_cached(path, env, flags)
     if verdict.get("ok"):
         ok, why = blas_check.judge(verdict.get("config"), flags)
         if not ok:
             return {**verdict, "ok": False, "reason": why}, env
         dynamic, _ = blas_check.build_target(verdict.get("config") or "")
-        core = blas_check.best_coretype(verdict.get("corename"), flags) if dynamic else None
+        core = blas_check.best_coretype(verdict.get("corename"), flags, build.cores) if dynamic else None
         if core and "OPENBLAS_CORETYPE" not in os.environ:
             forced_env = {**env, "OPENBLAS_CORETYPE": core}
             forced = _probe_cached(path, forced_env, flags)

@@ -1,16 +1,20 @@
 """Is a BLAS library safe to load on this CPU? Pure decision logic plus a subprocess probe.
 
-Two independent checks, both required before :func:`kvpolicy_core.blas.load_optimized_blas`
+Two checks, in this order, both required before :func:`kvpolicy_core.blas.load_optimized_blas`
 puts a library into the process:
 
-1. *Static*: OpenBLAS builds for one target (``openblas_get_config()`` names it, e.g.
-   ``"OpenBLAS 0.3.31 NO_AFFINITY SKYLAKEX MAX_THREADS=4"``) use that target's instructions
-   unconditionally. :func:`judge` compares the target's required CPU flags with
-   ``/proc/cpuinfo``; a ``DYNAMIC_ARCH`` build picks its kernels at run time and needs none.
-2. *Dynamic*: :func:`probe` loads the library in a short-lived child process and runs a
-   512x512x512 ``cblas_sgemm`` on small integers, checking sampled entries exactly. A child
-   killed by SIGILL (or any signal), a timeout or a wrong result rejects the library, and
-   this process never loaded it.
+1. *Static*, before anything of the library runs: OpenBLAS builds for one target use that
+   target's instructions unconditionally (the ``cmeel-openblas`` SKYLAKEX wheel dies with
+   SIGILL on an AVX2 CPU at its first sgemm, and on a CPU without AVX while being loaded).
+   :func:`judge_build` compares the target, read from the file by :mod:`.blas_elf`, with the
+   flags in ``/proc/cpuinfo``; a ``DYNAMIC_ARCH`` build picks its kernels at run time and
+   needs none, unless ``OPENBLAS_CORETYPE`` forces a core the CPU cannot run.
+2. *Dynamic*, only for a library that passed 1: :func:`probe` loads it in a short-lived child
+   process and runs a ``PROBE_N``-cubed (512) ``cblas_sgemm`` on small integers, checking
+   sampled entries exactly. A child killed by SIGILL (or any signal), a timeout or a wrong
+   result rejects the library, and this process never loaded it. :func:`judge` then checks the
+   build string the child reported (``openblas_get_config()``, e.g.
+   ``"OpenBLAS 0.3.31 NO_AFFINITY SKYLAKEX MAX_THREADS=4"``) the same way.
 
 This module must not import mlx or numpy.
 """
@@ -23,6 +27,8 @@ import signal
 import subprocess
 import sys
 from typing import Dict, FrozenSet, Optional, Tuple
+
+from .blas_elf import StaticBuild
 
 #: Flags each OpenBLAS single-target build needs (x86-64; upper-case target names).
 _AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
@@ -62,6 +68,8 @@ _CORE_RANK = {"SKYLAKEX": 3, "COOPERLAKE": 3, "SAPPHIRERAPIDS": 3, "HASWELL": 2,
               "EXCAVATOR": 2, "SANDYBRIDGE": 1}
 
 PROBE_VERSION = 1
+#: The probe's sgemm is ``PROBE_N`` cubed.
+PROBE_N = 512
 
 
 def _cpuinfo_path() -> str:
@@ -112,6 +120,13 @@ def build_target(config: str) -> Tuple[bool, Optional[str]]:
     return dynamic, target
 
 
+def _judge_target(target: str, flags: FrozenSet[str], what: str) -> Tuple[bool, str]:
+    missing = sorted(TARGET_FLAGS[target] - flags)
+    if missing:
+        return False, f"{what}, which needs {', '.join(missing)}: this CPU lacks {'them' if len(missing) > 1 else 'it'}"
+    return True, f"{what}; this CPU has every flag it needs"
+
+
 def judge(config: Optional[str], flags: FrozenSet[str]) -> Tuple[bool, str]:
     """May a library with this ``openblas_get_config()`` run on a CPU with these flags?
 
@@ -126,21 +141,43 @@ def judge(config: Optional[str], flags: FrozenSet[str]) -> Tuple[bool, str]:
         return True, "DYNAMIC_ARCH build: kernels chosen at run time"
     if target is None:
         return False, f"single-target build of unknown target ({config!r}): cannot check it against this CPU"
-    missing = sorted(TARGET_FLAGS[target] - flags)
-    if missing:
-        return False, f"built for {target} only, which needs {', '.join(missing)}: this CPU lacks it"
-    return True, f"built for {target}; this CPU has every flag it needs"
+    return _judge_target(target, flags, f"built for {target} only")
 
 
-def best_coretype(corename: Optional[str], flags: FrozenSet[str]) -> Optional[str]:
+def judge_build(build: StaticBuild, flags: FrozenSet[str], coretype: Optional[str] = None) -> Tuple[bool, str]:
+    """May a library built as ``build`` (read from its file) run here? Decided before it runs at all.
+
+    Refuses a single-target OpenBLAS whose target needs a flag the CPU lacks, or whose target
+    is unknown or could not be read, and a DYNAMIC_ARCH one that ``coretype`` (the user's
+    ``OPENBLAS_CORETYPE``; OpenBLAS obeys it without checking the CPU) sends to kernels the
+    CPU cannot run. Anything else (not an OpenBLAS: MKL, BLIS, ...) is left to the probe.
+    """
+    if not build.openblas:
+        return True, "not OpenBLAS: relies on the probe"
+    if build.dynamic:
+        forced = (coretype or "").upper()
+        if forced in TARGET_FLAGS:
+            ok, why = _judge_target(forced, flags, f"OPENBLAS_CORETYPE={coretype} forces the {forced} core")
+            return ok, why if ok else f"{why} (unset OPENBLAS_CORETYPE)"
+        return True, "DYNAMIC_ARCH build: kernels chosen at run time"
+    if build.target is None:
+        return False, f"single-target OpenBLAS whose target cannot be read ({build.note}): cannot check it"
+    if build.target not in TARGET_FLAGS:
+        return False, f"single-target build of unknown target {build.target}: cannot check it against this CPU"
+    return _judge_target(build.target, flags, f"built for {build.target} only")
+
+
+def best_coretype(corename: Optional[str], flags: FrozenSet[str],
+                  cores: FrozenSet[str] = frozenset()) -> Optional[str]:
     """The ``OPENBLAS_CORETYPE`` to force on a DYNAMIC_ARCH build, or None to keep its choice.
 
-    Forces only a core whose every required flag the CPU has, and only when it ranks above
-    the core OpenBLAS picked by itself (which is generic when the CPU is newer than the library).
+    Forces only a core whose every required flag the CPU has, that the library carries (upper-case
+    names in ``cores``; empty: not known, any), and only when it ranks above the core OpenBLAS
+    picked by itself (which is generic when the CPU is newer than the library).
     """
     picked = _CORE_RANK.get((corename or "").upper(), 0)
     for name, need in CORETYPE_LADDER:
-        if need <= flags:
+        if need <= flags and (not cores or name.upper() in cores):
             return name if _CORE_RANK[name.upper()] > picked else None
     return None
 
@@ -148,7 +185,7 @@ def best_coretype(corename: Optional[str], flags: FrozenSet[str]) -> Optional[st
 # The child process: load, report the build, run sgemm, check sampled entries exactly.
 _PROBE_SRC = r"""
 import ctypes, json, sys, time
-path = sys.argv[1]
+path, n = sys.argv[1], int(sys.argv[2])
 lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
 out = {"config": None, "corename": None, "threads": None}
 for name in ("openblas_get_config", "openblas_get_corename"):
@@ -160,7 +197,6 @@ fn = getattr(lib, "openblas_get_num_threads", None)
 if fn is not None:
     out["threads"] = int(fn())
 print("BUILD " + json.dumps(out), flush=True)
-n = 512
 a = (ctypes.c_float * (n * n))(*[((i // n + i % n) % 5) - 2 for i in range(n * n)])
 b = (ctypes.c_float * (n * n))(*[((i // n) * (i % n) % 7) - 3 for i in range(n * n)])
 c = (ctypes.c_float * (n * n))()
@@ -197,7 +233,7 @@ def probe(path: str, env: Optional[Dict[str, str]] = None, timeout: float = 60.0
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
     try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE_SRC, path], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-c", _PROBE_SRC, path, str(PROBE_N)], capture_output=True, text=True,
                               env=child_env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"ok": False, "reason": f"probe timed out after {timeout:.0f} s"}

@@ -1,4 +1,4 @@
-"""The ``kvpolicy`` command line: methods, generate, eval, convert, serve.
+"""The ``kvpolicy`` command line: methods, generate, cache-prompt, eval, convert, serve.
 
 Loads the optimised BLAS before mlx on Linux and runs models in fp32 there. Errors
 are one line (``kvpolicy: error: ...``, exit 2); ``KVPOLICY_DEBUG=1`` shows tracebacks.
@@ -169,6 +169,8 @@ def cmd_generate(args) -> int:
 
     from .evaluation import kv_bytes, make_caches, spec_label
 
+    if args.prompt_cache:
+        return _generate_from_prompt_cache(args)
     spec = _with_budget(_spec_from_args(args), args.budget)
     prompt = _read_prompt(args)
     model, tokenizer, _ = _load_model(args.model, args.dtype, args.parallel)
@@ -213,6 +215,90 @@ def cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _generate_from_prompt_cache(args) -> int:
+    """``kvpolicy generate --prompt-cache FILE QUESTION``: answer from a copy of a compressed document's caches."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from .evaluation import kv_bytes
+    from .model.resolve import resolve_model_path
+    from .prompt_file import file_metadata, load_prompt_file, question_ids
+
+    if args.method or args.config or args.budget is not None:
+        raise CLIError("--prompt-cache: the method comes from the file; drop --method, --config and --budget")
+    if _world()[1] > 1:
+        raise CLIError("--prompt-cache runs in one process (not under mlx.launch)")
+    metadata, info = file_metadata(args.prompt_cache)
+    if "model" not in metadata:
+        raise CLIError(f"--prompt-cache {args.prompt_cache}: the file does not record its model")
+    saved_model = Path(metadata["model"])
+    if args.model is not None and resolve_model_path(args.model).resolve() != saved_model.resolve():
+        raise CLIError(f"--model {args.model} is not the model the prompt cache was made with ({saved_model})")
+    dtype = info["dtype"] if args.dtype == "auto" and info and info.get("dtype") else args.dtype
+    model, tokenizer, _ = _load_model(str(saved_model), dtype, args.parallel)
+    caches, _, info = load_prompt_file(args.prompt_cache, model)
+    ids = question_ids(tokenizer, _read_prompt(args))
+    if not ids:
+        raise CLIError("the question has no tokens")
+    last = None
+    for response in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
+                                           sampler=make_sampler(temp=args.temp), prompt_cache=caches):
+        print(response.text, end="", flush=True)
+        last = response
+    print()
+    kept, full = kv_bytes(caches)
+    summary = {"method": info["method"] if info else "mlx-lm caches", "prompt_cache": str(args.prompt_cache),
+               "document_tokens": info["tokens_seen"] if info else None, "prompt_tokens": last.prompt_tokens,
+               "generation_tokens": last.generation_tokens, "generation_tps": round(last.generation_tps, 2),
+               "kv_bytes_kept": kept, "kv_bytes_full": full,
+               "compression_ratio": round(full / kept, 3) if kept else 1.0}
+    if args.json:
+        print(json.dumps(summary), file=sys.stderr)
+    else:
+        print(f"[{summary['method']} from {summary['prompt_cache']}] document: {summary['document_tokens']} tok | "
+              f"question: {summary['prompt_tokens']} tok | generation: {summary['generation_tokens']} tok, "
+              f"{summary['generation_tps']} tok/s | KV kept {_human(kept)} of {_human(full)} "
+              f"(x{summary['compression_ratio']})", file=sys.stderr)
+    return 0
+
+
+def cmd_cache_prompt(args) -> int:
+    """``kvpolicy cache-prompt``: compress a long document once into a prompt-cache file (compress once, ask many)."""
+    from .prompt_file import cache_prompt
+
+    if _world()[1] > 1:
+        raise CLIError("cache-prompt runs in one process (not under mlx.launch)")
+    spec = _with_budget(_spec_from_args(args), args.budget)
+    text = _read_prompt(args)
+    model, tokenizer, path = _load_model(args.model, args.dtype, args.parallel)
+    summary = cache_prompt(model, tokenizer, text, spec, args.prompt_cache_file,
+                           model_path=str(Path(path).resolve()), prefill_step_size=args.prefill_step_size)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"[{summary['method']}:budget={summary['budget']}] {summary['tokens_seen']} tokens seen, "
+              f"{summary['tokens_kept']} kept per layer (KV x{summary['compression_ratio']}) -> "
+              f"{summary['prompt_cache_file']}")
+    return 0
+
+
+def _add_cache_prompt_parser(sub, model_args) -> None:
+    c = sub.add_parser("cache-prompt", help="compress a long document once into a prompt-cache file; ask it "
+                                            "questions with generate --prompt-cache, serve --prompt-cache or mlx-lm")
+    c.add_argument("prompt", nargs="?", help="the document text ('-' or omitted: stdin)")
+    c.add_argument("--file", help="read the document from a file")
+    c.add_argument("--prompt-cache-file", required=True, metavar="FILE.safetensors",
+                   help="the prompt-cache file to write (mlx-lm's format)")
+    c.add_argument("--method", help='config string, e.g. "cam:budget=512" (default: cam)')
+    c.add_argument("--config", help="JSON or TOML file with the config")
+    c.add_argument("--budget", type=int, help="override the budget")
+    c.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="tokens per prefill chunk, as mlx-lm's (default 2048)")
+    c.add_argument("--json", action="store_true", help="print the summary as JSON")
+    model_args(c)
+    c.set_defaults(func=cmd_cache_prompt)
 
 
 def format_table(results: List[dict]) -> str:
@@ -369,8 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the summary as JSON (stderr)")
     g.add_argument("--save-caches", metavar="FILE.safetensors",
                    help="save the caches after generating (under mlx.launch: one file per rank)")
+    g.add_argument("--prompt-cache", metavar="FILE.safetensors",
+                   help="answer the prompt as a question after the document in this file (kvpolicy cache-prompt); "
+                        "the method and model come from the file, which is not changed")
     model_args(g)
     g.set_defaults(func=cmd_generate)
+    _add_cache_prompt_parser(sub, model_args)
 
     e = sub.add_parser("eval", help="perplexity (token by token) or retrieval (--task needle) with bounded caches")
     e.add_argument("--task", default="perplexity", choices=["perplexity", "needle", "needle-multikey"],

@@ -102,12 +102,17 @@ def save_caches(path, caches: Sequence[Any], metadata: Optional[Dict[str, str]] 
 
 
 def _write_atomically(path: Path, arrays: Dict[str, mx.array], metadata: Dict[str, str]) -> None:
-    """Write to a temporary file in the target's directory, fsync, then rename over the target.
+    write_atomically(path, lambda tmp: mx.save_safetensors(str(tmp), arrays, metadata=metadata))
+
+
+def write_atomically(path, write) -> None:
+    """``write(tmp)`` a ``.safetensors`` file in the target's directory, fsync, then rename it over ``path``.
 
     A failed write (disk full, interrupted) leaves the previous file as it was. The file gets the mode a new
     file gets (``0o666`` less the umask) or, when it replaces one, the old file's mode; a symlink is written
     through (its target is replaced, the link stays); a missing directory is an error, not created.
     """
+    path = Path(path)
     target = Path(os.path.realpath(path))
     if target.is_dir():
         raise CacheFileError(f"{path}: is a directory; give a file name ending in .safetensors")
@@ -126,7 +131,7 @@ def _write_atomically(path: Path, arrays: Dict[str, mx.array], metadata: Dict[st
     except OSError as exc:
         raise CacheFileError(f"{path}: cannot write there: {exc}") from None
     try:
-        mx.save_safetensors(str(tmp), arrays, metadata=metadata)
+        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)

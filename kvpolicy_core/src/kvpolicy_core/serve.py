@@ -25,12 +25,15 @@ a longer one to serve a shorter prompt only if ``is_trimmable()``, which a polic
 truthfully (:meth:`PolicyCache.is_trimmable`: only while nothing was evicted and its scores
 are per token, so never for H2O/CaM, whose scores carry the attention of the tokens a trim
 would drop). Otherwise a stored cache is reused only as an exact prefix of the new prompt.
+``--prompt-cache FILE`` (:mod:`kvpolicy_core.prompt_file`) pins a compressed document: every request
+whose prompt extends it starts from a copy of its caches, with the file's model and method.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import io
 import json
@@ -253,8 +256,23 @@ def _server_classes():
         def __init__(self, stats: ServerStats, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.stats = stats
+            self.pinned: List[tuple] = []  # (model key, document token ids, caches) of --prompt-cache files
+
+        def pin(self, model, tokens: List[int], caches: List[Any]) -> None:
+            """Serve every prompt that extends ``tokens`` from a copy of ``caches`` (never evicted, never changed)."""
+            self.pinned.append((model, list(tokens), caches))
 
         def fetch_nearest_cache(self, model, tokens):
+            """The stored cache that covers most of ``tokens``: a pinned document's copy, unless the LRU holds a
+            longer prefix (:meth:`_fetch_stored`)."""
+            cache, rest = self._fetch_stored(model, tokens)
+            covered = len(tokens) - len(rest) if cache is not None else 0
+            for key, ids, caches in self.pinned:
+                if key == model and covered < len(ids) < len(tokens) and list(tokens[: len(ids)]) == ids:
+                    return copy.deepcopy(caches), list(tokens[len(ids):])
+            return cache, rest
+
+        def _fetch_stored(self, model, tokens):
             """mlx-lm's look-up, but never "all of the prompt is cached, nothing to feed".
 
             mlx-lm answers an exact match with the stored cache and no tokens left, and its batched
@@ -270,7 +288,7 @@ def _server_classes():
             if can_trim_prompt_cache(cache):
                 trim_prompt_cache(cache, 1)
                 return cache, tokens[-1:]
-            cache, rest = self.fetch_nearest_cache(model, tokens[:-1])
+            cache, rest = self._fetch_stored(model, tokens[:-1])
             return cache, list(rest) + tokens[-1:]
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type: Optional[str] = None):
@@ -471,6 +489,8 @@ def run(host: str, port: int, model_provider) -> None:
         reason = getattr(exc, "strerror", None) or exc
         raise StartupError(f"--host {host} --port {port}: cannot listen there: {reason}") from None
     prompt_cache = classes.PromptCache(model_provider.stats, model_provider.cli_args.prompt_cache_size)
+    if getattr(model_provider, "document", None):  # --prompt-cache: every question starts from a copy
+        prompt_cache.pin(model_provider.model_key, *model_provider.document)
     response_generator = classes.ResponseGenerator(model_provider, prompt_cache)
     fingerprint = mls.get_system_fingerprint()
     httpd.RequestHandlerClass = lambda *args, **kwargs: classes.APIHandler(
@@ -490,8 +510,12 @@ def _parser() -> argparse.ArgumentParser:
         description="mlx-lm's OpenAI-compatible server with a kvpolicy method on every request's cache. "
                     "Every other option is mlx-lm's (mlx_lm.server --help), passed through unchanged.",
     )
-    p.add_argument("--method", default="cam",
-                   help='config string ("cam:budget=256"), JSON, or a .json/.toml file (default: cam)')
+    p.add_argument("--method", default=None,
+                   help='config string ("cam:budget=256"), JSON, or a .json/.toml file (default: cam, or the '
+                        "--prompt-cache file's)")
+    p.add_argument("--prompt-cache", metavar="FILE.safetensors",
+                   help="a document compressed once by kvpolicy cache-prompt: every request whose prompt extends "
+                        "it starts from a copy of its caches (its model and method are the server's)")
     p.add_argument("--model", help="local mlx-lm model directory (default: the embedded Gemma 3 270M)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="model dtype (auto: float32 on Linux CPU)")
@@ -516,11 +540,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .model.default import ModelUnavailable, resolve_model_path
 
     try:
-        config = load_method(ours.method)
+        config = load_method(ours.method or "cam")
         from .policy import build_policy
 
         build_policy(config)  # every part of the method is installed and builds from this config
-        model_path = resolve_model_path(ours.model)
+        if ours.prompt_cache:
+            config, model_path, ours.dtype = _prompt_file_settings(ours, config)
+        else:
+            model_path = resolve_model_path(ours.model)
     except (KVPolicyError, ModelUnavailable) as exc:
         print(f"kvpolicy serve: error: {exc}", file=sys.stderr)
         return 2
@@ -536,6 +563,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         mp = classes.ModelProvider(cli_args, config, stats, ours.dtype)
         try:
             mp.load_default()  # load and attach now: a model the method cannot serve fails at start-up
+            if ours.prompt_cache:  # (document token ids, caches), loaded and checked against the model now
+                from .prompt_file import load_prompt_file
+
+                caches, _, info = load_prompt_file(ours.prompt_cache, mp.model)
+                mp.document = (info["document_ids"], caches)
         except Exception as exc:
             failed.append(exc)
             raise SystemExit(2)
@@ -558,6 +590,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _prompt_file_settings(ours, config):
+    """(config, model path, dtype) for ``--prompt-cache``: the file's method and model, which ``--method`` and
+    ``--model`` may repeat but not change (a clear error before anything loads)."""
+    from .config import parse_config
+    from .errors import KVPolicyError
+    from .prompt_file import file_metadata
+
+    metadata, info = file_metadata(ours.prompt_cache)
+    if info is None or "model" not in metadata:
+        raise KVPolicyError(f"--prompt-cache {ours.prompt_cache}: not a file of kvpolicy cache-prompt")
+    saved = parse_config(info["config"])
+    if ours.method is not None and config != saved:
+        raise KVPolicyError(f"--method {ours.method} is not the method of --prompt-cache {ours.prompt_cache} "
+                            f"({saved.to_string()})")
+    from .model.default import resolve_model_path
+
+    if ours.model is not None and resolve_model_path(ours.model).resolve() != Path(metadata["model"]).resolve():
+        raise KVPolicyError(f"--model {ours.model} is not the model of --prompt-cache {ours.prompt_cache} "
+                            f"({metadata['model']})")
+    dtype = info.get("dtype") if ours.dtype == "auto" and info.get("dtype") else ours.dtype
+    return saved, Path(metadata["model"]), dtype
 
 
 @contextlib.contextmanager

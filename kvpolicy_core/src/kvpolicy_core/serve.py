@@ -46,6 +46,7 @@ import time
 import types
 import warnings
 from collections import deque
+from pathlib import Path
 from typing import Any, List, Optional
 
 from .serve_requests import (

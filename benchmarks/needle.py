@@ -42,7 +42,7 @@ def spec_for(base: str, budget: int) -> str:
 
 def load(model: str, smoke: bool):
     if smoke:
-        from kvpolicy_core.testing import tiny_llama
+        from kvpolicy_core.tiny_models import tiny_llama
 
         class Tok:
             eos_token_id = 0

@@ -76,11 +76,11 @@ def spec_for(base: str, budget: int, seed: int) -> str:
 
 def load(smoke: bool, model: str = "gemma3"):
     if smoke:
-        from kvpolicy_core.testing import tiny_llama
+        from kvpolicy_core.tiny_models import VOCAB, tiny_llama
 
         class Tok:
             def encode(self, text):
-                return [ord(c) % 97 for c in text]
+                return [ord(c) % VOCAB for c in text]
 
         return tiny_llama(), Tok()
     import mlx_lm

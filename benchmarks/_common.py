@@ -1,12 +1,32 @@
-"""Shared helpers of the benchmark programs: BLAS first, versions, result files, timing."""
+"""The benchmark harness every program under benchmarks/ uses: BLAS first, common arguments, result
+names, a timed step, interleaved rounds, and JSON results with the command, versions and BLAS.
+
+A new benchmark script::
+
+    from _common import Stopwatch, interleave, parser, result_name, summarize, write_json  # BLAS loads here
+    import mlx.core as mx  # noqa: E402  (after the BLAS, via _common)
+
+    def main(argv=None):
+        p = parser(__doc__, rounds=3, seed=0)          # --smoke --out --tag [--rounds] [--seed]
+        p.add_argument("--budget", type=int, default=64)  # the script's own options
+        args = p.parse_args(argv)
+        if args.smoke:                                 # tiny sizes: tests/test_benchmarks.py runs this
+            args.budget, args.rounds = 8, 1
+        samples = interleave({"h2o": step_h2o, "cam": step_cam}, args.rounds)  # A,B,A,B,...: seconds per call
+        rows = summarize(samples, baseline="h2o")      # medians and ratios to the baseline, side by side
+        print(f"wrote {write_json(result_name('mybench', args), {'rows': rows}, args.out)}")
+
+``result_name("mybench", args)`` is ``mybench[_<tag>][_smoke]``; ``write_json`` writes
+``<out>/<name>.json`` atomically with ``command`` and ``versions`` (mlx, mlx-lm, kvpolicy, Python,
+BLAS) added. :class:`Stopwatch` times one step on the wall and CPU clocks; :func:`timed` is the
+median of repeated calls of one function. Tiny random-weight models come from
+:mod:`kvpolicy_core.tiny_models`. The BLAS-free pieces live in ``_harness.py`` (re-exported here).
+"""
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 from kvpolicy_core.blas import blas_info, load_optimized_blas
@@ -15,7 +35,11 @@ BLAS = load_optimized_blas(quiet=True)
 
 import mlx.core as mx  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import (  # noqa: E402,F401  (the harness, re-exported)
+    RESULTS, Stopwatch, interleave, median, parser, plot_time_memory, result_name, summarize, timed, timed_step,
+    write_json,
+)
 
 
 def versions() -> dict:
@@ -28,44 +52,3 @@ def versions() -> dict:
         "python": platform.python_version(), "machine": platform.machine(),
         "blas": {k: blas_info().get(k) for k in ("path", "source", "config", "coretype_forced", "threads")},
     }
-
-
-def write_json(name: str, payload: dict, out_dir: Path = RESULTS) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
-    payload = {"command": " ".join(["python"] + sys.argv), "versions": versions(), **payload}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=float))
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
-    return path
-
-
-def timed(fn, repeat: int) -> float:
-    """Median seconds of ``fn()`` over ``repeat`` runs (after one warm-up)."""
-    fn()
-    samples = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    samples.sort()
-    return samples[len(samples) // 2]
-
-
-def plot_time_memory(runs, path: Path, title: str) -> None:
-    """Two panels over decode steps: ms per step and MLX active memory, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for r in runs:
-        steps = [p["step"] for p in r["points"]]
-        ax[0].plot(steps, [p["ms_per_step"] for p in r["points"]], label=r["spec"])
-        ax[1].plot(steps, [p["active_mb"] for p in r["points"]], label=r["spec"])
-    ax[0].set(xlabel="decode step", ylabel="ms / step", title=f"{title}: step time")
-    ax[1].set(xlabel="decode step", ylabel="MLX active memory (MB)", title=f"{title}: memory")
-    ax[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

@@ -14,12 +14,7 @@ Writes benchmarks/results/batch_policy_step.json.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-from pathlib import Path
-
-from _common import RESULTS, write_json
+from _common import Stopwatch, interleave, parser, result_name, summarize, write_json
 
 import mlx.core as mx  # noqa: E402  (after the BLAS, via _common)
 
@@ -63,50 +58,49 @@ def ms_per_step(spec: str, B: int, n_layers: int, D: int, prompt: int, steps: in
 
         for _ in range(3):  # the first steps settle the prompt and stack the rows
             step()
-        t = time.perf_counter()
+        sw = Stopwatch()
         for _ in range(steps):
             step()
-        return (time.perf_counter() - t) / steps * 1000
+        return sw.wall / steps * 1000
     finally:
         batch_cache.can_stack = saved
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, rounds=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--layers", type=int, default=18)
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes (checks the program runs)")
-    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.budget, args.layers, args.head_dim, args.steps, args.rounds = 3, 8, 2, 16, 3, 1
     B, prompt = args.batch, args.budget + 6
     specs = [f"h2o:budget={args.budget}", f"cam:budget={args.budget}"]
     kinds = [("one sequence", 1, True), (f"{B} rows stacked", B, True), (f"{B} rows, per-row loop", B, False)]
-    runs = {(s, k[0]): [] for s in specs for k in kinds}
-    for r in range(args.rounds):
-        for spec in specs:
-            for name, b, stacked in kinds:
-                ms = ms_per_step(spec, b, args.layers, args.head_dim, prompt, args.steps, stacked)
-                runs[(spec, name)].append(ms)
-                print(f"round {r}  {spec:16} {name:22} {ms:8.1f} ms/step", flush=True)
+    fns = {(spec, name): (lambda spec=spec, b=b, stacked=stacked:
+                          ms_per_step(spec, b, args.layers, args.head_dim, prompt, args.steps, stacked))
+           for spec in specs for name, b, stacked in kinds}
+
+    def progress(r, got):
+        for (spec, name), ms in got.items():
+            print(f"round {r}  {spec:16} {name:22} {ms:8.1f} ms/step", flush=True)
+
+    runs = interleave(fns, args.rounds, progress)
     results = []
     for spec in specs:
-        one = statistics.median(runs[(spec, kinds[0][0])])
+        rows = summarize({name: runs[(spec, name)] for name, _, _ in kinds}, baseline=kinds[0][0])
         for name, b, stacked in kinds:
-            ms = statistics.median(runs[(spec, name)])
+            ms, x = rows[name]["median"], rows[name]["ratio"]
             results.append({"spec": spec, "kind": name, "batch": b, "stacked": stacked, "ms_per_step": ms,
-                            "x_one_sequence": ms / one, "rounds_ms": runs[(spec, name)]})
-            print(f"median  {spec:16} {name:22} {ms:8.1f} ms/step   x{ms / one:.2f} of one sequence", flush=True)
-    out = write_json("batch_policy_step" + ("_smoke" if args.smoke else ""), {
+                            "x_one_sequence": x, "rounds_ms": runs[(spec, name)]})
+            print(f"median  {spec:16} {name:22} {ms:8.1f} ms/step   x{x:.2f} of one sequence", flush=True)
+    out = write_json(result_name("batch_policy_step", args), {
         "batch": B, "budget": args.budget, "layers": args.layers, "head_dim": args.head_dim, "kv_heads": 1,
         "q_heads": 4, "steps": args.steps, "rounds": args.rounds, "results": results,
         "note": "policy work only (no model); one run, interleaved rounds on a shared machine",
-    }, out_dir=Path(args.out))
+    }, args.out)
     print(f"wrote {out}")
 
 

@@ -15,15 +15,12 @@ Writes benchmarks/results/blas_speedup.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from _harness import Stopwatch, interleave, parser, result_name, write_json  # not _common: no BLAS loaded here
 
 PROBE = r"""
 import json, sys, time
@@ -69,10 +66,10 @@ def numpy_gflops(n: int, reps: int = 5) -> float:
     a = np.random.standard_normal((n, n)).astype(np.float32)
     b = np.random.standard_normal((n, n)).astype(np.float32)
     a @ b
-    t = time.perf_counter()
+    sw = Stopwatch()
     for _ in range(reps):
         a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+    return 2 * n**3 * reps / sw.wall / 1e9
 
 
 def proven_candidates() -> list:
@@ -88,23 +85,16 @@ def proven_candidates() -> list:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true")
+    p = parser(__doc__, rounds=3, smoke_help="matmul 256^3 only", rounds_help="interleaved rounds (the best counts)")
     p.add_argument("--decode", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args()
     n, decode, rounds = (256, 0, 1) if args.smoke else (1024, args.decode, args.rounds)
     ok, rejected = proven_candidates()
     configs = {"reference": "off", "auto": None, **{f"{src}: {path}": path for src, path, _ in ok}}
-    best: dict = {}
-    np_best = 0.0
-    for _ in range(rounds):
-        for name, blas in configs.items():
-            r = measure(blas, n)
-            if name not in best or r["gflops"] > best[name]["gflops"]:
-                best[name] = r
-        np_best = max(np_best, numpy_gflops(n))
+    kinds = {name: (lambda blas=blas: measure(blas, n)) for name, blas in configs.items()}
+    got = interleave({**kinds, "numpy": lambda: numpy_gflops(n)}, rounds)
+    best = {name: max(got[name], key=lambda r: r["gflops"]) for name in configs}
+    np_best = max(got["numpy"])
     result = {"matmul_n": n, "rounds": rounds, "cpu_count": os.cpu_count(), "numpy_gflops": np_best,
               "configs": best, "rejected": [{"source": s, "path": p, "reason": why} for s, p, why in rejected]}
     auto = best["auto"]["gflops"]
@@ -124,10 +114,7 @@ def main():
                               "speedup": opt["decode_tps"] / ref["decode_tps"]})
         print(f"default model decode: {ref['decode_tps']:.2f} -> {opt['decode_tps']:.2f} tok/s "
               f"(x{result['decode']['speedup']:.1f})")
-    sys.path.insert(0, str(HERE))
-    from _common import write_json
-
-    print(f"wrote {write_json('blas_speedup' + ('_smoke' if args.smoke else ''), result, Path(args.out))}")
+    print(f"wrote {write_json(result_name('blas_speedup', args), result, args.out)}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _harness import RESULTS
 
 
 def family(label: str) -> str:

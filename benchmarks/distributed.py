@@ -23,8 +23,9 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from _harness import RESULTS, Stopwatch, parser, result_name, write_json  # _common (the BLAS) loads per process
 
 HERE = Path(__file__).resolve().parent
 
@@ -50,15 +51,16 @@ def worker(args) -> None:
     for spec in args.methods.split(";"):
         caches = make_caches(model, spec)
         barrier()
-        t = time.perf_counter()
+        sw = Stopwatch()
         tok = mx.argmax(model(prompt, cache=caches)[:, -1:], axis=-1)
         mx.eval(tok)
-        t_prefill = time.perf_counter() - t
-        tokens, t = [tok.item()], time.perf_counter()
+        t_prefill = sw.wall
+        tokens = [tok.item()]
+        sw.restart()
         for _ in range(args.decode):
             tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
             tokens.append(tok.item())
-        t_decode = time.perf_counter() - t
+        t_decode = sw.wall
         kept, full = kv_bytes(caches)
         rows.append({"spec": spec, "prefill_tps": args.prompt / t_prefill, "decode_tps": args.decode / t_decode,
                      "kv_bytes_kept": kept, "kv_bytes_full": full, "tokens": tokens})
@@ -87,15 +89,13 @@ def run_config(label, ranks, parallel, model_dir, work, args):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, out=None, smoke_help="tiny model, a few tokens")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--budget", type=int, default=128)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration before it is killed")
-    p.add_argument("--smoke", action="store_true", help="tiny model, a few tokens")
-    p.add_argument("--out", type=Path, default=None)
     # worker mode (started by the driver, once per rank)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -106,9 +106,9 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from _common import RESULTS, write_json
+    import _common  # noqa: F401  (the BLAS, before mlx)
 
-    from kvpolicy_core.model.tiny import write_model_dir
+    from kvpolicy_core.tiny_models import write_model_dir
 
     if args.smoke:
         args.prompt, args.decode, args.budget, args.hidden, args.layers = 48, 8, 16, 64, 2
@@ -122,9 +122,9 @@ def main() -> None:
         configs = [("1 rank", 1, "auto"), ("2 ranks tensor", 2, "tensor"), ("2 ranks pipeline", 2, "pipeline")]
         results = {}
         for label, ranks, parallel in configs:
-            t = time.perf_counter()
+            sw = Stopwatch()
             results[label] = run_config(label.replace(" ", "_"), ranks, parallel, model_dir, work, args)
-            print(f"{label}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+            print(f"{label}: {sw.wall:.1f} s", file=sys.stderr)
 
     base = {r["spec"]: r for r in results["1 rank"][0]["rows"]}
     rows = []
@@ -151,8 +151,7 @@ def main() -> None:
             print(f"{label:18} {spec:14} {row['prefill_tps']:13.1f} {row['decode_tps']:12.1f} "
                   f"{row['decode_vs_1_rank']:8.2f} {mib(row['kv_bytes_kept_per_rank']):>13} "
                   f"{mib(row['kv_bytes_full_per_rank']):>13} {str(row['same_tokens_as_1_rank']):>11}")
-    name = "distributed_smoke" if args.smoke else "distributed"
-    path = write_json(name, {"model": {"type": "qwen2", **sizes}, "prompt": args.prompt, "decode": args.decode,
+    path = write_json(result_name("distributed", args), {"model": {"type": "qwen2", **sizes}, "prompt": args.prompt, "decode": args.decode,
                              "budget": args.budget, "note": "two ranks share one machine's cores: overhead, "
                              "not speed-up", "rows": rows}, args.out or RESULTS)
     print(f"wrote {path}", file=sys.stderr)

@@ -16,19 +16,19 @@ Writes benchmarks/results/e2e_speed.json (and e2e_long.png with --long).
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
 
-from _common import RESULTS, mx, plot_time_memory, write_json
+from _common import Stopwatch, interleave, mx, parser, plot_time_memory, result_name, write_json
 
 from kvpolicy_core.evaluation import kv_bytes, make_caches
+from kvpolicy_core.tiny_models import VOCAB
 
 
 def load(smoke):
     if smoke:
-        from kvpolicy_core.testing import tiny_llama
+        from kvpolicy_core.tiny_models import tiny_llama
 
         return tiny_llama(layers=4)
     import mlx_lm
@@ -41,12 +41,13 @@ def load(smoke):
 def run(model, spec, prompt, decode, every=100):
     caches = make_caches(model, spec)
     mx.reset_peak_memory()
-    t, c = time.perf_counter(), time.process_time()
+    sw = Stopwatch()
     logits = model(prompt, cache=caches)
     tok = mx.argmax(logits[:, -1:], axis=-1)
     mx.eval(tok)
-    t_prefill, c_prefill = time.perf_counter() - t, time.process_time() - c
-    points, t0, window, c0 = [], time.perf_counter(), time.perf_counter(), time.process_time()
+    t_prefill, c_prefill = sw.wall, sw.cpu
+    points, window = [], time.perf_counter()
+    sw.restart()
     for step in range(1, decode + 1):
         tok = mx.argmax(model(tok, cache=caches)[:, -1:], axis=-1)
         mx.eval(tok)
@@ -54,7 +55,7 @@ def run(model, spec, prompt, decode, every=100):
             now = time.perf_counter()
             points.append({"step": step, "ms_per_step": 1e3 * (now - window) / every, "active_mb": mx.get_active_memory() / 2**20})
             window = now
-    t_decode, c_decode = time.perf_counter() - t0, time.process_time() - c0
+    t_decode, c_decode = sw.wall, sw.cpu
     kept, full = kv_bytes(caches)
     return {"spec": spec, "prefill_tps": prompt.shape[1] / t_prefill, "decode_tps": decode / t_decode,
             "prefill_cpu_ms_per_token": 1e3 * c_prefill / prompt.shape[1], "decode_cpu_ms_per_token": 1e3 * c_decode / decode,
@@ -70,20 +71,16 @@ def interleaved(model, specs, prompt, decode, prefills=3):
     state = {}
 
     def step(s, phase, caches, tokens):  # one timed forward pass and greedy token
-        t, c = time.perf_counter(), time.process_time()
+        sw = Stopwatch()
         tok = mx.argmax(model(tokens, cache=caches)[:, -1:], axis=-1)
         mx.eval(tok)
-        wall[s][phase].append(time.perf_counter() - t)
-        cpu[s][phase].append(time.process_time() - c)
+        wall[s][phase].append(sw.wall)
+        cpu[s][phase].append(sw.cpu)
         state[s] = (caches, tok)
 
-    for _ in range(prefills):
-        for s in specs:
-            step(s, "prefill", make_caches(model, s), prompt)
-    for _ in range(decode):
-        for s in specs:
-            step(s, "decode", *state[s])
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    interleave({s: (lambda s=s: step(s, "prefill", make_caches(model, s), prompt)) for s in specs}, prefills)
+    interleave({s: (lambda s=s: step(s, "decode", *state[s])) for s in specs}, decode)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731  (the upper median, as the rounds' rows)
     rows = []
     for s in specs:
         kept, full = kv_bytes(state[s][0])
@@ -108,25 +105,23 @@ def median_run(runs):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, rounds=1, smoke_help="tiny random model",
+               rounds_help="interleaved rounds over the methods (medians reported)")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--long", type=int, default=0)
     p.add_argument("--long-methods", default="all", help="comma-separated subset of full,rotating,h2o,cam for --long")
-    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the methods (medians reported)")
     p.add_argument("--interleave", action="store_true",
                    help="alternate the methods at every prefill and every decode step (medians; peak memory is then "
                         "of all methods together): the steadiest ratios on a shared machine")
     p.add_argument("--methods", default=None,
                    help="';'-separated specs (default: full, rotating, h2o, cam at --budget; a bare name gets the budget)")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.smoke:
         args.prompt, args.decode, args.budget, args.long = 64, 16, 32, 0
     model = load(args.smoke)
-    prompt = mx.random.randint(0, 1000 if not args.smoke else 97, (1, args.prompt), key=mx.random.key(0))
+    prompt = mx.random.randint(0, 1000 if not args.smoke else VOCAB, (1, args.prompt), key=mx.random.key(0))
     specs = ["full", f"rotating:budget={args.budget}", f"h2o:budget={args.budget}", f"cam:budget={args.budget}"]
     if args.methods:
         specs = [s if ":" in s or s == "full" else f"{s}:budget={args.budget}" for s in args.methods.split(";")]
@@ -136,11 +131,10 @@ def main():
     if args.interleave:
         rows = interleaved(model, specs, prompt, args.decode, max(args.rounds, 3))
     else:
-        runs = {s: [] for s in specs}
-        for _ in range(args.rounds):  # interleaved: a load change hits every method alike
-            for s in specs:
-                runs[s].append(run(model, s, prompt, args.decode))
-                runs[s][-1]["load"] = os.getloadavg()[0]
+        def one_run(s):
+            return {**run(model, s, prompt, args.decode), "load": os.getloadavg()[0]}
+
+        runs = interleave({s: (lambda s=s: one_run(s)) for s in specs}, args.rounds)  # a load change hits all alike
         rows = [median_run(runs[s]) for s in specs]
     base = rows[0]
     rot = next((r for r in rows if r["spec"].startswith("rotating")), None)
@@ -169,9 +163,9 @@ def main():
             print(f"long {s:22} ms/step first {pts[0]['ms_per_step']:.1f} last {pts[-1]['ms_per_step']:.1f}  "
                   f"active MB first {pts[0]['active_mb']:.0f} last {pts[-1]['active_mb']:.0f}", flush=True)
         plot_time_memory(long_rows, Path(args.out) / "e2e_long.png", "long generation")
-    out = write_json("e2e_speed" + ("_smoke" if args.smoke else ""),
+    out = write_json(result_name("e2e_speed", args),
                      {"prompt": args.prompt, "decode": args.decode, "budget": args.budget, "rows": rows, "long": long_rows},
-                     Path(args.out))
+                     args.out)
     print(f"wrote {out}")
 
 

@@ -18,10 +18,9 @@ merge_batching[_tag].json.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from _common import RESULTS, mx, timed, write_json
+from _common import mx, parser, result_name, timed, write_json
 
 from kvpolicy_core import PolicyCache
 from kvpolicy_core.compiled_parts import compiled
@@ -67,15 +66,12 @@ def write_times(f, update, repeat: int):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--layers", type=int, default=18)
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--head-dim", type=int, default=256)
     p.add_argument("--repeat", type=int, default=30)
-    p.add_argument("--tag", default="")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
     a = p.parse_args()
     if a.smoke:
         a.layers, a.kv_heads, a.budget, a.head_dim, a.repeat = 3, 1, 16, 8, 3
@@ -110,7 +106,7 @@ def main():
           f"(x{times['per_layer_ms'] / times['batched_ms']:.1f}); stacking the six fields {times['stack_fields_ms']:.2f} ms")
     print(f"one layer's merge update + new-token write: two eager calls {times['write_two_calls_ms'] * 1e3:.0f} µs, "
           f"one compiled call {times['write_one_call_ms'] * 1e3:.0f} µs")
-    tag = "merge_batching" + (f"_{a.tag}" if a.tag else "") + ("_smoke" if a.smoke else "")
+    tag = result_name("merge_batching", a)
     path = write_json(tag, {"layers": n, "kv_heads": H, "slots": L, "head_dim": D, "merges": merged, **times},
                       Path(a.out))
     print(f"wrote {path}")

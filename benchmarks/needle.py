@@ -13,10 +13,9 @@ length heat-map, one panel per method and budget) under benchmarks/results/.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from _common import RESULTS, write_json
+from _common import parser, result_name, write_json
 
 from kvpolicy_core.tasks.needle import DEFAULT_DEPTHS, format_summary, run_grid, summarize
 
@@ -43,7 +42,7 @@ def spec_for(base: str, budget: int) -> str:
 
 def load(model: str, smoke: bool):
     if smoke:
-        from kvpolicy_core.testing import tiny_llama
+        from kvpolicy_core.tiny_models import tiny_llama
 
         class Tok:
             eos_token_id = 0
@@ -67,7 +66,7 @@ def load(model: str, smoke: bool):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--task", default="needle", choices=["needle", "needle-multikey"])
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="names from: " + ", ".join(METHODS) + "; or config strings")
@@ -78,9 +77,6 @@ def main():
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--prefill-steps", default="one", help="comma list: 'one' (one chunk) or token counts")
     p.add_argument("--keys", type=int, default=4, help="needles of needle-multikey")
-    p.add_argument("--tag", default="")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.smoke:
         args.methods, args.budgets, args.lengths, args.depths = "full,streamingllm,h2o,cam", "24", "40", "0,1"
@@ -94,7 +90,7 @@ def main():
             if s not in specs:
                 specs.append(s)
     steps = [None if s.strip() == "one" else int(s) for s in args.prefill_steps.split(",")]
-    tag = "needle" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+    tag = result_name("needle", args)
     out = Path(args.out)
     rows = []
 

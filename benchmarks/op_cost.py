@@ -25,10 +25,9 @@ unfused ops per layer (e.g. one merge for all layers, issue 16's notes) can. Wri
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from _common import RESULTS, mx, timed, write_json
+from _common import mx, parser, result_name, timed, write_json
 from merge_batching import fields
 from step_cost import Stepper
 
@@ -109,13 +108,10 @@ def kvcache_step_us(budget: int, D: int, H: int, repeat: int) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--grid", default="1024:128:4", help="budget:head_dim:kv_heads")
     p.add_argument("--chain", type=int, default=40, help="extra unfused ops in the long chain")
     p.add_argument("--repeat", type=int, default=200)
-    p.add_argument("--tag", default="")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
     a = p.parse_args()
     if a.smoke:
         a.grid, a.chain, a.repeat = "16:8:1", 4, 3
@@ -140,7 +136,7 @@ def main():
           f"trips {2 * trip:.0f} = {eviction:.0f} µs "
           f"(~{row['cam_eviction_ops']:.0f} ops): a step of at least {row['cam_floor_ratio']:.2f}x KVCache "
           "before scoring and attention")
-    tag = "op_cost" + (f"_{a.tag}" if a.tag else "") + ("_smoke" if a.smoke else "")
+    tag = result_name("op_cost", a)
     print(f"wrote {write_json(tag, row, Path(a.out))}")
 
 

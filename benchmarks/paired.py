@@ -12,14 +12,13 @@ drawn within each text). Writes paired[_tag].json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from _common import RESULTS, write_json
+from _common import parser, result_name, write_json
 
 from kvpolicy_core.evaluation import paired_ratio, pooled_ratio
 
@@ -76,14 +75,11 @@ def pooled(found, block: int = 32):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("files", nargs="*", help="quality.py result files (json)")
     p.add_argument("--a", default="cam", help="method whose perplexity is the numerator")
     p.add_argument("--b", default="h2o", help="method it is compared to")
     p.add_argument("--block", type=int, default=32, help="bootstrap block length in tokens")
-    p.add_argument("--tag", default="")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     files = args.files
     if args.smoke:
@@ -108,7 +104,7 @@ def main():
         print(f"pooled over {c['texts']} text(s) at {c['compression']:g}x ({c['tokens']} tokens): "
               f"{c['a']} / {c['b']} = x{c['ratio']:.4f} (95% CI {c['low']:.4f}-{c['high']:.4f}, "
               f"P(worse) {c['p_worse']:.2f})")
-    tag = "paired" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+    tag = result_name("paired", args)
     comparisons = [{k: v for k, v in c.items() if k != "_pair"} for c in found]
     print(f"wrote {write_json(tag, {'files': files, 'comparisons': comparisons, 'pooled': pools}, Path(args.out))}")
 

@@ -6,14 +6,10 @@ benchmarks/results/paper_merge_growth.json.
 
     .venv/bin/python benchmarks/paper_merge_growth.py [--steps 4000] [--budget 64]
 """
-import argparse
-import json
-from pathlib import Path
+from _common import mx, parser, result_name, write_json  # the BLAS first
 
-import mlx.core as mx
-
-from kvpolicy_core import KVCacheBuilder
-from kvpolicy_core.testing import tiny_llama
+from kvpolicy_core import KVCacheBuilder  # noqa: E402
+from kvpolicy_core.tiny_models import tiny_llama  # noqa: E402
 
 
 def run(merge: str, steps: int, budget: int, checkpoints):
@@ -31,16 +27,19 @@ def run(merge: str, steps: int, budget: int, checkpoints):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, smoke_help="40 steps, budget 16")
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--budget", type=int, default=64)
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.budget = 40, 16
     checkpoints = sorted({s for s in (250, 1000, 2000, args.steps) if s <= args.steps})
     res = {m: run(m, args.steps, args.budget, checkpoints) for m in ("paper", "sim_weighted", "drop")}
     for m, r in res.items():
         print(f"{m:>13}: " + ", ".join(f"{s} steps max|V| {v:.2f}" for s, v in r.items()))
-    path = Path(__file__).parent / "results" / "paper_merge_growth.json"
-    path.write_text(json.dumps({"steps": args.steps, "budget": args.budget, "max_abs_v": res}, indent=1))
+    path = write_json(result_name("paper_merge_growth", args), {"steps": args.steps, "budget": args.budget,
+                                                                 "max_abs_v": res}, args.out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ Writes perturbation.json/.csv and perturbation.png under benchmarks/results/.
 
 from __future__ import annotations
 
-import argparse
 import csv
 from pathlib import Path
 
 import numpy as np
-from _common import RESULTS, mx, write_json
+from _common import mx, parser, result_name, write_json
 
 from kvpolicy_core import PolicyCache
 from kvpolicy_core.testing import feed
@@ -106,14 +105,11 @@ def capture_real(tokens=1024, probes=32, layers=(5, 0)):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--smoke", action="store_true")
     p.add_argument("--no-real", action="store_true", help="skip the real K/V from the default model")
-    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--headline-only", action="store_true", help="only the headline cell (and real K/V)")
     p.add_argument("--dispositions", default=None, help="comma-separated subset of: " + ", ".join(DISPOSITIONS))
-    p.add_argument("--tag", default="", help="suffix of the result file names")
     args = p.parse_args()
     if args.dispositions:
         keep = [d.strip() for d in args.dispositions.split(",")]
@@ -162,7 +158,7 @@ def main():
     for line in headline:
         print(line)
     out = Path(args.out)
-    tag = "perturbation" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+    tag = result_name("perturbation", args)
     write_json(tag, {"rows": rows, "headline": headline}, out)
     with open(out / f"{tag}.csv", "w", newline="") as f:
         fields = sorted({k for r in rows for k in r})

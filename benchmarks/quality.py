@@ -21,7 +21,6 @@ rows of saved files.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import math
@@ -29,7 +28,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from _common import RESULTS, write_json
+from _common import parser, result_name, write_json
 
 from kvpolicy_core.evaluation import paired_ratio, perplexity
 
@@ -77,11 +76,11 @@ def spec_for(base: str, budget: int, seed: int) -> str:
 
 def load(smoke: bool, model: str = "gemma3"):
     if smoke:
-        from kvpolicy_core.testing import tiny_llama
+        from kvpolicy_core.tiny_models import VOCAB, tiny_llama
 
         class Tok:
             def encode(self, text):
-                return [ord(c) % 97 for c in text]
+                return [ord(c) % VOCAB for c in text]
 
         return tiny_llama(), Tok()
     import mlx_lm
@@ -96,7 +95,7 @@ def load(smoke: bool, model: str = "gemma3"):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--mode", choices=["token", "chunked"], default="token")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--tokens", type=int, default=2048)
@@ -105,11 +104,8 @@ def main():
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
     p.add_argument("--text", default="pydoc", help="pydoc (default corpus), stdlib, license, or a file")
-    p.add_argument("--tag", default="", help="suffix of the result files")
     p.add_argument("--start", type=int, default=0,
                    help="first token of the slice evaluated (another slice of the same text: a second sample)")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--reference", default="h2o",
                    help="method the others are compared to, per budget, with a paired interval (if it ran)")
     args = p.parse_args()
@@ -123,7 +119,7 @@ def main():
     budgets = [int(b) for b in args.budgets.split(",")]
     names = [m.strip() for m in args.methods.split(";" if ";" in args.methods else ",")]
     out = Path(args.out)
-    tag = f"quality_{args.mode}" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+    tag = result_name(f"quality_{args.mode}", args)
     rows, curves = [], {}
     base = perplexity(model, ids, "full", chunk=chunk, progress=False)
     rows.append(row("full", None, 0, base, base))

@@ -9,17 +9,10 @@ benchmarks/results/recent_window.json.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import sys
 from pathlib import Path
 
-from kvpolicy_core.blas import load_optimized_blas
+from _common import RESULTS, parser, result_name, write_json  # the BLAS first
 
-load_optimized_blas(quiet=True)
-
-import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
 from kvpolicy_core.evaluation import perplexity  # noqa: E402
@@ -28,12 +21,16 @@ from kvpolicy_core.model.default import ensure_default_model  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, out=None, smoke_help="40 tokens, budget 16")
     p.add_argument("--tokens", type=int, default=320)
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--methods", default="h2o,cam")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "recent_window.json"))
     args = p.parse_args()
+    if args.smoke:
+        args.tokens, args.budget = 40, 16
+    out = Path(args.out) if args.out else RESULTS  # a folder, or a .json file path
+    name = out.stem if out.suffix == ".json" else result_name("recent_window", args)
+    out = out.parent if out.suffix == ".json" else out
     model, tok = mlx_lm.load(str(ensure_default_model()))
     ids = tok.encode(default_corpus())[: args.tokens]
     b = args.budget
@@ -44,16 +41,8 @@ def main() -> None:
             res = perplexity(model, ids, f"{method}:budget={b},recent={r}")
             rows.append({"method": method, "recent": r, **{k: v for k, v in res.items() if k != "nll"}})
             print(f"{method} recent={r}: ppl {res['perplexity']:.3f}", flush=True)
-    out = {
-        "command": " ".join(["python"] + sys.argv),
-        "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version()},
-        "tokens": len(ids),
-        "budget": b,
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"full: ppl {rows[0]['perplexity']:.3f}; wrote {args.out}")
+    path = write_json(name, {"tokens": len(ids), "budget": b, "rows": rows}, out)
+    print(f"full: ppl {rows[0]['perplexity']:.3f}; wrote {path}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _harness import RESULTS
 
 
 def load(name):

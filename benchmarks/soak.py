@@ -12,14 +12,12 @@ Writes benchmarks/results/soak.json and soak.png.
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 
-from _common import RESULTS, mx, plot_time_memory, write_json
+from _common import Stopwatch, mx, parser, plot_time_memory, result_name, write_json
 
 from kvpolicy_core.evaluation import make_caches
-from kvpolicy_core.testing import tiny_llama
+from kvpolicy_core.tiny_models import tiny_llama
 
 POLICIES = ["full", "h2o:budget=256", "cam:budget=256", "cam:budget=256,merge=paper", "h2o:budget=256,signal=observed"]
 
@@ -27,18 +25,18 @@ POLICIES = ["full", "h2o:budget=256", "cam:budget=256", "cam:budget=256,merge=pa
 def soak(model, spec, tokens, every, seconds):
     caches = make_caches(model, spec)
     tok = mx.array([[1]])
-    points, t_window, start = [], 0.0, time.perf_counter()
+    points, t_window, start = [], 0.0, Stopwatch()
     mx.eval(model(tok, cache=caches))
     for step in range(1, tokens + 1):
-        t = time.perf_counter()
+        t = Stopwatch()
         logits = model(tok, cache=caches)
         tok = mx.argmax(logits[:, -1:], axis=-1)
         mx.eval(tok)
-        t_window += time.perf_counter() - t
+        t_window += t.wall
         if step % every == 0:
             points.append({"step": step, "ms_per_step": 1e3 * t_window / every, "active_mb": mx.get_active_memory() / 2**20})
             t_window = 0.0
-            if time.perf_counter() - start > seconds:
+            if start.wall > seconds:
                 break
     first, last = points[len(points) // 5], points[-1]  # skip warm-up and the filling of the budget
     return {
@@ -49,12 +47,10 @@ def soak(model, spec, tokens, every, seconds):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--tokens", type=int, default=4000)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--seconds", type=float, default=600)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.smoke:
         args.tokens, args.every = 300, 50
@@ -66,7 +62,7 @@ def main():
         print(f"{r['spec']:40} steps {r['steps']:5d}  time last/first {r['time_ratio_last_first']:.2f}  "
               f"memory growth {r['memory_growth_mb']:+.2f} MB", flush=True)
     out = Path(args.out)
-    path = write_json("soak" + ("_smoke" if args.smoke else ""), {"tokens": args.tokens, "runs": runs}, out)
+    path = write_json(result_name("soak", args), {"tokens": args.tokens, "runs": runs}, out)
     if not args.smoke:
         plot_time_memory(runs, out / "soak.png", "tiny llama, 4 layers")
     print(f"wrote {path}")

@@ -23,12 +23,11 @@ run. Writes benchmarks/results/step_cost[_tag].json (and step_cost.png).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import time
 
-from _common import RESULTS, mx, timed, write_json
+from _common import interleave, mx, parser, result_name, timed, write_json
 
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -99,10 +98,9 @@ def step_times(kinds, budget, D, H, steps, q_heads, rounds, keys="random"):
     steppers = {k: Stepper(k, budget, D, H, q_heads, steps, keys) for k in kinds}
     for s in steppers.values():
         samples(s, 10)  # warm-up: past the first evictions and the eager checks
-    got = {k: [] for k in kinds}
-    for _ in range(rounds):  # interleaved: load changes hit every kind alike
-        for k, s in steppers.items():
-            got[k] += samples(s, max(steps // rounds, 1))
+    per_round = max(steps // rounds, 1)
+    by_round = interleave({k: (lambda s=s: samples(s, per_round)) for k, s in steppers.items()}, rounds)
+    got = {k: [t for r in v for t in r] for k, v in by_round.items()}  # load changes hit every kind alike
     merged = {k: int(s.cache.merges) / (H * max(s.cache.offset - budget, 1)) for k, s in steppers.items()
               if hasattr(s.cache, "merges")}
     return {k: sorted(v)[len(v) // 2] for k, v in got.items()}, merged
@@ -123,15 +121,11 @@ def scoring_vs_attention(budget, D, H, steps, q_heads):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true")
+    p = parser(__doc__, rounds=3, rounds_help="interleaved rounds over the kinds")
     p.add_argument("--steps", type=int, default=300, help="decode steps timed per kind (over all rounds)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the kinds")
-    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--kinds", default="KVCache;RotatingKVCache;h2o;cam;h2o:signal=proxy;cam:signal=proxy",
                    help="';'-separated: KVCache, RotatingKVCache or policy config strings (first is the baseline)")
     p.add_argument("--grid", default=None, help="budget:head_dim:kv_heads triples, comma-separated (e.g. 256:256:1)")
-    p.add_argument("--tag", default="", help="suffix of the result file names")
     p.add_argument("--keys", choices=["random", "clustered"], default="random",
                    help="random: cosines ~0 (CaM never merges); clustered: cosines ~0.9 (CaM merges up to its cap)")
     p.add_argument("--clock", choices=sorted(CLOCK), default="wall",
@@ -164,7 +158,7 @@ def main():
               + f" | scoring/attention {row['scoring_over_attention']:.2f}", flush=True)
     from pathlib import Path
 
-    tag = "step_cost" + (f"_{args.tag}" if args.tag else "") + ("_smoke" if args.smoke else "")
+    tag = result_name("step_cost", args)
     path = write_json(tag, {"rows": rows, "kinds": kinds, "clock": args.clock, "keys": args.keys}, Path(args.out))
     if not args.smoke and {"h2o", "cam"} <= set(kinds):
         plot(rows, Path(args.out) / f"{tag}.png")

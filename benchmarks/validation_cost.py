@@ -1,29 +1,60 @@
-"""Decode-step cost of validating part outputs (issue 13): the same cache with validation on and off, alternated; prints ms/step."""
-import time, sys
-import mlx.core as mx
-from kvpolicy_core import PolicyCache
-from kvpolicy_core.policy_step import PolicyStep
-from kvpolicy_core.testing import random_kv
+"""Decode-step cost of validating part outputs: the same cache with validation on and off, alternated.
 
-orig = PolicyStep._raise_broken
+    python benchmarks/validation_cost.py [--rounds 3] [--steps 600]
+    python benchmarks/validation_cost.py --smoke
+
+Prints ms/step (the best of the interleaved rounds) and writes benchmarks/results/validation_cost.json.
+"""
+
+from __future__ import annotations
+
+from _common import Stopwatch, interleave, mx, parser, result_name, write_json  # the BLAS first
+
+from kvpolicy_core import PolicyCache  # noqa: E402
+from kvpolicy_core.policy_step import PolicyStep  # noqa: E402
+from kvpolicy_core.testing import random_kv  # noqa: E402
+
+CHECKED = PolicyStep._raise_broken
+
+
 def unchecked(self, pending):  # the value checks are built but never evaluated (no host sync): every update applies
     return [[1]] * len(pending)
 
-def run(method, steps=600):
-    K, V = random_kv(B=1, H=8, S=256 + steps, D=64, seed=1)
-    c = PolicyCache(method)
-    k, v = c.update_and_fetch(K[:, :, :256], V[:, :, :256]); mx.eval(k, v, c.scores)
-    t = time.perf_counter()
-    for i in range(256, 256 + steps):
-        k, v = c.update_and_fetch(K[:, :, i:i+1], V[:, :, i:i+1])
-        mx.eval(k, v)
-    return (time.perf_counter() - t) / steps * 1e3
 
-for method in ("h2o:budget=256", "cam:budget=256"):
-    res = {"on": [], "off": []}
-    for rep in range(3):
-        for mode in ("on", "off"):
-            PolicyStep._raise_broken = orig if mode == "on" else unchecked
-            res[mode].append(run(method))
-    on, off = min(res["on"]), min(res["off"])
-    print(f"{method}: ms/step validated {on:.3f}, unvalidated {off:.3f}, ratio {on/off:.3f}")
+def ms_per_step(method: str, steps: int, validated: bool, prompt: int = 256) -> float:
+    PolicyStep._raise_broken = CHECKED if validated else unchecked
+    try:
+        K, V = random_kv(B=1, H=8, S=prompt + steps, D=64, seed=1)
+        c = PolicyCache(method)
+        k, v = c.update_and_fetch(K[:, :, :prompt], V[:, :, :prompt])
+        c.before_attention(K[:, :, :prompt], 64**-0.5, "causal")  # the attention hook, queries = keys
+        mx.eval(k, v, c.scores)
+        sw = Stopwatch()
+        for i in range(prompt, prompt + steps):
+            k, v = c.update_and_fetch(K[:, :, i : i + 1], V[:, :, i : i + 1])
+            c.before_attention(K[:, :, i : i + 1], 64**-0.5, None)
+            mx.eval(k, v)
+        return sw.wall / steps * 1e3
+    finally:
+        PolicyStep._raise_broken = CHECKED
+
+
+def main() -> None:
+    p = parser(__doc__, rounds=3, rounds_help="interleaved rounds (the best counts)")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--budget", type=int, default=256)
+    args = p.parse_args()
+    if args.smoke:
+        args.steps, args.budget, args.rounds = 20, 16, 1
+    rows = []
+    for method in (f"h2o:budget={args.budget}", f"cam:budget={args.budget}"):
+        got = interleave({mode: (lambda mode=mode: ms_per_step(method, args.steps, mode == "on", args.budget))
+                          for mode in ("on", "off")}, args.rounds)
+        on, off = min(got["on"]), min(got["off"])
+        rows.append({"spec": method, "validated_ms": on, "unvalidated_ms": off, "ratio": on / off, "rounds": got})
+        print(f"{method}: ms/step validated {on:.3f}, unvalidated {off:.3f}, ratio {on / off:.3f}")
+    print(f"wrote {write_json(result_name('validation_cost', args), {'steps': args.steps, 'rows': rows}, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

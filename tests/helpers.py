@@ -10,8 +10,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from kvpolicy_core import testing as kit
-from kvpolicy_core.testing import feed, tiny_llama, with_fields  # noqa: F401  (re-exported to the tests)
-from kvpolicy_core.tiny_models import tiny_model
+from kvpolicy_core.testing import feed, with_fields  # noqa: F401  (re-exported to the tests)
+from kvpolicy_core.tiny_models import VOCAB, tiny_llama, tiny_model, write_tiny_llama_dir  # noqa: F401
 
 #: Every shipped method variant, without budget fields (tests append theirs with ``with_fields``).
 SHIPPED_METHODS = [
@@ -28,8 +28,6 @@ SHIPPED_METHODS = [
 ]
 #: CaM's variants (merge rules, gate, keys).
 CAM_METHODS = [m for m in SHIPPED_METHODS if m.startswith("cam")]
-
-VOCAB = 97
 
 
 def tiny_gemma3(window: int = 8, seed: int = 0):
@@ -58,21 +56,5 @@ def random_kv(B=2, H=3, S=10, D=8, seed=0, dtype=mx.float32):
 
 
 def write_tiny_model_dir(path, seed: int = 0):
-    """A loadable mlx-lm model directory: tiny llama weights, config and a char-level tokenizer."""
-    import json
-
-    from mlx.utils import tree_flatten
-
-    from kvpolicy_core.model.tiny import write_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    model = tiny_llama(seed=seed)
-    config = {
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": VOCAB,
-        "tie_word_embeddings": True,
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    write_tokenizer(path, VOCAB)
-    return path
+    """A loadable mlx-lm model directory: :func:`tiny_llama` weights, config and a char-level tokenizer."""
+    return write_tiny_llama_dir(path, seed=seed)

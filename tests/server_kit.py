@@ -25,11 +25,9 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, how are y
 def save_tiny_model_dir(path: Path, seed: int = 0) -> Path:
     """A tiny random-weight llama saved as an mlx-lm model directory, with a byte-level BPE
     tokenizer (trained offline on a two-line corpus) and a chat template."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from kvpolicy_core.testing import tiny_llama
+    from kvpolicy_core.tiny_models import write_tiny_llama_dir
 
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -43,17 +41,7 @@ def save_tiny_model_dir(path: Path, seed: int = 0) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": "<bos>",
         "chat_template": CHAT_TEMPLATE,
     }))
-    vocab = tok.get_vocab_size()
-    model = tiny_llama(vocab=vocab, seed=seed)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    a = model.args
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
-        "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_attention_heads,
-        "num_key_value_heads": a.num_key_value_heads, "rms_norm_eps": a.rms_norm_eps,
-        "vocab_size": vocab, "tie_word_embeddings": a.tie_word_embeddings, "eos_token_id": 0,
-    }))
-    return path
+    return write_tiny_llama_dir(path, seed=seed, vocab=tok.get_vocab_size(), tokenizer=False, eos_token_id=0)
 
 
 def free_port() -> int:

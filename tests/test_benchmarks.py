@@ -27,6 +27,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
     ("paired.py", "paired_smoke.json"),
     ("merge_batching.py", "merge_batching_smoke.json"),
     ("op_cost.py", "op_cost_smoke.json"),
+    ("paper_merge_growth.py", "paper_merge_growth_smoke.json"),
+    ("validation_cost.py", "validation_cost_smoke.json"),
 ])
 def test_benchmark_smoke(tmp_path, script, result):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(tmp_path)],
@@ -160,3 +162,18 @@ def test_paired_py_matches_rows_of_one_model_and_mode_only(tmp_path):
     assert ratios == sorted(round(float(np.exp(x)), 4) for x in (0.1, -2.0, 2.0))  # each paired within itself
     dup = run(small, small)
     assert dup.returncode != 0 and "two 'h2o' rows" in dup.stderr
+
+
+def test_harness_interleaves_kinds_round_by_round_and_names_results(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    from _harness import interleave, parser, result_name, summarize, write_json
+
+    calls = []
+    got = interleave({k: (lambda k=k: calls.append(k) or len(calls)) for k in "ABC"}, 2)
+    assert calls == list("ABCABC") and got == {"A": [1, 4], "B": [2, 5], "C": [3, 6]}
+    rows = summarize({"A": [1.0, 3.0], "B": [4.0, 8.0]}, baseline="A")
+    assert rows["B"]["median"] == 6.0 and rows["B"]["ratio"] == 3.0 and rows["A"]["ratio"] == 1.0
+    args = parser("x", rounds=3, seed=0).parse_args(["--smoke", "--tag", "t", "--out", str(tmp_path)])
+    assert (args.rounds, args.seed, result_name("b", args), result_name("b")) == (3, 0, "b_t_smoke", "b")
+    data = json.loads(write_json(result_name("b", args), {"x": 1}, args.out).read_text())
+    assert data["x"] == 1 and data["versions"]["blas"] is not None and data["command"].startswith("python")

@@ -26,7 +26,7 @@ from helpers import SHIPPED_METHODS, with_fields
 from kvpolicy_core.cache import PolicyCache
 from kvpolicy_core.cli import main as cli
 from kvpolicy_core.distributed import free_port_pair
-from kvpolicy_core.model.tiny import write_model_dir
+from kvpolicy_core.tiny_models import write_model_dir
 from kvpolicy_core.persistence import load_caches
 
 BIN = Path(sys.executable).parent

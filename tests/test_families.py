@@ -1,8 +1,10 @@
 """Every mlx-lm family users run: works with default H2O, CaM (observed signal) and the proxy signal, or is refused
 with kvpolicy's own error; the support table in docs/cache.md is this test's result."""
 
+import json
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import CacheList, KVCache
 
@@ -83,3 +85,17 @@ def test_readme_first_example_generate_with_prompt_cache(tiny_model_dir):
     cache = caches[0]
     assert cache.tokens_kept == 16 and cache.offset >= 26 and cache.compression_ratio > 1
     assert (cache.merge_mode, cache.merge_gate) == ("mass", False) and cache.merges > 0 and cache.gate_draws == 0
+
+
+def test_a_saved_tiny_llama_directory_holds_the_in_memory_weights(tmp_path):
+    """The same seed gives the same weights whether a test builds the model or loads its directory."""
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from kvpolicy_core.tiny_models import write_tiny_llama_dir
+
+    path = write_tiny_llama_dir(tmp_path / "m", seed=3)
+    saved = mx.load(str(path / "model.safetensors"))
+    built = dict(tree_flatten(tiny_llama(seed=3).parameters()))
+    assert set(saved) == set(built) and all(np.array_equal(np.array(saved[k]), np.array(built[k])) for k in built)
+    assert json.loads((path / "config.json").read_text())["vocab_size"] == 97

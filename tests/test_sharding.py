@@ -14,7 +14,7 @@ from kvpolicy_core import KVCacheBuilder
 from kvpolicy_core.cache import PolicyCache
 from kvpolicy_core.distributed import choose_mode, rank_path
 from kvpolicy_core.errors import KVPolicyError, ModelError
-from kvpolicy_core.model.tiny import write_model_dir
+from kvpolicy_core.tiny_models import write_model_dir
 from kvpolicy_core.parts.random_score import hash01
 from kvpolicy_core.persistence import CacheFileError, load_caches, save_caches
 from kvpolicy_core.plugins import get_registry

@@ -24,25 +24,12 @@ from .builder import KVCacheBuilder, detach
 from .cache import PolicyCache
 from .config import parse_config
 from .errors import ConfigError
+from .tiny_models import VOCAB, tiny_llama
 
 __all__ = ["PolicyConformance", "run_conformance", "tiny_llama", "random_kv", "feed", "with_fields", "CHUNK_PATTERNS"]
 
 #: Update sizes per call: decode, prefill then decode, several chunks, a chunk larger than the budget.
 CHUNK_PATTERNS: Tuple[Tuple[int, ...], ...] = ((1,) * 40, (24,) + (1,) * 16, (7, 7, 1, 1, 20, 4), (3, 37))
-
-
-def tiny_llama(n_kv_heads: int = 2, n_heads: int = 4, layers: int = 2, vocab: int = 97, seed: int = 0):
-    """A tiny random-weight mlx-lm llama (hidden 64), evaluated and ready."""
-    from mlx_lm.models import llama
-
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
-        num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, rms_norm_eps=1e-5, vocab_size=vocab,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 def random_kv(B: int = 2, H: int = 3, S: int = 40, D: int = 16, seed: int = 0, dtype=mx.float32):
@@ -144,7 +131,7 @@ class PolicyConformance:
         _, budget, _ = self.config()
         model = tiny_llama(seed=1)
         try:
-            tokens = mx.random.randint(0, 97, (1, budget + 20), key=mx.random.key(0))
+            tokens = mx.random.randint(0, VOCAB, (1, budget + 20), key=mx.random.key(0))
             # with a budget above the length, logits equal mlx-lm's plain cache exactly
             big = KVCacheBuilder.for_model(model, parse_config(self.method, budget=4 * budget + 64))
             logits = []

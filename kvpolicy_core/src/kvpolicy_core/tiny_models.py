@@ -1,12 +1,24 @@
-"""Tiny random-weight mlx-lm models of the families users run, for tests (hidden 64, 2-4 layers).
+"""Tiny random-weight mlx-lm models for tests, benchmarks, docs and the distributed launcher.
 
-``tiny_model("qwen3")`` builds the family's own mlx-lm ``Model`` from a small config
-(:data:`FAMILIES`), so a test exercises the family's real attention code, cache layout
-and RoPE. Weights are random (seeded); nothing is downloaded.
+One path, three layers, nothing downloaded:
+
+- config: :data:`BASE` + :data:`FAMILIES` (hidden 64, 2-4 layers, one :data:`VOCAB`) for
+  :func:`tiny_model`; :func:`model_config` for a model directory of :data:`ARCHITECTURES`;
+- model: :func:`build_model` (config -> the family's own mlx-lm ``Model``, seeded random weights,
+  evaluated), so a test exercises the family's real attention code, cache layout and RoPE;
+  :func:`tiny_model` (a family) and :func:`tiny_llama` (the llama most tests use) call it;
+- model directory: :func:`write_model_dir` writes what ``mlx_lm.load`` and
+  ``mlx_lm.utils.sharded_load`` read (``config.json``, ``model.safetensors`` with its index, a
+  character-level tokenizer from :func:`write_tokenizer`); :func:`save_model_dir` saves a model
+  built here next to a tokenizer of the caller's.
+
+The same seed gives the same weights through every entry point.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Dict
 
 import mlx.core as mx
@@ -17,7 +29,11 @@ from .cache import PolicyCache
 from .config import parse_config
 from .errors import ModelError
 
+#: The vocabulary of every tiny model (the character tokenizer: 94 printable characters + 3 specials).
 VOCAB = 97
+SPECIALS = ("<pad>", "<s>", "</s>")
+
+# -- configs ---------------------------------------------------------------------------------------------------
 
 #: Config fields every family gets (unknown fields are ignored by mlx-lm's ModelArgs).
 BASE: Dict[str, Any] = dict(
@@ -75,16 +91,114 @@ REFUSED_FAMILIES: Dict[str, Dict[str, Any]] = {
 }
 
 
+#: Model-directory architectures: ``llama`` and ``qwen3`` (tensor parallel), ``qwen2`` (tensor and pipeline
+#: parallel), ``gemma3_text`` (neither).
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text")
+
+
+def model_config(model_type: str, *, hidden: int = 64, layers: int = 4, heads: int = 8, kv_heads: int = 4,
+                 intermediate: int = 128, vocab: int = VOCAB) -> Dict[str, Any]:
+    """The ``config.json`` of a small ``model_type`` model directory (head_dim = hidden / heads)."""
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type must be one of {', '.join(ARCHITECTURES)} (got {model_type!r})")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})")
+    config = {
+        "model_type": model_type, "hidden_size": hidden, "num_hidden_layers": layers,
+        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5, "vocab_size": vocab, "tie_word_embeddings": True, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
+    }
+    if model_type in ("qwen3", "gemma3_text"):
+        config["head_dim"] = hidden // heads
+    if model_type == "gemma3_text":
+        config.update(sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=hidden // heads)
+    return config
+
+
+def llama_config(n_kv_heads: int = 2, n_heads: int = 4, layers: int = 2, vocab: int = VOCAB) -> Dict[str, Any]:
+    """The config of :func:`tiny_llama` (hidden 64, head_dim 64 / n_heads), as ``config.json`` would hold it."""
+    return model_config("llama", hidden=64, layers=layers, heads=n_heads, kv_heads=n_kv_heads, vocab=vocab)
+
+
+# -- models ----------------------------------------------------------------------------------------------------
+
+def build_model(config: Dict[str, Any], seed: int = 0, weight_scale: float = 1.0):
+    """The mlx-lm model for ``config`` with random weights drawn from ``seed``, evaluated.
+
+    The projection weights (``*_proj``) are multiplied by ``weight_scale``: at mlx-lm's default
+    initialisation (scale 1) greedy decoding repeats one token whatever the cache holds; at 3
+    the text varies and depends on which tokens a policy keeps (what :func:`write_model_dir` uses).
+    """
+    from mlx.utils import tree_map_with_path
+
+    model_cls, args_cls = _get_classes(config)
+    args = args_cls.from_dict(config)
+    mx.random.seed(seed)
+    model = model_cls(args)
+    if weight_scale != 1.0:
+        model.update(tree_map_with_path(lambda p, w: w * weight_scale if "_proj." in p else w, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
 def tiny_model(family: str, seed: int = 0, **overrides: Any):
     """A tiny random-weight mlx-lm model of ``family`` (a key of :data:`FAMILIES` or any
     mlx-lm ``model_type`` that accepts :data:`BASE`), evaluated and ready."""
     known = {**FAMILIES, **REFUSED_FAMILIES}.get(family, {})
-    config = {**BASE, **known, **overrides, "model_type": family}
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_cls(args_cls.from_dict(config))
-    mx.eval(model.parameters())
-    return model
+    return build_model({**BASE, **known, **overrides, "model_type": family}, seed)
+
+
+def tiny_llama(n_kv_heads: int = 2, n_heads: int = 4, layers: int = 2, vocab: int = VOCAB, seed: int = 0):
+    """A tiny random-weight mlx-lm llama (hidden 64), evaluated and ready."""
+    return build_model(llama_config(n_kv_heads, n_heads, layers, vocab), seed)
+
+
+# -- model directories -----------------------------------------------------------------------------------------
+
+def write_tokenizer(path: Path, vocab: int = VOCAB) -> None:
+    """A character-level tokenizer over ``vocab - 3`` printable characters plus <pad>, <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 32 + vocab - len(SPECIALS))]
+    table = {**{s: i for i, s in enumerate(SPECIALS)}, **{ch: i + len(SPECIALS) for i, ch in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(table, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(Path(path) / "tokenizer.json"))
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+    }))
+
+
+def save_model_dir(path, model, config: Dict[str, Any], tokenizer: bool = True) -> Path:
+    """Save ``model`` (built from ``config``) as a loadable directory at ``path``: weights with their index and
+    ``config.json``, plus the character tokenizer of :func:`write_tokenizer` unless ``tokenizer`` is False
+    (the caller writes its own)."""
+    from mlx_lm.utils import save_config, save_model
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    save_config(dict(config), path / "config.json")
+    if tokenizer:
+        write_tokenizer(path, config["vocab_size"])
+    return path
+
+
+def write_model_dir(path, model_type: str = "llama", seed: int = 0, weight_scale: float = 3.0,
+                    **sizes: Any) -> Path:
+    """Write a loadable mlx-lm model directory at ``path``; ``sizes`` go to :func:`model_config`."""
+    config = model_config(model_type, **sizes)
+    return save_model_dir(path, build_model(config, seed, weight_scale), config)
+
+
+def write_tiny_llama_dir(path, seed: int = 0, vocab: int = VOCAB, tokenizer: bool = True,
+                         **extra: Any) -> Path:
+    """:func:`tiny_llama` ``(seed=seed)`` saved as a model directory (unscaled weights, the weights the tests'
+    in-memory llama has); ``extra`` fields go into ``config.json`` (e.g. ``eos_token_id``)."""
+    config: Dict[str, Any] = {**llama_config(vocab=vocab), **extra}
+    return save_model_dir(path, tiny_llama(vocab=vocab, seed=seed), config, tokenizer)
 
 
 #: The configs of the support matrix: default H2O and CaM (small budget; since 0.2 the observed signal with

@@ -325,6 +325,10 @@ def cmd_eval(args) -> int:
     specs.extend(args.method or [])
     if not specs:
         specs = list(DEFAULT_COMPARISON)
+    if args.task == "ruler":  # the long-context suite: budgets follow each length (--ratio)
+        from .tasks.ruler_cli import cli_run as ruler_run
+
+        return ruler_run(args, specs, _with_budget, _load_model)
     budgets = args.budget or [None]
     runs: List[Any] = []
     for spec in specs:
@@ -463,8 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_prompt_parser(sub, model_args)
 
     e = sub.add_parser("eval", help="perplexity (token by token) or retrieval (--task needle) with bounded caches")
-    e.add_argument("--task", default="perplexity", choices=["perplexity", "needle", "needle-multikey"],
-                   help="perplexity (default) or needle-in-a-haystack retrieval")
+    e.add_argument("--task", default="perplexity", choices=["perplexity", "needle", "needle-multikey", "ruler"],
+                   help="perplexity (default), needle-in-a-haystack retrieval, or ruler (the long-context suite)")
     e.add_argument("--method", action="append",
                    help="cache spec (repeatable): a config string, 'full' or 'rotating:budget=N' "
                         f"(default: {' '.join(DEFAULT_COMPARISON)})")
@@ -478,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .tasks import add_needle_arguments
 
     add_needle_arguments(e)
+    from .tasks.ruler_cli import add_ruler_arguments
+
+    add_ruler_arguments(e)
     model_args(e)
     e.set_defaults(func=cmd_eval)
 

@@ -331,7 +331,7 @@ def cli_run(args, specs: Sequence[Any], load_model) -> int:
     from pathlib import Path
 
     depths = _int_list(args.depths, "depths", float)
-    lengths = _int_list(args.lengths, "lengths")
+    lengths = _int_list(args.lengths or "1000", "lengths")
     steps = args.prefill_step or [None]
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1 (got {args.seeds})")

@@ -354,10 +354,15 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
         Over budget, the next eviction (hence the model's output) depends on the scores, so they
         are evaluated with the output; below it, asynchronously. Counters: every 256 updates.
+        Key norms (kept for CaM's cosine search): after every chunk, asynchronously; ``state``, which
+        mlx-lm evaluates after each prefill chunk, does not hold them, and their lazy graph would keep
+        every earlier chunk's keys alive (memory growing by a chunk's keys per chunk of a long prompt).
         """
         self._updates += 1
         if self.n <= self.budget:
             mx.async_eval(self.scores)
+        if self._last_S > 1 and self._slots.key_norms is not None:
+            mx.async_eval(self._slots.key_norms)
         if self._updates % 256 == 0 and self._counters:
             mx.async_eval(list(self._counters.values()))
 

@@ -1,0 +1,49 @@
+"""A long prompt prefilled in chunks holds memory bounded by the budget, not by the prompt.
+
+mlx-lm's ``generate_step`` feeds a prompt ``prefill_step_size`` tokens at a time and evaluates each cache's
+``state`` after every chunk; whatever a policy cache keeps alive beyond that (a lazy graph over earlier chunks'
+keys, buffers that only grow) would grow with the prompt and defeat the point of a budget.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from helpers import SHIPPED_METHODS, tiny_llama, with_fields
+from kvpolicy_core.builder import KVCacheBuilder
+
+CHUNK, CHUNKS, BUDGET = 48, 10, 16
+
+
+def _active_after_each_chunk(model, caches, prompt):
+    """MLX active memory (bytes) after each prefill chunk of ``generate_step``, then one token generated."""
+    seen = []
+
+    def progress(done, total):
+        if 0 < done < total:
+            gc.collect()
+            seen.append(mx.get_active_memory())
+
+    gen = generate_step(prompt, model, prompt_cache=caches, max_tokens=1, prefill_step_size=CHUNK,
+                        prompt_progress_callback=progress)
+    next(gen)
+    gen.close()
+    return seen
+
+
+@pytest.mark.parametrize("method", SHIPPED_METHODS)
+def test_active_memory_after_each_prefill_chunk_stays_flat_over_a_long_prompt(method):
+    model = tiny_llama(layers=2)
+    caches = KVCacheBuilder.for_model(model, with_fields(method, f"budget={BUDGET}"))
+    prompt = mx.random.randint(0, 97, (CHUNK * CHUNKS + 1,), key=mx.random.key(3))
+    seen = _active_after_each_chunk(model, caches, prompt)
+    assert len(seen) == CHUNKS
+    # one chunk's keys and values over all layers: what a leak of one chunk per chunk would add each time
+    a = model.args
+    chunk_kv = 2 * len(model.layers) * a.num_key_value_heads * (a.hidden_size // a.num_attention_heads) * CHUNK * 4
+    growth = seen[-1] - seen[1]  # from the second chunk on the cache is at its steady size (budget + evictions)
+    assert growth < chunk_kv / 4, f"{method}: active memory grew by {growth} B over {CHUNKS - 2} chunks"

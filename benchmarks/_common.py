@@ -20,7 +20,7 @@ A new benchmark script::
 ``<out>/<name>.json`` atomically with ``command`` and ``versions`` (mlx, mlx-lm, kvpolicy, Python,
 BLAS) added. :class:`Stopwatch` times one step on the wall and CPU clocks; :func:`timed` is the
 median of repeated calls of one function. Tiny random-weight models come from
-:mod:`kvpolicy_core.tiny_models`. The BLAS-free pieces live in ``_harness.py`` (re-exported here).
+:mod:`kvpolicy_core.testing.tiny_models`. The BLAS-free pieces live in ``_harness.py`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import platform
 import sys
 from pathlib import Path
 
-from kvpolicy_core.blas import blas_info, load_optimized_blas
+from kvpolicy_core.runtime.blas import blas_info, load_optimized_blas
 
 BLAS = load_optimized_blas(quiet=True)
 
@@ -37,7 +37,16 @@ import mlx.core as mx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402,F401  (the harness, re-exported)
-    RESULTS, Stopwatch, interleave, median, parser, plot_time_memory, result_name, summarize, timed, timed_step,
+    RESULTS,
+    Stopwatch,
+    interleave,
+    median,
+    parser,
+    plot_time_memory,
+    result_name,
+    summarize,
+    timed,
+    timed_step,
     write_json,
 )
 
@@ -48,7 +57,10 @@ def versions() -> dict:
     import kvpolicy_core
 
     return {
-        "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "kvpolicy_core": kvpolicy_core.__version__,
-        "python": platform.python_version(), "machine": platform.machine(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "kvpolicy_core": kvpolicy_core.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
         "blas": {k: blas_info().get(k) for k in ("path", "source", "config", "coretype_forced", "threads")},
     }

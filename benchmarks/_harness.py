@@ -20,9 +20,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # -- arguments and result names --------------------------------------------------------------------------------
 
-def parser(doc: Optional[str] = None, *, rounds: Optional[int] = None, seed: Optional[int] = None,
-           tag: bool = True, out=RESULTS, smoke_help: str = "tiny sizes (checks the program runs)",
-           rounds_help: str = "interleaved rounds (medians reported)") -> argparse.ArgumentParser:
+
+def parser(
+    doc: Optional[str] = None,
+    *,
+    rounds: Optional[int] = None,
+    seed: Optional[int] = None,
+    tag: bool = True,
+    out=RESULTS,
+    smoke_help: str = "tiny sizes (checks the program runs)",
+    rounds_help: str = "interleaved rounds (medians reported)",
+) -> argparse.ArgumentParser:
     """An ``ArgumentParser`` (description: the first line of ``doc``) with the common arguments:
     ``--smoke``, ``--out`` (result folder, default benchmarks/results), ``--tag`` (a suffix of the result
     names, when ``tag``), ``--rounds`` (when given a default) and ``--seed`` (when given a default)."""
@@ -46,6 +54,7 @@ def result_name(base: str, args=None, *, tag: str = "", smoke: bool = False) -> 
 
 
 # -- timing ----------------------------------------------------------------------------------------------------
+
 
 class Stopwatch:
     """Wall (``perf_counter``) and CPU (``process_time``) seconds since construction or :meth:`restart`."""
@@ -118,6 +127,7 @@ def summarize(samples: Mapping[str, List[float]], baseline: Optional[str] = None
 
 
 # -- results ---------------------------------------------------------------------------------------------------
+
 
 def write_json(name: str, payload: dict, out_dir=RESULTS) -> Path:
     """Write ``<out_dir>/<name>.json`` (atomically) with ``command`` and ``versions`` added; returns the path."""

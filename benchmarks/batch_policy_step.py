@@ -14,13 +14,12 @@ Writes benchmarks/results/batch_policy_step.json.
 
 from __future__ import annotations
 
+import mlx.core as mx  # noqa: E402  (after the BLAS, via _common)
 from _common import Stopwatch, interleave, parser, result_name, summarize, write_json
 
-import mlx.core as mx  # noqa: E402  (after the BLAS, via _common)
-
-from kvpolicy_core import batch_cache  # noqa: E402
-from kvpolicy_core.batch_cache import BatchPolicyCache  # noqa: E402
-from kvpolicy_core.cache import PolicyCache  # noqa: E402
+from kvpolicy_core.cache import batch as batch_cache  # noqa: E402
+from kvpolicy_core.cache.batch import BatchPolicyCache  # noqa: E402
+from kvpolicy_core.cache.policy_cache import PolicyCache  # noqa: E402
 
 
 def layers_of(spec: str, B: int, n_layers: int, D: int, prompt: int):
@@ -79,9 +78,15 @@ def main() -> None:
     B, prompt = args.batch, args.budget + 6
     specs = [f"h2o:budget={args.budget}", f"cam:budget={args.budget}"]
     kinds = [("one sequence", 1, True), (f"{B} rows stacked", B, True), (f"{B} rows, per-row loop", B, False)]
-    fns = {(spec, name): (lambda spec=spec, b=b, stacked=stacked:
-                          ms_per_step(spec, b, args.layers, args.head_dim, prompt, args.steps, stacked))
-           for spec in specs for name, b, stacked in kinds}
+    fns = {
+        (spec, name): (
+            lambda spec=spec, b=b, stacked=stacked: ms_per_step(
+                spec, b, args.layers, args.head_dim, prompt, args.steps, stacked
+            )
+        )
+        for spec in specs
+        for name, b, stacked in kinds
+    }
 
     def progress(r, got):
         for (spec, name), ms in got.items():
@@ -93,14 +98,34 @@ def main() -> None:
         rows = summarize({name: runs[(spec, name)] for name, _, _ in kinds}, baseline=kinds[0][0])
         for name, b, stacked in kinds:
             ms, x = rows[name]["median"], rows[name]["ratio"]
-            results.append({"spec": spec, "kind": name, "batch": b, "stacked": stacked, "ms_per_step": ms,
-                            "x_one_sequence": x, "rounds_ms": runs[(spec, name)]})
+            results.append(
+                {
+                    "spec": spec,
+                    "kind": name,
+                    "batch": b,
+                    "stacked": stacked,
+                    "ms_per_step": ms,
+                    "x_one_sequence": x,
+                    "rounds_ms": runs[(spec, name)],
+                }
+            )
             print(f"median  {spec:16} {name:22} {ms:8.1f} ms/step   x{x:.2f} of one sequence", flush=True)
-    out = write_json(result_name("batch_policy_step", args), {
-        "batch": B, "budget": args.budget, "layers": args.layers, "head_dim": args.head_dim, "kv_heads": 1,
-        "q_heads": 4, "steps": args.steps, "rounds": args.rounds, "results": results,
-        "note": "policy work only (no model); one run, interleaved rounds on a shared machine",
-    }, args.out)
+    out = write_json(
+        result_name("batch_policy_step", args),
+        {
+            "batch": B,
+            "budget": args.budget,
+            "layers": args.layers,
+            "head_dim": args.head_dim,
+            "kv_heads": 1,
+            "q_heads": 4,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "results": results,
+            "note": "policy work only (no model); one run, interleaved rounds on a shared machine",
+        },
+        args.out,
+    )
     print(f"wrote {out}")
 
 

@@ -17,14 +17,13 @@ Writes benchmarks/results/batch_speed.json.
 
 from __future__ import annotations
 
-from _common import Stopwatch, interleave, median, parser, result_name, write_json
-
 import mlx.core as mx  # noqa: E402  (after the BLAS, via _common)
 import mlx_lm  # noqa: E402
+from _common import Stopwatch, interleave, median, parser, result_name, write_json
 from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 
-from kvpolicy_core.builder import attach, detach  # noqa: E402
-from kvpolicy_core.evaluation import make_caches, parse_spec  # noqa: E402
+from kvpolicy_core.eval.perplexity import make_caches, parse_spec  # noqa: E402
+from kvpolicy_core.integration.builder import attach, detach  # noqa: E402
 from kvpolicy_core.model.corpus import load_corpus  # noqa: E402
 from kvpolicy_core.model.default import resolve_model_path  # noqa: E402
 
@@ -39,8 +38,7 @@ def sequential(model, prompts, n):
 
 def batched(model, prompts, n):
     sw = Stopwatch()
-    gen = BatchGenerator(model, stop_tokens=None, completion_batch_size=len(prompts),
-                         prefill_batch_size=len(prompts))
+    gen = BatchGenerator(model, stop_tokens=None, completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
     uids = gen.insert(prompts, [n] * len(prompts))
     got = {u: [] for u in uids}
     while responses := gen.next_generated():
@@ -51,8 +49,12 @@ def batched(model, prompts, n):
 
 
 def main() -> None:
-    ap = parser(__doc__, rounds=2, rounds_help="interleaved repetitions (median ratio reported)",
-                smoke_help="tiny random model, batch 3 (checks the program runs)")
+    ap = parser(
+        __doc__,
+        rounds=2,
+        rounds_help="interleaved repetitions (median ratio reported)",
+        smoke_help="tiny random model, batch 3 (checks the program runs)",
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=96, help="mean prompt length (rows vary +-25%%)")
@@ -61,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.budget, args.prompt_tokens, args.new_tokens, args.rounds = 3, 8, 14, 4, 1
-        from kvpolicy_core.tiny_models import VOCAB, tiny_llama
+        from kvpolicy_core.testing.tiny_models import VOCAB, tiny_llama
 
         path, model = "tiny random llama", tiny_llama()
         ids = mx.random.randint(0, VOCAB, (8000,), key=mx.random.key(0)).tolist()
@@ -87,12 +89,21 @@ def main() -> None:
         seq_s, seq_tokens = sequential(model, prompts, args.new_tokens)
         bat_s, bat_tokens = batched(model, prompts, args.new_tokens)
         n = B * args.new_tokens
-        row = {"round": r, "sequential_s": seq_s, "batched_s": bat_s, "sequential_tok_s": n / seq_s,
-               "batched_tok_s": n / bat_s, "speedup": seq_s / bat_s,
-               "rows_identical": sum(a == b for a, b in zip(seq_tokens, bat_tokens))}
-        print(f"round {r}  {spec:22} sequential {row['sequential_tok_s']:6.2f} tok/s   batched "
-              f"{row['batched_tok_s']:6.2f} tok/s   speed-up x{row['speedup']:.2f}   rows identical "
-              f"{row['rows_identical']}/{B}", flush=True)
+        row = {
+            "round": r,
+            "sequential_s": seq_s,
+            "batched_s": bat_s,
+            "sequential_tok_s": n / seq_s,
+            "batched_tok_s": n / bat_s,
+            "speedup": seq_s / bat_s,
+            "rows_identical": sum(a == b for a, b in zip(seq_tokens, bat_tokens)),
+        }
+        print(
+            f"round {r}  {spec:22} sequential {row['sequential_tok_s']:6.2f} tok/s   batched "
+            f"{row['batched_tok_s']:6.2f} tok/s   speed-up x{row['speedup']:.2f}   rows identical "
+            f"{row['rows_identical']}/{B}",
+            flush=True,
+        )
         detach(model)
         if native is None:
             model.__dict__.pop("make_cache", None)
@@ -106,23 +117,41 @@ def main() -> None:
     results = []
     for spec in specs:
         rs = rounds[spec]
-        results.append({"spec": spec, "speedup": median(x["speedup"] for x in rs),
-                        "sequential_tok_s": median(x["sequential_tok_s"] for x in rs),
-                        "batched_tok_s": median(x["batched_tok_s"] for x in rs),
-                        "rows_identical": min(x["rows_identical"] for x in rs), "rounds": rs})
+        results.append(
+            {
+                "spec": spec,
+                "speedup": median(x["speedup"] for x in rs),
+                "sequential_tok_s": median(x["sequential_tok_s"] for x in rs),
+                "batched_tok_s": median(x["batched_tok_s"] for x in rs),
+                "rows_identical": min(x["rows_identical"] for x in rs),
+                "rounds": rs,
+            }
+        )
     base = results[0]["speedup"]
     rotating = results[1]["speedup"]
     for r in results:
         r["speedup_vs_full_speedup"] = r["speedup"] / base
         r["speedup_vs_rotating_speedup"] = r["speedup"] / rotating
-        print(f"median  {r['spec']:22} speed-up x{r['speedup']:.2f}   x{r['speedup_vs_rotating_speedup']:.2f} of "
-              f"RotatingKVCache's   rows identical {r['rows_identical']}/{B}", flush=True)
-    out = write_json(result_name("batch_speed", args), {
-        "model": str(path), "batch": B, "budget": args.budget, "prompt_lengths": lengths,
-        "new_tokens": args.new_tokens, "rounds": args.rounds, "results": results,
-        "note": "one run, side by side; batched RotatingKVCache rows ignore keep=4 (mlx-lm's BatchRotatingKVCache), "
-                "so its rows may differ from sequential ones",
-    }, args.out)
+        print(
+            f"median  {r['spec']:22} speed-up x{r['speedup']:.2f}   x{r['speedup_vs_rotating_speedup']:.2f} of "
+            f"RotatingKVCache's   rows identical {r['rows_identical']}/{B}",
+            flush=True,
+        )
+    out = write_json(
+        result_name("batch_speed", args),
+        {
+            "model": str(path),
+            "batch": B,
+            "budget": args.budget,
+            "prompt_lengths": lengths,
+            "new_tokens": args.new_tokens,
+            "rounds": args.rounds,
+            "results": results,
+            "note": "one run, side by side; batched RotatingKVCache rows ignore keep=4 (mlx-lm's BatchRotatingKVCache), "  # noqa: E501
+            "so its rows may differ from sequential ones",
+        },
+        args.out,
+    )
     print(f"wrote {out}")
 
 

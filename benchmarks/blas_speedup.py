@@ -24,7 +24,7 @@ from _harness import Stopwatch, interleave, parser, result_name, write_json  # n
 
 PROBE = r"""
 import json, sys, time
-from kvpolicy_core.blas import blas_info, load_optimized_blas
+from kvpolicy_core.runtime.blas import blas_info, load_optimized_blas
 load_optimized_blas(quiet=True)
 import mlx.core as mx
 n, decode = int(sys.argv[1]), int(sys.argv[2])
@@ -74,7 +74,7 @@ def numpy_gflops(n: int, reps: int = 5) -> float:
 
 def proven_candidates() -> list:
     """(source, path) of every candidate that passes the CPU check; the others with reasons."""
-    from kvpolicy_core import blas, blas_check
+    from kvpolicy_core.runtime import blas, blas_check
 
     flags = blas_check.cpu_flags()
     ok, rejected = [], []
@@ -95,25 +95,43 @@ def main():
     got = interleave({**kinds, "numpy": lambda: numpy_gflops(n)}, rounds)
     best = {name: max(got[name], key=lambda r: r["gflops"]) for name in configs}
     np_best = max(got["numpy"])
-    result = {"matmul_n": n, "rounds": rounds, "cpu_count": os.cpu_count(), "numpy_gflops": np_best,
-              "configs": best, "rejected": [{"source": s, "path": p, "reason": why} for s, p, why in rejected]}
+    result = {
+        "matmul_n": n,
+        "rounds": rounds,
+        "cpu_count": os.cpu_count(),
+        "numpy_gflops": np_best,
+        "configs": best,
+        "rejected": [{"source": s, "path": p, "reason": why} for s, p, why in rejected],
+    }
     auto = best["auto"]["gflops"]
-    result.update(matmul_speedup=auto / best["reference"]["gflops"], auto_vs_numpy=auto / np_best,
-                  target_met=bool(auto >= 50 and auto >= 0.8 * np_best))
+    result.update(
+        matmul_speedup=auto / best["reference"]["gflops"],
+        auto_vs_numpy=auto / np_best,
+        target_met=bool(auto >= 50 and auto >= 0.8 * np_best),
+    )
     print(f"fp32 matmul {n}^3, best of {rounds} interleaved rounds ({os.cpu_count()} cores):")
     for name, r in best.items():
         print(f"  {name:<70} {r['gflops']:8.1f} GFLOP/s  (core {r.get('core')}, threads {r.get('threads')})")
     print(f"  {'numpy (its own OpenBLAS)':<70} {np_best:8.1f} GFLOP/s")
     for s, path, why in rejected:
         print(f"  not loaded: {path} ({s}): {why}")
-    print(f"auto = x{result['matmul_speedup']:.1f} the reference, {result['auto_vs_numpy']:.2f}x numpy; "
-          f"target (>= 50 GFLOP/s and within 20% of numpy): {'met' if result['target_met'] else 'NOT met'}")
+    print(
+        f"auto = x{result['matmul_speedup']:.1f} the reference, {result['auto_vs_numpy']:.2f}x numpy; "
+        f"target (>= 50 GFLOP/s and within 20% of numpy): {'met' if result['target_met'] else 'NOT met'}"
+    )
     if decode:
         ref, opt = measure("off", n, decode), measure(None, n, decode)
-        result.update(decode={"reference_tps": ref["decode_tps"], "auto_tps": opt["decode_tps"],
-                              "speedup": opt["decode_tps"] / ref["decode_tps"]})
-        print(f"default model decode: {ref['decode_tps']:.2f} -> {opt['decode_tps']:.2f} tok/s "
-              f"(x{result['decode']['speedup']:.1f})")
+        result.update(
+            decode={
+                "reference_tps": ref["decode_tps"],
+                "auto_tps": opt["decode_tps"],
+                "speedup": opt["decode_tps"] / ref["decode_tps"],
+            }
+        )
+        print(
+            f"default model decode: {ref['decode_tps']:.2f} -> {opt['decode_tps']:.2f} tok/s "
+            f"(x{result['decode']['speedup']:.1f})"
+        )
     print(f"wrote {write_json(result_name('blas_speedup', args), result, args.out)}")
 
 

@@ -26,8 +26,10 @@ def main(argv):
     found = {family(s["method"]): s for s in needle["summary"]}
     base = next(r for r in ppl["results"] if r["spec"] == "full")["perplexity"]
     prompt = max(r["prompt_tokens"] for r in needle["rows"])
-    print(f"perplexity: {ppl['tokens']} tokens, token by token | needle: {prompt}-token prompt, "
-          f"depths {', '.join(sorted(next(iter(found.values()))['per_depth'], key=float))}, one-chunk prefill")
+    print(
+        f"perplexity: {ppl['tokens']} tokens, token by token | needle: {prompt}-token prompt, "
+        f"depths {', '.join(sorted(next(iter(found.values()))['per_depth'], key=float))}, one-chunk prefill"
+    )
     head = f"{'method':24} {'ppl':>8} {'Δppl':>8} {'tok/s':>6}   {'needle method':24} {'found':>6}"
     print(head)
     print("-" * len(head))

@@ -34,8 +34,8 @@ HERE = Path(__file__).resolve().parent
 def worker(args) -> None:
     from _common import mx
 
-    from kvpolicy_core.distributed import load_sharded, world
-    from kvpolicy_core.evaluation import kv_bytes, make_caches
+    from kvpolicy_core.eval.perplexity import kv_bytes, make_caches
+    from kvpolicy_core.runtime.distributed import load_sharded, world
 
     rank, size = world()
     if size > 1:
@@ -62,26 +62,48 @@ def worker(args) -> None:
             tokens.append(tok.item())
         t_decode = sw.wall
         kept, full = kv_bytes(caches)
-        rows.append({"spec": spec, "prefill_tps": args.prompt / t_prefill, "decode_tps": args.decode / t_decode,
-                     "kv_bytes_kept": kept, "kv_bytes_full": full, "tokens": tokens})
+        rows.append(
+            {
+                "spec": spec,
+                "prefill_tps": args.prompt / t_prefill,
+                "decode_tps": args.decode / t_decode,
+                "kv_bytes_kept": kept,
+                "kv_bytes_full": full,
+                "tokens": tokens,
+            }
+        )
     out = Path(args.out_file)
-    out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps({"rank": rank, "size": size, "mode": mode,
-                                                                         "layers": len(model.layers), "rows": rows}))
+    out.with_name(f"{out.stem}.rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "size": size, "mode": mode, "layers": len(model.layers), "rows": rows})
+    )
 
 
 # ----------------------------------------------------------------------------- driver
 def run_config(label, ranks, parallel, model_dir, work, args):
     out = work / f"{label}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model-dir", str(model_dir),
-           "--out-file", str(out), "--parallel", parallel, "--methods", ";".join(args.specs),
-           "--prompt", str(args.prompt), "--decode", str(args.decode)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--model-dir",
+        str(model_dir),
+        "--out-file",
+        str(out),
+        "--parallel",
+        parallel,
+        "--methods",
+        ";".join(args.specs),
+        "--prompt",
+        str(args.prompt),
+        "--decode",
+        str(args.decode),
+    ]
     if ranks > 1:
-        from kvpolicy_core.distributed import free_port_pair
+        from kvpolicy_core.runtime.distributed import free_port_pair
 
         launcher = str(Path(sys.executable).parent / "mlx.launch")
         cmd = [launcher, "--backend", "ring", "-n", str(ranks), "-p", str(free_port_pair()), "--", *cmd]
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=args.timeout,
-                          cwd=HERE)
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=args.timeout, cwd=HERE)
     files = [out.with_name(f"{out.stem}.rank{r}.json") for r in range(ranks)]
     if proc.returncode != 0 or "exited with code" in proc.stderr or not all(f.is_file() for f in files):
         raise SystemExit(f"{label} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -108,14 +130,20 @@ def main() -> None:
 
     import _common  # noqa: F401  (the BLAS, before mlx)
 
-    from kvpolicy_core.tiny_models import write_model_dir
+    from kvpolicy_core.testing.tiny_models import write_model_dir
 
     if args.smoke:
         args.prompt, args.decode, args.budget, args.hidden, args.layers = 48, 8, 16, 64, 2
     args.specs = ["full", f"h2o:budget={args.budget}", f"cam:budget={args.budget}"]
     heads = max(4, args.hidden // 64)
-    sizes = dict(hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=heads // 2,
-                 intermediate=2 * args.hidden, vocab=512)
+    sizes = dict(
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=heads,
+        kv_heads=heads // 2,
+        intermediate=2 * args.hidden,
+        vocab=512,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = write_model_dir(work / "model", "qwen2", **sizes)
@@ -128,18 +156,26 @@ def main() -> None:
 
     base = {r["spec"]: r for r in results["1 rank"][0]["rows"]}
     rows = []
-    print(f"model: qwen2-shaped random weights {sizes} | prompt {args.prompt} | decode {args.decode} | "
-          f"budget {args.budget}\n(two ranks on one machine: this measures the overhead of splitting, not a speed-up)")
-    header = (f"{'config':18} {'method':14} {'prefill tok/s':>13} {'decode tok/s':>12} {'x 1 rank':>8} "
-              f"{'KV kept/rank':>13} {'KV full/rank':>13} {'same tokens':>11}")
+    print(
+        f"model: qwen2-shaped random weights {sizes} | prompt {args.prompt} | decode {args.decode} | "
+        f"budget {args.budget}\n(two ranks on one machine: this measures the overhead of splitting, not a speed-up)"
+    )
+    header = (
+        f"{'config':18} {'method':14} {'prefill tok/s':>13} {'decode tok/s':>12} {'x 1 rank':>8} "
+        f"{'KV kept/rank':>13} {'KV full/rank':>13} {'same tokens':>11}"
+    )
     print(header + "\n" + "-" * len(header))
     for label, ranks_out in results.items():
         for i, spec in enumerate(args.specs):
             r0 = ranks_out[0]["rows"][i]
             per_rank = [ro["rows"][i] for ro in ranks_out]
             row = {
-                "config": label, "ranks": len(ranks_out), "mode": ranks_out[0]["mode"], "spec": spec,
-                "prefill_tps": r0["prefill_tps"], "decode_tps": r0["decode_tps"],
+                "config": label,
+                "ranks": len(ranks_out),
+                "mode": ranks_out[0]["mode"],
+                "spec": spec,
+                "prefill_tps": r0["prefill_tps"],
+                "decode_tps": r0["decode_tps"],
                 "decode_vs_1_rank": r0["decode_tps"] / base[spec]["decode_tps"],
                 "prefill_vs_1_rank": r0["prefill_tps"] / base[spec]["prefill_tps"],
                 "kv_bytes_kept_per_rank": [r["kv_bytes_kept"] for r in per_rank],
@@ -148,12 +184,23 @@ def main() -> None:
             }
             rows.append(row)
             mib = lambda b: f"{max(b) / 2**20:.2f} MiB" if max(b) >= 2**20 else f"{max(b) / 2**10:.1f} KiB"  # noqa: E731
-            print(f"{label:18} {spec:14} {row['prefill_tps']:13.1f} {row['decode_tps']:12.1f} "
-                  f"{row['decode_vs_1_rank']:8.2f} {mib(row['kv_bytes_kept_per_rank']):>13} "
-                  f"{mib(row['kv_bytes_full_per_rank']):>13} {str(row['same_tokens_as_1_rank']):>11}")
-    path = write_json(result_name("distributed", args), {"model": {"type": "qwen2", **sizes}, "prompt": args.prompt, "decode": args.decode,
-                             "budget": args.budget, "note": "two ranks share one machine's cores: overhead, "
-                             "not speed-up", "rows": rows}, args.out or RESULTS)
+            print(
+                f"{label:18} {spec:14} {row['prefill_tps']:13.1f} {row['decode_tps']:12.1f} "
+                f"{row['decode_vs_1_rank']:8.2f} {mib(row['kv_bytes_kept_per_rank']):>13} "
+                f"{mib(row['kv_bytes_full_per_rank']):>13} {str(row['same_tokens_as_1_rank']):>11}"
+            )
+    path = write_json(
+        result_name("distributed", args),
+        {
+            "model": {"type": "qwen2", **sizes},
+            "prompt": args.prompt,
+            "decode": args.decode,
+            "budget": args.budget,
+            "note": "two ranks share one machine's cores: overhead, not speed-up",
+            "rows": rows,
+        },
+        args.out or RESULTS,
+    )
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -22,13 +22,13 @@ from pathlib import Path
 
 from _common import Stopwatch, interleave, mx, parser, plot_time_memory, result_name, write_json
 
-from kvpolicy_core.evaluation import kv_bytes, make_caches
-from kvpolicy_core.tiny_models import VOCAB
+from kvpolicy_core.eval.perplexity import kv_bytes, make_caches
+from kvpolicy_core.testing.tiny_models import VOCAB
 
 
 def load(smoke):
     if smoke:
-        from kvpolicy_core.tiny_models import tiny_llama
+        from kvpolicy_core.testing.tiny_models import tiny_llama
 
         return tiny_llama(layers=4)
     import mlx_lm
@@ -53,13 +53,23 @@ def run(model, spec, prompt, decode, every=100):
         mx.eval(tok)
         if step % every == 0:
             now = time.perf_counter()
-            points.append({"step": step, "ms_per_step": 1e3 * (now - window) / every, "active_mb": mx.get_active_memory() / 2**20})
+            points.append(
+                {"step": step, "ms_per_step": 1e3 * (now - window) / every, "active_mb": mx.get_active_memory() / 2**20}
+            )
             window = now
     t_decode, c_decode = sw.wall, sw.cpu
     kept, full = kv_bytes(caches)
-    return {"spec": spec, "prefill_tps": prompt.shape[1] / t_prefill, "decode_tps": decode / t_decode,
-            "prefill_cpu_ms_per_token": 1e3 * c_prefill / prompt.shape[1], "decode_cpu_ms_per_token": 1e3 * c_decode / decode,
-            "kv_bytes_kept": kept, "kv_bytes_full": full, "peak_memory_mb": mx.get_peak_memory() / 2**20, "points": points}
+    return {
+        "spec": spec,
+        "prefill_tps": prompt.shape[1] / t_prefill,
+        "decode_tps": decode / t_decode,
+        "prefill_cpu_ms_per_token": 1e3 * c_prefill / prompt.shape[1],
+        "decode_cpu_ms_per_token": 1e3 * c_decode / decode,
+        "kv_bytes_kept": kept,
+        "kv_bytes_full": full,
+        "peak_memory_mb": mx.get_peak_memory() / 2**20,
+        "points": points,
+    }
 
 
 def interleaved(model, specs, prompt, decode, prefills=3):
@@ -84,12 +94,21 @@ def interleaved(model, specs, prompt, decode, prefills=3):
     rows = []
     for s in specs:
         kept, full = kv_bytes(state[s][0])
-        rows.append({"spec": s, "prefill_tps": prompt.shape[1] / med(wall[s]["prefill"]),
-                     "decode_tps": 1.0 / med(wall[s]["decode"]),
-                     "prefill_cpu_ms_per_token": 1e3 * med(cpu[s]["prefill"]) / prompt.shape[1],
-                     "decode_cpu_ms_per_token": 1e3 * med(cpu[s]["decode"]), "kv_bytes_kept": kept,
-                     "kv_bytes_full": full, "peak_memory_mb": mx.get_peak_memory() / 2**20, "points": [],
-                     "load": os.getloadavg()[0], "interleaved": {"prefills": prefills, "decode_steps": decode}})
+        rows.append(
+            {
+                "spec": s,
+                "prefill_tps": prompt.shape[1] / med(wall[s]["prefill"]),
+                "decode_tps": 1.0 / med(wall[s]["decode"]),
+                "prefill_cpu_ms_per_token": 1e3 * med(cpu[s]["prefill"]) / prompt.shape[1],
+                "decode_cpu_ms_per_token": 1e3 * med(cpu[s]["decode"]),
+                "kv_bytes_kept": kept,
+                "kv_bytes_full": full,
+                "peak_memory_mb": mx.get_peak_memory() / 2**20,
+                "points": [],
+                "load": os.getloadavg()[0],
+                "interleaved": {"prefills": prefills, "decode_steps": decode},
+            }
+        )
     return rows
 
 
@@ -105,18 +124,28 @@ def median_run(runs):
 
 
 def main():
-    p = parser(__doc__, rounds=1, smoke_help="tiny random model",
-               rounds_help="interleaved rounds over the methods (medians reported)")
+    p = parser(
+        __doc__,
+        rounds=1,
+        smoke_help="tiny random model",
+        rounds_help="interleaved rounds over the methods (medians reported)",
+    )
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--long", type=int, default=0)
     p.add_argument("--long-methods", default="all", help="comma-separated subset of full,rotating,h2o,cam for --long")
-    p.add_argument("--interleave", action="store_true",
-                   help="alternate the methods at every prefill and every decode step (medians; peak memory is then "
-                        "of all methods together): the steadiest ratios on a shared machine")
-    p.add_argument("--methods", default=None,
-                   help="';'-separated specs (default: full, rotating, h2o, cam at --budget; a bare name gets the budget)")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="alternate the methods at every prefill and every decode step (medians; peak memory is then "
+        "of all methods together): the steadiest ratios on a shared machine",
+    )
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="';'-separated specs (default: full, rotating, h2o, cam at --budget; a bare name gets the budget)",
+    )
     args = p.parse_args()
     if args.smoke:
         args.prompt, args.decode, args.budget, args.long = 64, 16, 32, 0
@@ -131,6 +160,7 @@ def main():
     if args.interleave:
         rows = interleaved(model, specs, prompt, args.decode, max(args.rounds, 3))
     else:
+
         def one_run(s):
             return {**run(model, s, prompt, args.decode), "load": os.getloadavg()[0]}
 
@@ -147,12 +177,20 @@ def main():
         if rot is not None:  # CPU time per token (all threads): less sensitive to other processes than wall time
             r["prefill_cpu_vs_rotating"] = rot["prefill_cpu_ms_per_token"] / r["prefill_cpu_ms_per_token"]
             r["decode_cpu_vs_rotating"] = rot["decode_cpu_ms_per_token"] / r["decode_cpu_ms_per_token"]
-        vs = (f"  vs rotating: prefill x{r['prefill_vs_rotating']:.2f} decode x{r['decode_vs_rotating']:.2f}"
-              f" (CPU time: x{r['prefill_cpu_vs_rotating']:.2f}, x{r['decode_cpu_vs_rotating']:.2f})") if rot else ""
-        print(f"{r['spec']:22} prefill {r['prefill_tps']:8.1f} tok/s (x{r['prefill_ratio']:.2f})  decode "
-              f"{r['decode_tps']:6.2f} tok/s (x{r['decode_ratio']:.2f})  KV {r['kv_bytes_kept'] / 2**20:.1f}/"
-              f"{r['kv_bytes_full'] / 2**20:.1f} MiB  peak {r['peak_memory_mb']:.0f} MB  load {r['load']:.1f}{vs}",
-              flush=True)
+        vs = (
+            (
+                f"  vs rotating: prefill x{r['prefill_vs_rotating']:.2f} decode x{r['decode_vs_rotating']:.2f}"
+                f" (CPU time: x{r['prefill_cpu_vs_rotating']:.2f}, x{r['decode_cpu_vs_rotating']:.2f})"
+            )
+            if rot
+            else ""
+        )
+        print(
+            f"{r['spec']:22} prefill {r['prefill_tps']:8.1f} tok/s (x{r['prefill_ratio']:.2f})  decode "
+            f"{r['decode_tps']:6.2f} tok/s (x{r['decode_ratio']:.2f})  KV {r['kv_bytes_kept'] / 2**20:.1f}/"
+            f"{r['kv_bytes_full'] / 2**20:.1f} MiB  peak {r['peak_memory_mb']:.0f} MB  load {r['load']:.1f}{vs}",
+            flush=True,
+        )
     long_rows = []
     if args.long:
         wanted = None if args.long_methods == "all" else set(args.long_methods.split(","))
@@ -160,12 +198,17 @@ def main():
             r = run(model, s, prompt[:, :64], args.long)
             long_rows.append(r)
             pts = r["points"]
-            print(f"long {s:22} ms/step first {pts[0]['ms_per_step']:.1f} last {pts[-1]['ms_per_step']:.1f}  "
-                  f"active MB first {pts[0]['active_mb']:.0f} last {pts[-1]['active_mb']:.0f}", flush=True)
+            print(
+                f"long {s:22} ms/step first {pts[0]['ms_per_step']:.1f} last {pts[-1]['ms_per_step']:.1f}  "
+                f"active MB first {pts[0]['active_mb']:.0f} last {pts[-1]['active_mb']:.0f}",
+                flush=True,
+            )
         plot_time_memory(long_rows, Path(args.out) / "e2e_long.png", "long generation")
-    out = write_json(result_name("e2e_speed", args),
-                     {"prompt": args.prompt, "decode": args.decode, "budget": args.budget, "rows": rows, "long": long_rows},
-                     args.out)
+    out = write_json(
+        result_name("e2e_speed", args),
+        {"prompt": args.prompt, "decode": args.decode, "budget": args.budget, "rows": rows, "long": long_rows},
+        args.out,
+    )
     print(f"wrote {out}")
 
 

@@ -13,7 +13,7 @@ write as the two eager calls (``SlotStore.add`` then ``write_into``) versus the 
 makes (``SlotStore.add_and_write``). Medians of ``--repeat`` runs (after a warm-up). Writes
 merge_batching[_tag].json.
 
-    python benchmarks/merge_batching.py --layers 1 --kv-heads 4 --budget 1024 --head-dim 128   # issue 16's point
+    python benchmarks/merge_batching.py --layers 1 --kv-heads 4 --budget 1024 --head-dim 128   # the reference point
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 from _common import mx, parser, result_name, timed, write_json
 
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.compiled_parts import compiled
+from kvpolicy_core.cache.compiled import compiled
+from kvpolicy_core.cache.slots import SlotStore
 from kvpolicy_core.parts.base import CacheView
-from kvpolicy_core.slots import SlotStore
 
 
 def fields(B: int, H: int, L: int, D: int, seed: int):
@@ -50,8 +50,14 @@ def write_times(f, update, repeat: int):
     slots = mx.array([[[L - 1]] * H], dtype=mx.int32)  # the new token's slot (not a merge target: a non-sink)
     k = mx.random.normal((B, H, 1, D), key=mx.random.key(9))
     mx.eval(k)
-    flush = lambda: mx.eval(store.keys, store.values, store.positions, store.scores, store.log_weights,  # noqa: E731
-                            store.key_norms)
+    flush = lambda: mx.eval(
+        store.keys,
+        store.values,
+        store.positions,
+        store.scores,
+        store.log_weights,  # noqa: E731
+        store.key_norms,
+    )
 
     def two():
         store.add(update)
@@ -82,8 +88,15 @@ def main():
 
     def run(view, losers):
         u, checks = merge(view, losers, key)
-        mx.eval(u.targets, u.d_values, u.d_keys, u.d_scores, u.d_log_weights, *u.stats.values(),
-                *[c for c in checks if c is not None])
+        mx.eval(
+            u.targets,
+            u.d_values,
+            u.d_keys,
+            u.d_scores,
+            u.d_log_weights,
+            *u.stats.values(),
+            *[c for c in checks if c is not None],
+        )
         return u
 
     per = [fields(1, H, L, D, i) for i in range(n)]
@@ -97,18 +110,23 @@ def main():
     times = {
         "per_layer_ms": 1e3 * timed(lambda: [run(v, losers[i : i + 1]) for i, v in enumerate(views)], a.repeat),
         "batched_ms": 1e3 * timed(lambda: run(batch, losers), a.repeat),
-        "stack_fields_ms": 1e3 * timed(lambda: mx.eval(*[mx.concatenate([f[i] for f in per], axis=0)
-                                                         for i in range(6)]), a.repeat),
+        "stack_fields_ms": 1e3
+        * timed(lambda: mx.eval(*[mx.concatenate([f[i] for f in per], axis=0) for i in range(6)]), a.repeat),
     }
     times.update(write_times(per[0], run(views[0], losers[:1]), a.repeat))
-    print(f"{n} layers, {H} KV head(s), L={L}, D={D}: merges {merged}/{n * H}; one compiled merge per layer "
-          f"{times['per_layer_ms']:.2f} ms, all layers in one {times['batched_ms']:.2f} ms "
-          f"(x{times['per_layer_ms'] / times['batched_ms']:.1f}); stacking the six fields {times['stack_fields_ms']:.2f} ms")
-    print(f"one layer's merge update + new-token write: two eager calls {times['write_two_calls_ms'] * 1e3:.0f} µs, "
-          f"one compiled call {times['write_one_call_ms'] * 1e3:.0f} µs")
+    print(
+        f"{n} layers, {H} KV head(s), L={L}, D={D}: merges {merged}/{n * H}; one compiled merge per layer "
+        f"{times['per_layer_ms']:.2f} ms, all layers in one {times['batched_ms']:.2f} ms "
+        f"(x{times['per_layer_ms'] / times['batched_ms']:.1f}); stacking the six fields {times['stack_fields_ms']:.2f} ms"  # noqa: E501
+    )
+    print(
+        f"one layer's merge update + new-token write: two eager calls {times['write_two_calls_ms'] * 1e3:.0f} µs, "
+        f"one compiled call {times['write_one_call_ms'] * 1e3:.0f} µs"
+    )
     tag = result_name("merge_batching", a)
-    path = write_json(tag, {"layers": n, "kv_heads": H, "slots": L, "head_dim": D, "merges": merged, **times},
-                      Path(a.out))
+    path = write_json(
+        tag, {"layers": n, "kv_heads": H, "slots": L, "head_dim": D, "merges": merged, **times}, Path(a.out)
+    )
     print(f"wrote {path}")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from _common import parser, result_name, write_json
 
-from kvpolicy_core.tasks.needle import DEFAULT_DEPTHS, format_summary, run_grid, summarize
+from kvpolicy_core.eval.tasks.needle import DEFAULT_DEPTHS, format_summary, run_grid, summarize
 
 METHODS = {
     "full": "full",
@@ -42,7 +42,7 @@ def spec_for(base: str, budget: int) -> str:
 
 def load(model: str, smoke: bool):
     if smoke:
-        from kvpolicy_core.tiny_models import tiny_llama
+        from kvpolicy_core.testing.tiny_models import tiny_llama
 
         class Tok:
             eos_token_id = 0
@@ -69,7 +69,9 @@ def main():
     p = parser(__doc__)
     p.add_argument("--task", default="needle", choices=["needle", "needle-multikey"])
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="names from: " + ", ".join(METHODS) + "; or config strings")
+    p.add_argument(
+        "--methods", default=DEFAULT_METHODS, help="names from: " + ", ".join(METHODS) + "; or config strings"
+    )
     p.add_argument("--budgets", default="256,128")
     p.add_argument("--haystacks", default="pydoc,stdlib")
     p.add_argument("--lengths", default="1000")
@@ -96,15 +98,27 @@ def main():
 
     def log(r):
         rows.append(r)
-        print(f"{r['method']:44} {r['haystack']:7} len {r['length']:5d} step {str(r['prefill_step']):5} "
-              f"depth {r['depth']:.2f}: {'OK ' if r['correct'] else 'no '} {r['output']!r:14} "
-              f"kept {r['needle_kept'] if r['needle_kept'] is None else round(r['needle_kept'], 2)} {r['seconds']}s",
-              flush=True)
+        print(
+            f"{r['method']:44} {r['haystack']:7} len {r['length']:5d} step {str(r['prefill_step']):5} "
+            f"depth {r['depth']:.2f}: {'OK ' if r['correct'] else 'no '} {r['output']!r:14} "
+            f"kept {r['needle_kept'] if r['needle_kept'] is None else round(r['needle_kept'], 2)} {r['seconds']}s",
+            flush=True,
+        )
         save(out, tag, args, path, rows)
 
-    run_grid(model, tok, specs, task=args.task, haystacks=args.haystacks.split(","),
-             lengths=[int(x) for x in args.lengths.split(",")], depths=[float(d) for d in args.depths.split(",")],
-             seeds=range(args.seeds), prefill_steps=steps, keys=args.keys, log=log)
+    run_grid(
+        model,
+        tok,
+        specs,
+        task=args.task,
+        haystacks=args.haystacks.split(","),
+        lengths=[int(x) for x in args.lengths.split(",")],
+        depths=[float(d) for d in args.depths.split(",")],
+        seeds=range(args.seeds),
+        prefill_steps=steps,
+        keys=args.keys,
+        log=log,
+    )
     print(format_summary(summarize(rows)))
     if not args.smoke:
         plot(out / f"{tag}.png", rows, f"{args.task}, {Path(path).name}")
@@ -133,13 +147,17 @@ def plot(path, rows, title):
     cols = min(4, len(panels))
     nrows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(2.6 * cols + 1, 2.4 * nrows + 0.6), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     for ax, (method, step) in zip(axes.flat, panels):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for i, d in enumerate(depths):
             for j, n in enumerate(lengths):
-                hits = [r["correct"] for r in rows if (r["method"], r["prefill_step"], r["depth"], r["length"]) == (method, step, d, n)]
+                hits = [
+                    r["correct"]
+                    for r in rows
+                    if (r["method"], r["prefill_step"], r["depth"], r["length"]) == (method, step, d, n)
+                ]
                 if hits:
                     grid[i, j] = np.mean(hits)
         ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")

@@ -1,6 +1,6 @@
 """What one MLX op costs on this CPU, and the floor that puts under a policy's decode step.
 
-    python benchmarks/op_cost.py                     # issue 16's point: budget 1024, 4 KV heads, head_dim 128
+    python benchmarks/op_cost.py                     # the reference point: budget 1024, 4 KV heads, head_dim 128
     python benchmarks/op_cost.py --grid 256:256:1    # the default model's layer shape (budget 256, D 256, 1 KV head)
     python benchmarks/op_cost.py --smoke             # tiny shapes (the test suite runs this)
 
@@ -10,7 +10,7 @@ Measured side by side in one run, medians of ``--repeat`` evaluations (after a w
    slot axis; a reduction over it) on a [1, H, L] array: a compiled chain of 1 and of 1 + ``--chain``
    such ops, evaluated; the cost per op is the slope. Elementwise ops between them are fused and free.
 2. One decode step of mlx-lm's ``KVCache`` at the point (one token's update and the attention over
-   ``budget`` slots, as benchmarks/step_cost.py times it) and what issue 16's targets leave for a policy on
+   ``budget`` slots, as benchmarks/step_cost.py times it) and what the speed targets leave for a policy on
    top of it: 0.3x of that step for ``h2o`` (1.3x), 0.5x for ``cam`` (1.5x).
 3. CaM's decode eviction in the three compiled calls the cache makes, each timed alone and evaluated:
    the selector's choice, the disposition's merge with its value checks, and the merge update with the
@@ -20,7 +20,7 @@ Measured side by side in one run, medians of ``--repeat`` evaluations (after a w
    as "ops" = that cost / the per-op cost.
 
 If (3) alone exceeds the allowance of (2), no arrangement of these calls meets the target: only fewer
-unfused ops per layer (e.g. one merge for all layers, issue 16's notes) can. Writes op_cost[_tag].json.
+unfused ops per layer (e.g. one merge for all layers) can. Writes op_cost[_tag].json.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from merge_batching import fields
 from step_cost import Stepper
 
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.compiled_parts import compiled, compiled_select
+from kvpolicy_core.cache.compiled import compiled, compiled_select
+from kvpolicy_core.cache.slots import SlotStore
 from kvpolicy_core.parts.base import CacheView
-from kvpolicy_core.slots import SlotStore
 
 
 def per_op_us(H: int, L: int, chain: int, repeat: int) -> dict:
@@ -48,6 +48,7 @@ def per_op_us(H: int, L: int, chain: int, repeat: int) -> dict:
             for _ in range(n):
                 x = mx.take_along_axis(x, idx, axis=2) * 0.5 + x  # one gather, the rest fused
             return x
+
         return mx.compile(f)
 
     def reductions(n):
@@ -55,6 +56,7 @@ def per_op_us(H: int, L: int, chain: int, repeat: int) -> dict:
             for _ in range(n):
                 x = x - mx.max(x, axis=-1, keepdims=True)  # one reduction, the rest fused
             return x
+
         return mx.compile(f)
 
     out = {}
@@ -90,16 +92,26 @@ def cam_parts_us(budget: int, D: int, H: int, repeat: int) -> dict:
 
     def merged():
         u, checks = merge(view, losers, key)
-        mx.eval(u.targets, u.d_keys, u.d_values, u.d_scores, u.d_log_weights, *u.stats.values(),
-                *[c for c in checks if c is not None])
+        mx.eval(
+            u.targets,
+            u.d_keys,
+            u.d_values,
+            u.d_scores,
+            u.d_log_weights,
+            *u.stats.values(),
+            *[c for c in checks if c is not None],
+        )
 
     def write():
         store.add_and_write(u, losers, k, k, 4 * L)
         mx.eval(store.keys, store.values, store.positions, store.scores, store.log_weights, store.key_norms)
 
-    return {"select_us": 1e6 * timed(lambda: mx.eval(select(view, 1)[0]), repeat),
-            "merge_and_checks_us": 1e6 * timed(merged, repeat), "merge_write_us": 1e6 * timed(write, repeat),
-            "merges": int(u.stats["merges"].sum().item())}
+    return {
+        "select_us": 1e6 * timed(lambda: mx.eval(select(view, 1)[0]), repeat),
+        "merge_and_checks_us": 1e6 * timed(merged, repeat),
+        "merge_write_us": 1e6 * timed(write, repeat),
+        "merges": int(u.stats["merges"].sum().item()),
+    }
 
 
 def kvcache_step_us(budget: int, D: int, H: int, repeat: int) -> float:
@@ -122,20 +134,36 @@ def main():
     # timed alone, each piece pays an evaluation's round trip; the cache evaluates the three in two (a sync, the step)
     trip = max(ops["gather_eval_us"] - ops["gather_us"], 0.0)
     eviction = parts["select_us"] + parts["merge_and_checks_us"] + parts["merge_write_us"] - 2 * trip
-    row = {"budget": budget, "head_dim": D, "kv_heads": H, **ops, "kvcache_step_us": base,
-           "allowance_h2o_us": 0.3 * base, "allowance_cam_us": 0.5 * base, **parts, "eval_round_trip_us": trip,
-           "cam_eviction_us": eviction,
-           "cam_eviction_ops": eviction / ops["per_op_us"], "cam_floor_ratio": (base + eviction) / base}
-    print(f"budget {budget}, D {D}, {H} KV head(s): one unfused op {ops['per_op_us']:.1f} µs (gather "
-          f"{ops['gather_us']:.1f}, reduction {ops['reduction_us']:.1f}; one evaluation with one op "
-          f"{ops['gather_eval_us']:.0f} µs)")
-    print(f"KVCache step {base:.0f} µs: the targets leave {0.3 * base:.0f} µs (h2o, 1.3x) and {0.5 * base:.0f} µs "
-          f"(cam, 1.5x) for the policy")
-    print(f"CaM's decode eviction alone: select {parts['select_us']:.0f} + merge and checks "
-          f"{parts['merge_and_checks_us']:.0f} + merge write {parts['merge_write_us']:.0f} - two evaluations' round "
-          f"trips {2 * trip:.0f} = {eviction:.0f} µs "
-          f"(~{row['cam_eviction_ops']:.0f} ops): a step of at least {row['cam_floor_ratio']:.2f}x KVCache "
-          "before scoring and attention")
+    row = {
+        "budget": budget,
+        "head_dim": D,
+        "kv_heads": H,
+        **ops,
+        "kvcache_step_us": base,
+        "allowance_h2o_us": 0.3 * base,
+        "allowance_cam_us": 0.5 * base,
+        **parts,
+        "eval_round_trip_us": trip,
+        "cam_eviction_us": eviction,
+        "cam_eviction_ops": eviction / ops["per_op_us"],
+        "cam_floor_ratio": (base + eviction) / base,
+    }
+    print(
+        f"budget {budget}, D {D}, {H} KV head(s): one unfused op {ops['per_op_us']:.1f} µs (gather "
+        f"{ops['gather_us']:.1f}, reduction {ops['reduction_us']:.1f}; one evaluation with one op "
+        f"{ops['gather_eval_us']:.0f} µs)"
+    )
+    print(
+        f"KVCache step {base:.0f} µs: the targets leave {0.3 * base:.0f} µs (h2o, 1.3x) and {0.5 * base:.0f} µs "
+        f"(cam, 1.5x) for the policy"
+    )
+    print(
+        f"CaM's decode eviction alone: select {parts['select_us']:.0f} + merge and checks "
+        f"{parts['merge_and_checks_us']:.0f} + merge write {parts['merge_write_us']:.0f} - two evaluations' round "
+        f"trips {2 * trip:.0f} = {eviction:.0f} µs "
+        f"(~{row['cam_eviction_ops']:.0f} ops): a step of at least {row['cam_floor_ratio']:.2f}x KVCache "
+        "before scoring and attention"
+    )
     tag = result_name("op_cost", a)
     print(f"wrote {write_json(tag, row, Path(a.out))}")
 

@@ -1,4 +1,4 @@
-"""Growth of retained values under CaM's merges over a long decode (issue 13): max |V| of the retained
+"""Growth of retained values under CaM's merges over a long decode: max |V| of the retained
 values of every layer at checkpoints, for merge="paper" (the paper's unnormalised additive spread),
 "sim_weighted" (kvpolicy's adaptation) and "drop" (no merging: the model's own value scale), side by side
 in one run on the tiny random-weight llama (greedy decoding of its own output). Writes
@@ -6,10 +6,11 @@ benchmarks/results/paper_merge_growth.json.
 
     .venv/bin/python benchmarks/paper_merge_growth.py [--steps 4000] [--budget 64]
 """
+
 from _common import mx, parser, result_name, write_json  # the BLAS first
 
 from kvpolicy_core import KVCacheBuilder  # noqa: E402
-from kvpolicy_core.tiny_models import tiny_llama  # noqa: E402
+from kvpolicy_core.testing.tiny_models import tiny_llama  # noqa: E402
 
 
 def run(merge: str, steps: int, budget: int, checkpoints):
@@ -37,8 +38,11 @@ def main():
     res = {m: run(m, args.steps, args.budget, checkpoints) for m in ("paper", "sim_weighted", "drop")}
     for m, r in res.items():
         print(f"{m:>13}: " + ", ".join(f"{s} steps max|V| {v:.2f}" for s, v in r.items()))
-    path = write_json(result_name("paper_merge_growth", args), {"steps": args.steps, "budget": args.budget,
-                                                                 "max_abs_v": res}, args.out)
+    path = write_json(
+        result_name("paper_merge_growth", args),
+        {"steps": args.steps, "budget": args.budget, "max_abs_v": res},
+        args.out,
+    )
     print(f"wrote {path}")
 
 

@@ -66,8 +66,11 @@ class PromptError(ValueError):
 
 # ----------------------------------------------------------------------------- prompts and scoring
 def _int_list(value: Any, where: str) -> List[int]:
-    if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                          and t >= 0 for t in value):
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    ):
         raise PromptError(f"{where}: expected a non-empty list of non-negative integer token ids")
     return value
 
@@ -183,8 +186,10 @@ def mlx_model_dir(model: str, override: Optional[str]) -> Path:
     converted directory in ``$KVPOLICY_CACHE``, default ``~/.cache/kvpolicy``)."""
     path = Path(override) if override else _cache_root() / MODELS[model][2]
     if not (path / "config.json").is_file():
-        raise SystemExit(f"{path}: no converted model; run kvpolicy once to convert it "
-                         f"(`python -m kvpolicy_core.cli eval --model {model} ...`) or pass --mlx-model DIR")
+        raise SystemExit(
+            f"{path}: no converted model; run kvpolicy once to convert it "
+            f"(`python -m kvpolicy_core.apps.cli eval --model {model} ...`) or pass --mlx-model DIR"
+        )
     return path
 
 
@@ -203,14 +208,20 @@ class Results:
         os.replace(tmp, self.out)
 
 
-def run_grid(contexts: Sequence[Dict[str, Any]], library: str, methods: Sequence[str], ratios: Sequence[float],
-             run_one: Callable[[Dict[str, Any], str, float, int], Dict[str, Any]], results: Results,
-             default_stop: Sequence[int]) -> None:
+def run_grid(
+    contexts: Sequence[Dict[str, Any]],
+    library: str,
+    methods: Sequence[str],
+    ratios: Sequence[float],
+    run_one: Callable[[Dict[str, Any], str, float, int], Dict[str, Any]],
+    results: Results,
+    default_stop: Sequence[int],
+) -> None:
     """Every (context, method, ratio), uncompressed methods at ratio 1 only; rows into ``results``."""
     for ctx in contexts:
         L = len(ctx["context_ids"])
         for method in methods:
-            for ratio in ([1.0] if method == UNCOMPRESSED[library] else ratios):
+            for ratio in [1.0] if method == UNCOMPRESSED[library] else ratios:
                 kept = L if ratio == 1 else keep_count(L, ratio)
                 stop = ctx.get("stop_ids") or list(default_stop)
                 r = run_one(ctx, method, ratio, kept)
@@ -218,15 +229,27 @@ def run_grid(contexts: Sequence[Dict[str, Any]], library: str, methods: Sequence
                 for o, q, s in zip(r["answers"], ctx["questions"], scores):
                     o.update(answers=q["answers"], score=s)
                 row = {
-                    "library": library, "id": ctx["id"], "task": ctx["task"], "length": ctx.get("length"),
-                    "depth": ctx.get("depth"), "method": method, "ratio": ratio,
-                    "compression_ratio": compression_ratio(ratio), "context_tokens": L, "kept_target": kept,
-                    "stop_ids": stop, "score": sum(scores) / len(scores), **r,
+                    "library": library,
+                    "id": ctx["id"],
+                    "task": ctx["task"],
+                    "length": ctx.get("length"),
+                    "depth": ctx.get("depth"),
+                    "method": method,
+                    "ratio": ratio,
+                    "compression_ratio": compression_ratio(ratio),
+                    "context_tokens": L,
+                    "kept_target": kept,
+                    "stop_ids": stop,
+                    "score": sum(scores) / len(scores),
+                    **r,
                 }
                 results.add(row)
-                print(f"{library:10} {method:20} {ratio:4g}x {ctx['id']:32} score {row['score']:.2f} "
-                      f"kept {r.get('kept_tokens')} {row['seconds']:.1f}s  "
-                      f"{[o['output'] for o in r['answers']]!r}", flush=True)
+                print(
+                    f"{library:10} {method:20} {ratio:4g}x {ctx['id']:32} score {row['score']:.2f} "
+                    f"kept {r.get('kept_tokens')} {row['seconds']:.1f}s  "
+                    f"{[o['output'] for o in r['answers']]!r}",
+                    flush=True,
+                )
 
 
 # ----------------------------------------------------------------------------- kvpress (torch)
@@ -257,11 +280,10 @@ def kvpress_presses() -> Dict[str, Callable[[float], Any]]:
 
 def run_kvpress(args, contexts) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import kvpress
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-
-    import kvpress
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
@@ -300,20 +322,38 @@ def run_kvpress(args, contexts) -> None:
             for i, n in enumerate(lengths):  # _remove_answer_from_cache
                 cache.layers[i].keys = cache.layers[i].keys[:, :, :n]
                 cache.layers[i].values = cache.layers[i].values[:, :, :n]
-            answers.append({"output": tok.decode(ids, skip_special_tokens=True), "output_ids": ids,
-                            "seconds": round(time.perf_counter() - t, 3)})
-        return {"answers": answers, "kept_tokens": sum(kept_tokens) / len(kept_tokens),
-                "prefill_s": round(prefill_s, 3), "seconds": round(time.perf_counter() - start, 3),
-                "prefill_cpu_s": round(prefill_cpu, 3), "cpu_s": round(time.process_time() - cpu, 3),
-                "config": repr(press)}
+            answers.append(
+                {
+                    "output": tok.decode(ids, skip_special_tokens=True),
+                    "output_ids": ids,
+                    "seconds": round(time.perf_counter() - t, 3),
+                }
+            )
+        return {
+            "answers": answers,
+            "kept_tokens": sum(kept_tokens) / len(kept_tokens),
+            "prefill_s": round(prefill_s, 3),
+            "seconds": round(time.perf_counter() - start, 3),
+            "prefill_cpu_s": round(prefill_cpu, 3),
+            "cpu_s": round(time.process_time() - cpu, 3),
+            "config": repr(press),
+        }
 
     header = {
-        "library": "kvpress", "command": " ".join([sys.executable] + sys.argv), "prompts": str(args.prompts),
-        "model": str(gguf), "threads": args.threads, "model_load_s": round(load_s, 1),
+        "library": "kvpress",
+        "command": " ".join([sys.executable] + sys.argv),
+        "prompts": str(args.prompts),
+        "model": str(gguf),
+        "threads": args.threads,
+        "model_load_s": round(load_s, 1),
         "protocol": "kvpress pipeline._forward on token ids: context prefilled under the press (model.model, one "
-                    "forward), each question with position_ids from the context length, greedy, stop at eos",
-        "versions": {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else _dist_version("kvpress"),
-                     "torch": torch.__version__, "transformers": transformers.__version__, **_platform()},
+        "forward), each question with position_ids from the context length, greedy, stop at eos",
+        "versions": {
+            "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else _dist_version("kvpress"),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            **_platform(),
+        },
         "default_stop_ids": eos,
     }
     run_grid(contexts, "kvpress", args.method_list, args.ratio_list, run_one, Results(args.out, header), eos)
@@ -328,8 +368,9 @@ def _kvpress_generate(model, cache, question_ids, context_length: int, max_new_t
     position_ids = position_ids[:, -1:] + 1
     generated = [out.logits[0, -1].argmax()]
     for i in range(max_new_tokens - 1):
-        out = model(input_ids=generated[-1].unsqueeze(0).unsqueeze(0), past_key_values=cache,
-                    position_ids=position_ids + i)
+        out = model(
+            input_ids=generated[-1].unsqueeze(0).unsqueeze(0), past_key_values=cache, position_ids=position_ids + i
+        )
         new_id = out.logits[0, -1].argmax()
         generated.append(new_id)
         if new_id.item() in stop:
@@ -365,7 +406,7 @@ def load_blas(library: str, threads: int) -> Optional[str]:
     another path, or ``off``)."""
     os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
     if library == "kvpolicy":
-        from kvpolicy_core.blas import load_optimized_blas
+        from kvpolicy_core.runtime.blas import load_optimized_blas
 
         return load_optimized_blas(quiet=True)
     path = os.environ.get("PEERS_BLAS", SYSTEM_OPENBLAS)
@@ -382,9 +423,13 @@ def velox_factory(method: str) -> Callable[[Any, int], tuple]:
     from veloxquant_mlx.cache import options as vo
     from veloxquant_mlx.cache.base import KVCacheBuilder, KVCacheConfig
 
-    fields = {"h2o": (vo.H2OOptions, "h2o_budget"), "cam": (vo.CaMOptions, "cam_budget"),
-              "snapkv": (vo.SnapKVOptions, "snap_budget"), "tova": (vo.TOVAOptions, "tova_budget"),
-              "knorm": (vo.L2NormOptions, "knorm_budget")}
+    fields = {
+        "h2o": (vo.H2OOptions, "h2o_budget"),
+        "cam": (vo.CaMOptions, "cam_budget"),
+        "snapkv": (vo.SnapKVOptions, "snap_budget"),
+        "tova": (vo.TOVAOptions, "tova_budget"),
+        "knorm": (vo.L2NormOptions, "knorm_budget"),
+    }
     if method not in fields:
         raise SystemExit(f"--methods: veloxquant method {method!r} not wired here; known: full, {', '.join(fields)}")
     cls, name = fields[method]
@@ -398,7 +443,7 @@ def velox_factory(method: str) -> Callable[[Any, int], tuple]:
 
 def kvpolicy_factory(method: str) -> Callable[[Any, int], tuple]:
     """kvpolicy caches of a method name or config string, its budget set to the kept count; and their config."""
-    from kvpolicy_core.evaluation import make_caches, spec_label
+    from kvpolicy_core.eval.perplexity import make_caches, spec_label
 
     def make(model, budget: int):
         spec = f"{method}{',' if ':' in method else ':'}budget={budget}"
@@ -443,7 +488,7 @@ def run_mlx(args, contexts) -> None:
             caches, config = factories[method](model, kept)
         ids = mx.array(ctx["context_ids"], dtype=mx.uint32)
         for i in range(0, ids.shape[0], step):  # mlx-lm's generate_step prefill: chunks, state evaluated
-            model(ids[None, i: i + step], cache=caches)
+            model(ids[None, i : i + step], cache=caches)
             mx.eval([c.state for c in caches])
             mx.clear_cache()
         prefill_s, prefill_cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -453,19 +498,35 @@ def run_mlx(args, contexts) -> None:
             t = time.perf_counter()
             qc = copy.deepcopy(caches)  # every question starts from the compressed context
             out = _mlx_generate(model, qc, q["question_ids"], q["max_new_tokens"], stop)
-            answers.append({"output": tok.decode([i for i in out if i not in stop]), "output_ids": out,
-                            "seconds": round(time.perf_counter() - t, 3)})
+            answers.append(
+                {
+                    "output": tok.decode([i for i in out if i not in stop]),
+                    "output_ids": out,
+                    "seconds": round(time.perf_counter() - t, 3),
+                }
+            )
             del qc
-        return {"answers": answers, "kept_tokens": kept_tokens, "prefill_s": round(prefill_s, 3),
-                "seconds": round(time.perf_counter() - start, 3), "prefill_cpu_s": round(prefill_cpu, 3),
-                "cpu_s": round(time.process_time() - cpu, 3), "config": config}
+        return {
+            "answers": answers,
+            "kept_tokens": kept_tokens,
+            "prefill_s": round(prefill_s, 3),
+            "seconds": round(time.perf_counter() - start, 3),
+            "prefill_cpu_s": round(prefill_cpu, 3),
+            "cpu_s": round(time.process_time() - cpu, 3),
+            "config": config,
+        }
 
     header = {
-        "library": args.library, "command": " ".join([sys.executable] + sys.argv), "prompts": str(args.prompts),
-        "model": str(path), "threads": args.threads, "blas": blas, "prefill_step": step,
+        "library": args.library,
+        "command": " ".join([sys.executable] + sys.argv),
+        "prompts": str(args.prompts),
+        "model": str(path),
+        "threads": args.threads,
+        "blas": blas,
+        "prefill_step": step,
         "model_load_s": round(load_s, 1),
         "protocol": "kvpress's query-agnostic protocol with mlx-lm: context prefilled in chunks of prefill_step, "
-                    "each question fed to a deep copy of the caches (positions continue: cache.offset), greedy",
+        "each question fed to a deep copy of the caches (positions continue: cache.offset), greedy",
         "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, **lib_version, **_platform()},
         "default_stop_ids": eos,
     }
@@ -509,14 +570,15 @@ def _platform() -> Dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- prompts from kvpolicy's generator
-QUESTION = ("\n\nQuestion: What is the special magic number mentioned in the text above?\n"
-            "Answer: The special magic number is")
+QUESTION = (
+    "\n\nQuestion: What is the special magic number mentioned in the text above?\nAnswer: The special magic number is"
+)
 
 
 def make_prompts(args) -> None:
     """A prompts file of kvpolicy's single needle (``tasks/needle.py``): context = everything before the
     question; the haystack is sized so that context + question + ``max_new_tokens`` = ``--length``."""
-    from kvpolicy_core.tasks.needle import _encode, build_trial
+    from kvpolicy_core.eval.tasks.needle import _encode, build_trial
 
     if args.model not in MODELS:
         raise SystemExit(f"--model must be one of {', '.join(MODELS)}")
@@ -534,20 +596,32 @@ def make_prompts(args) -> None:
     for seed in range(args.seeds):
         for depth in [float(d) for d in args.depths.split(",")]:
             t = build_trial(tok, "needle", args.haystack, hay, depth, seed)
-            if t.prompt[-len(q_ids):] != q_ids:
+            if t.prompt[-len(q_ids) :] != q_ids:
                 raise SystemExit("kvpolicy's needle question changed: update QUESTION in benchmarks/peers.py")
-            lines.append({
-                "id": f"needle-{args.haystack}-{args.length}-d{depth:g}-s{seed}", "task": "needle_single",
-                "length": args.length, "haystack": args.haystack, "depth": depth, "seed": seed, "model": args.model,
-                "context_ids": t.prompt[: -len(q_ids)],
-                "questions": [{"question_ids": q_ids, "answers": [t.answer], "max_new_tokens": args.max_new_tokens}],
-                "stop_ids": eos, "needle_positions": t.needle_positions,
-            })
+            lines.append(
+                {
+                    "id": f"needle-{args.haystack}-{args.length}-d{depth:g}-s{seed}",
+                    "task": "needle_single",
+                    "length": args.length,
+                    "haystack": args.haystack,
+                    "depth": depth,
+                    "seed": seed,
+                    "model": args.model,
+                    "context_ids": t.prompt[: -len(q_ids)],
+                    "questions": [
+                        {"question_ids": q_ids, "answers": [t.answer], "max_new_tokens": args.max_new_tokens}
+                    ],
+                    "stop_ids": eos,
+                    "needle_positions": t.needle_positions,
+                }
+            )
     out = Path(args.make_prompts)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    print(f"wrote {out}: {len(lines)} contexts of {len(lines[0]['context_ids'])} tokens "
-          f"(+{len(q_ids)} question, {args.max_new_tokens} new)")
+    print(
+        f"wrote {out}: {len(lines)} contexts of {len(lines[0]['context_ids'])} tokens "
+        f"(+{len(q_ids)} question, {args.max_new_tokens} new)"
+    )
 
 
 # ----------------------------------------------------------------------------- the merged table
@@ -565,9 +639,10 @@ def table(paths: Iterable[Path]) -> str:
     groups: Dict[tuple, List[Dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["library"], r["method"], r["ratio"], r["task"]), []).append(r)
-    lines = ["| library | method | ratio | task | score (%) | prompts | s / prompt | CPU s / prompt "
-             "| CPU s prefill |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| library | method | ratio | task | score (%) | prompts | s / prompt | CPU s / prompt | CPU s prefill |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     order = {lib: i for i, lib in enumerate(LIBRARIES)}
 
     def mean(rs, field):
@@ -576,8 +651,10 @@ def table(paths: Iterable[Path]) -> str:
     for key in sorted(groups, key=lambda k: (k[3], order.get(k[0], 9), k[2] != 1, k[2], k[1])):
         rs = groups[key]
         lib, method, ratio, task = key
-        lines.append(f"| {lib} | {method} | {ratio:g}x | {task} | {100 * sum(r['score'] for r in rs) / len(rs):.0f} "
-                     f"| {len(rs)} | {mean(rs, 'seconds')} | {mean(rs, 'cpu_s')} | {mean(rs, 'prefill_cpu_s')} |")
+        lines.append(
+            f"| {lib} | {method} | {ratio:g}x | {task} | {100 * sum(r['score'] for r in rs) / len(rs):.0f} "
+            f"| {len(rs)} | {mean(rs, 'seconds')} | {mean(rs, 'cpu_s')} | {mean(rs, 'prefill_cpu_s')} |"
+        )
     return "\n".join(lines)
 
 
@@ -589,8 +666,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mode.add_argument("--table", nargs="+", type=Path, metavar="RESULT", help="merge result files into one table")
     mode.add_argument("--make-prompts", metavar="OUT.jsonl", help="write a needle prompts file (kvpolicy's env)")
     p.add_argument("--prompts", type=Path, help="prompts file (JSONL)")
-    p.add_argument("--methods", help="comma-separated method names (default per library: "
-                   + "; ".join(f"{k}: {v}" for k, v in DEFAULT_METHODS.items()) + ")")
+    p.add_argument(
+        "--methods",
+        help="comma-separated method names (default per library: "
+        + "; ".join(f"{k}: {v}" for k, v in DEFAULT_METHODS.items())
+        + ")",
+    )
     p.add_argument("--ratios", default="4,8", help="compression ratios > 1, comma-separated (default 4,8)")
     p.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/peers_<library>.json)")
     p.add_argument("--threads", type=int, default=1, help="torch / OpenBLAS threads (default 1)")

@@ -23,7 +23,7 @@ import numpy as np
 from _common import mx, parser, result_name, write_json
 
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.testing import feed
+from kvpolicy_core.testing.conformance import feed
 
 DISPOSITIONS = {
     "drop": "merge=drop",
@@ -72,8 +72,11 @@ def run_cell(K, V, Q, budget, name, keys, mode, queries=None, recent=0, signal="
 
 def synthetic(seq, seed, H=4, D=64, P=32):
     k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
-    return (mx.random.normal((1, H, seq, D), key=k1), mx.random.normal((1, H, seq, D), key=k2),
-            mx.random.normal((1, H, P, D), key=k3))
+    return (
+        mx.random.normal((1, H, seq, D), key=k1),
+        mx.random.normal((1, H, seq, D), key=k2),
+        mx.random.normal((1, H, P, D), key=k3),
+    )
 
 
 def capture_real(tokens=1024, probes=32, layers=(5, 0)):
@@ -127,32 +130,74 @@ def main():
             for seed in seeds:
                 K, V, Q = synthetic(seq, seed)
                 for name in DISPOSITIONS:
-                    for keys in ([False, True] if name.startswith(("mean", "sim")) else [False]):
+                    for keys in [False, True] if name.startswith(("mean", "sim")) else [False]:
                         d, merges = run_cell(K, V, Q, budget, name, keys, "prefill")
-                        rows.append({"data": "synthetic", "mode": "prefill", "seq": seq, "budget": budget,
-                                     "compression": seq / budget, "disposition": name, "merge_keys": keys,
-                                     "seed": seed, "distance": d, "merges": merges})
+                        rows.append(
+                            {
+                                "data": "synthetic",
+                                "mode": "prefill",
+                                "seq": seq,
+                                "budget": budget,
+                                "compression": seq / budget,
+                                "disposition": name,
+                                "merge_keys": keys,
+                                "seed": seed,
+                                "distance": d,
+                                "merges": merges,
+                            }
+                        )
         print(f"seq {seq} done", flush=True)
     head_seq, head_budget = (1024, 64) if not args.smoke else (128, 16)
     for seed in seeds:
         K, V, Q = synthetic(head_seq, seed)
         for name in DISPOSITIONS:
             d, merges = run_cell(K, V, Q, head_budget, name, False, "decode")
-            rows.append({"data": "synthetic", "mode": "decode", "seq": head_seq, "budget": head_budget,
-                         "compression": head_seq / head_budget, "disposition": name, "merge_keys": False,
-                         "seed": seed, "distance": d, "merges": merges})
+            rows.append(
+                {
+                    "data": "synthetic",
+                    "mode": "decode",
+                    "seq": head_seq,
+                    "budget": head_budget,
+                    "compression": head_seq / head_budget,
+                    "disposition": name,
+                    "merge_keys": False,
+                    "seed": seed,
+                    "distance": d,
+                    "merges": merges,
+                }
+            )
     if not args.no_real:
         for layer, (K, V, Qprobe, Qstream) in capture_real().items():
             for budget in (64, 128, 256):
                 for name in DISPOSITIONS:
                     for signal in ("proxy", "observed"):
-                        d, merges = run_cell(K, V, Qprobe, budget, name, False, "decode",
-                                             queries=Qstream if signal == "observed" else None,
-                                             recent=budget // 2, signal=signal)
-                        rows.append({"data": f"gemma3-270m layer {layer}", "mode": "decode", "seq": K.shape[2],
-                                     "budget": budget, "compression": K.shape[2] / budget, "disposition": name,
-                                     "merge_keys": False, "seed": 0, "distance": d, "merges": merges,
-                                     "signal": signal})
+                        d, merges = run_cell(
+                            K,
+                            V,
+                            Qprobe,
+                            budget,
+                            name,
+                            False,
+                            "decode",
+                            queries=Qstream if signal == "observed" else None,
+                            recent=budget // 2,
+                            signal=signal,
+                        )
+                        rows.append(
+                            {
+                                "data": f"gemma3-270m layer {layer}",
+                                "mode": "decode",
+                                "seq": K.shape[2],
+                                "budget": budget,
+                                "compression": K.shape[2] / budget,
+                                "disposition": name,
+                                "merge_keys": False,
+                                "seed": 0,
+                                "distance": d,
+                                "merges": merges,
+                                "signal": signal,
+                            }
+                        )
                 print(f"real layer {layer} budget {budget} done", flush=True)
     headline = headline_table(rows, head_seq, head_budget)
     for line in headline:
@@ -171,11 +216,21 @@ def main():
 
 
 def headline_table(rows, seq, budget):
-    lines = [f"headline cell: seq {seq}, budget {budget} ({seq // budget}x), synthetic, mean over seeds (spec: drop 0.955, sim_weighted ungated 0.708)"]
+    lines = [
+        f"headline cell: seq {seq}, budget {budget} ({seq // budget}x), synthetic, mean over seeds (spec: drop 0.955, sim_weighted ungated 0.708)"  # noqa: E501
+    ]
     for mode in ("prefill", "decode"):
         for name in DISPOSITIONS:
-            ds = [r["distance"] for r in rows if r["data"] == "synthetic" and r["mode"] == mode and r["seq"] == seq
-                  and r["budget"] == budget and r["disposition"] == name and not r["merge_keys"]]
+            ds = [
+                r["distance"]
+                for r in rows
+                if r["data"] == "synthetic"
+                and r["mode"] == mode
+                and r["seq"] == seq
+                and r["budget"] == budget
+                and r["disposition"] == name
+                and not r["merge_keys"]
+            ]
             if ds:
                 lines.append(f"  {mode:8} {name:22} {np.mean(ds):.4f} ± {np.std(ds):.4f}")
     return lines
@@ -188,7 +243,11 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
-    syn = [r for r in rows if r["data"] == "synthetic" and r["mode"] == "prefill" and r["seq"] == 1024 and not r["merge_keys"]]
+    syn = [
+        r
+        for r in rows
+        if r["data"] == "synthetic" and r["mode"] == "prefill" and r["seq"] == 1024 and not r["merge_keys"]
+    ]
     for name in DISPOSITIONS:
         pts = {}
         for r in syn:
@@ -197,13 +256,19 @@ def plot(rows, path):
         if pts:
             xs = sorted(pts)
             ax[0].plot(xs, [np.mean(pts[x]) for x in xs], marker="o", label=name)
-    ax[0].set(xscale="log", xlabel="compression (seq / budget)", ylabel="1 - cos(out, out_full)",
-              title="synthetic K/V, seq 1024, prefill mode")
+    ax[0].set(
+        xscale="log",
+        xlabel="compression (seq / budget)",
+        ylabel="1 - cos(out, out_full)",
+        title="synthetic K/V, seq 1024, prefill mode",
+    )
     ax[0].legend(fontsize=7)
     real = [r for r in rows if r["data"].startswith("gemma") and r.get("signal") == "proxy"]
     for data in sorted({r["data"] for r in real}):
         for name in ("drop", "sim_weighted gated", "sim_weighted ungated", "paper"):
-            sub = sorted((r["compression"], r["distance"]) for r in real if r["data"] == data and r["disposition"] == name)
+            sub = sorted(
+                (r["compression"], r["distance"]) for r in real if r["data"] == data and r["disposition"] == name
+            )
             if sub:
                 ax[1].plot(*zip(*sub), marker="o", label=f"{data.split()[-1]}: {name}", lw=1)
     ax[1].set(xscale="log", xlabel="compression", ylabel="1 - cos", title="real K/V and queries (Gemma 3 270M), decode")

@@ -3,10 +3,11 @@
     python benchmarks/quality.py --mode token --tokens 2048 --budgets 256
     python benchmarks/quality.py --mode chunked --chunk 256 --tokens 2048 --budgets 128,256,512,1024 --seeds 3
     python benchmarks/quality.py --smoke          # tiny random model (the test suite runs this)
-    python benchmarks/quality.py --text /usr/share/common-licenses/GPL-3 --tag gpl --methods "h2o observed;cam:merge=mass,signal=observed"
+    python benchmarks/quality.py --text /usr/share/common-licenses/GPL-3 --tag gpl \
+        --methods "h2o observed;cam:merge=mass,signal=observed"
 
-``--methods`` takes names from METHODS or raw config strings (then separate them with ``;``); ``--text`` a text file instead of the
-default corpus (pydoc topics); ``--tag`` a suffix for the result files.
+``--methods`` takes names from METHODS or raw config strings (then separate them with ``;``); ``--text`` a text
+file instead of the default corpus (pydoc topics); ``--tag`` a suffix for the result files.
 
 ``token`` mode is the StreamingLLM recipe: one token at a time, each token's NLL read before the
 cache is reduced. ``chunked`` mode feeds ``--chunk`` tokens per step (prefill-style, faster; each
@@ -15,7 +16,7 @@ run with ``--seeds`` seeds; the spread is reported. Writes quality_<mode>.json/.
 (perplexity vs budget; running NLL vs position) under benchmarks/results/. Each row keeps its per-token
 NLLs, so two methods on the same tokens compare with a paired interval: with ``--reference NAME`` (default
 ``h2o`` when it is among the methods) every other method is compared to it at each budget
-(:func:`kvpolicy_core.evaluation.paired_ratio`, ``paired`` in the json); ``benchmarks/paired.py`` compares
+(:func:`kvpolicy_core.eval.perplexity.paired_ratio`, ``paired`` in the json); ``benchmarks/paired.py`` compares
 rows of saved files.
 """
 
@@ -23,14 +24,13 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import math
 import os
 from pathlib import Path
 
 import numpy as np
 from _common import parser, result_name, write_json
 
-from kvpolicy_core.evaluation import paired_ratio, perplexity
+from kvpolicy_core.eval.perplexity import paired_ratio, perplexity
 
 METHODS = {  # names keep their v0.1 meaning; "h2o" and "cam" are the current defaults
     "full": "full",
@@ -55,7 +55,7 @@ def is_gated(name: str) -> bool:
     """Named gated methods, and raw ``cam`` specs whose merge draws the gate."""
     if name in GATED:
         return True
-    from kvpolicy_core.config import parse_config
+    from kvpolicy_core.config.parse import parse_config
 
     spec = METHODS.get(name, name)
     if not spec.startswith("cam"):
@@ -76,16 +76,15 @@ def spec_for(base: str, budget: int, seed: int) -> str:
 
 def load(smoke: bool, model: str = "gemma3"):
     if smoke:
-        from kvpolicy_core.tiny_models import VOCAB, tiny_llama
+        from kvpolicy_core.testing.tiny_models import VOCAB, tiny_llama
 
         class Tok:
             def encode(self, text):
                 return [ord(c) % VOCAB for c in text]
 
         return tiny_llama(), Tok()
-    import mlx_lm
-
     import mlx.core as mx
+    import mlx_lm
 
     from kvpolicy_core.model.resolve import resolve_model_path
 
@@ -104,14 +103,21 @@ def main():
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
     p.add_argument("--text", default="pydoc", help="pydoc (default corpus), stdlib, license, or a file")
-    p.add_argument("--start", type=int, default=0,
-                   help="first token of the slice evaluated (another slice of the same text: a second sample)")
-    p.add_argument("--reference", default="h2o",
-                   help="method the others are compared to, per budget, with a paired interval (if it ran)")
+    p.add_argument(
+        "--start",
+        type=int,
+        default=0,
+        help="first token of the slice evaluated (another slice of the same text: a second sample)",
+    )
+    p.add_argument(
+        "--reference",
+        default="h2o",
+        help="method the others are compared to, per budget, with a paired interval (if it ran)",
+    )
     args = p.parse_args()
     if args.smoke:
         args.tokens, args.budgets, args.seeds = 80, "16,32", 2
-    from kvpolicy_core.tasks.haystack import haystack_text
+    from kvpolicy_core.eval.tasks.haystack import haystack_text
 
     model, tok = load(args.smoke, args.model)
     ids = tok.encode(haystack_text(args.text))[args.start : args.start + args.tokens]
@@ -131,20 +137,24 @@ def main():
                 continue
             seeds = range(args.seeds) if is_gated(name) else [0]
             for seed in seeds:
-                r = perplexity(model, ids, spec_for(METHODS.get(name, name), budget, seed), chunk=chunk,
-                               progress=False)
+                r = perplexity(model, ids, spec_for(METHODS.get(name, name), budget, seed), chunk=chunk, progress=False)
                 rows.append(row(name, budget, seed, r, base))
                 if seed == 0 and budget == budgets[0]:
                     curves[name] = r["nll"]
-                print(f"{name:28} budget {budget:5d} seed {seed}: ppl {r['perplexity']:8.3f} "
-                      f"({rows[-1]['delta_ppl_pct']:+.1f}%) {r['tokens_per_s']:.1f} tok/s"
-                      + (f", {r['merges_per_eviction']:.0%} of evictions merged" if "merges_per_eviction" in r else ""),
-                      flush=True)
+                print(
+                    f"{name:28} budget {budget:5d} seed {seed}: ppl {r['perplexity']:8.3f} "
+                    f"({rows[-1]['delta_ppl_pct']:+.1f}%) {r['tokens_per_s']:.1f} tok/s"
+                    + (f", {r['merges_per_eviction']:.0%} of evictions merged" if "merges_per_eviction" in r else ""),
+                    flush=True,
+                )
                 save(out, tag, args, ids, rows)
     paired = compare(rows, args.reference)
     for c in paired:
-        print(f"{c['method']:28} budget {c['budget']:5d}: ppl x{c['ratio']:.4f} of {c['reference']} "
-              f"(95% CI {c['low']:.4f}-{c['high']:.4f})", flush=True)
+        print(
+            f"{c['method']:28} budget {c['budget']:5d}: ppl x{c['ratio']:.4f} of {c['reference']} "
+            f"(95% CI {c['low']:.4f}-{c['high']:.4f})",
+            flush=True,
+        )
     save(out, tag, args, ids, rows, paired)
     if not args.smoke:
         plot(out / f"{tag}.png", rows, curves, budgets[0], len(ids))
@@ -153,11 +163,18 @@ def main():
 
 def row(name, budget, seed, r, base):
     return {
-        "method": name, "spec": r["spec"], "budget": budget, "seed": seed,
+        "method": name,
+        "spec": r["spec"],
+        "budget": budget,
+        "seed": seed,
         "compression": (len(r["nll"]) + 1) / budget if budget else 1.0,
-        "perplexity": r["perplexity"], "delta_ppl_pct": 100 * (r["perplexity"] / base["perplexity"] - 1),
-        "tokens_per_s": r["tokens_per_s"], "kv_bytes_kept": r["kv_bytes_kept"], "kv_bytes_full": r["kv_bytes_full"],
-        "peak_memory": r["peak_memory"], "nan": r["nan"],
+        "perplexity": r["perplexity"],
+        "delta_ppl_pct": 100 * (r["perplexity"] / base["perplexity"] - 1),
+        "tokens_per_s": r["tokens_per_s"],
+        "kv_bytes_kept": r["kv_bytes_kept"],
+        "kv_bytes_full": r["kv_bytes_full"],
+        "peak_memory": r["peak_memory"],
+        "nan": r["nan"],
         **({"merges_per_eviction": r["merges_per_eviction"]} if "merges_per_eviction" in r else {}),
         "nll": [round(float(x), 6) for x in r["nll"]],
     }
@@ -167,9 +184,16 @@ def compare(rows, reference: str):
     """Every (method, budget) row of seed 0 against ``reference``'s at the same budget: paired_ratio's fields."""
     ref = {r["budget"]: r for r in rows if r["method"] == reference and r["seed"] == 0}
     try:
-        return [{"method": r["method"], "budget": r["budget"], "reference": reference,
-                 **paired_ratio(r["nll"], ref[r["budget"]]["nll"])}
-                for r in rows if r["seed"] == 0 and r["method"] not in (reference, "full") and r["budget"] in ref]
+        return [
+            {
+                "method": r["method"],
+                "budget": r["budget"],
+                "reference": reference,
+                **paired_ratio(r["nll"], ref[r["budget"]]["nll"]),
+            }
+            for r in rows
+            if r["seed"] == 0 and r["method"] not in (reference, "full") and r["budget"] in ref
+        ]
     except ValueError as exc:  # e.g. too few tokens for the interval: the perplexities stand without it
         print(f"no paired comparison: {exc}", flush=True)
         return []
@@ -180,15 +204,29 @@ def summary(rows):
     groups = {}
     for r in rows:
         groups.setdefault((r["method"], r["budget"]), []).append(r["perplexity"])
-    return [{"method": m, "budget": b, "ppl_mean": float(np.mean(v)), "ppl_std": float(np.std(v)), "seeds": len(v)}
-            for (m, b), v in groups.items()]
+    return [
+        {"method": m, "budget": b, "ppl_mean": float(np.mean(v)), "ppl_std": float(np.std(v)), "seeds": len(v)}
+        for (m, b), v in groups.items()
+    ]
 
 
 def save(out, tag, args, ids, rows, paired=()):
-    write_json(tag, {"model": "tiny_llama (smoke)" if args.smoke else args.model, "text": args.text, "start": args.start, "mode": args.mode,
-                     "chunk": 1 if args.mode == "token" else args.chunk, "tokens": len(ids),
-                     "ids_sha256": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest(),
-                     "rows": rows, "summary": summary(rows), "paired": list(paired)}, out)
+    write_json(
+        tag,
+        {
+            "model": "tiny_llama (smoke)" if args.smoke else args.model,
+            "text": args.text,
+            "start": args.start,
+            "mode": args.mode,
+            "chunk": 1 if args.mode == "token" else args.chunk,
+            "tokens": len(ids),
+            "ids_sha256": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest(),
+            "rows": rows,
+            "summary": summary(rows),
+            "paired": list(paired),
+        },
+        out,
+    )
     table = [{k: v for k, v in r.items() if k != "nll"} for r in rows]  # per-token NLLs: in the json only
     path = out / f"{tag}.csv"
     tmp = path.with_name(f".{path.name}.tmp")
@@ -214,8 +252,13 @@ def plot(path, rows, curves, budget, T):
             b, mean, std = zip(*pts)
             ax[0].errorbar(b, mean, yerr=std, marker="o", capsize=3, label=m)
     ax[0].axhline(full, color="black", lw=1, ls="--", label="full cache")
-    ax[0].set(xscale="log", yscale="log", xlabel="budget (tokens per layer)", ylabel="perplexity",
-              title=f"perplexity vs budget ({T} tokens)")
+    ax[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="budget (tokens per layer)",
+        ylabel="perplexity",
+        title=f"perplexity vs budget ({T} tokens)",
+    )
     ax[0].legend(fontsize=7)
     k = 64
     for m, nll in curves.items():

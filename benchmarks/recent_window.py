@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx_lm  # noqa: E402
 from _common import RESULTS, parser, result_name, write_json  # the BLAS first
 
-import mlx_lm  # noqa: E402
-
-from kvpolicy_core.evaluation import perplexity  # noqa: E402
+from kvpolicy_core.eval.perplexity import perplexity  # noqa: E402
 from kvpolicy_core.model.corpus import default_corpus  # noqa: E402
 from kvpolicy_core.model.default import ensure_default_model  # noqa: E402
 

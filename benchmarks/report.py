@@ -1,15 +1,13 @@
 """Print the markdown tables of docs/benchmarks.md from the JSON under benchmarks/results/.
 
-    python benchmarks/report.py > /tmp/tables.md
+python benchmarks/report.py > /tmp/tables.md
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
-
 from _harness import RESULTS
 
 
@@ -53,9 +51,16 @@ def perturbation():
     print("\n| seq | budget | x | " + " | ".join(names) + " |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in names) + " |")
     for seq, b in cells:
-        vals = [np.mean([r["distance"] for r in rows if r["seq"] == seq and r["budget"] == b and r["disposition"] == n]) for n in names]
+        vals = [
+            np.mean([r["distance"] for r in rows if r["seq"] == seq and r["budget"] == b and r["disposition"] == n])
+            for n in names
+        ]
         print(f"| {seq} | {b} | {seq // b} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
-    keys = [r for r in d["rows"] if r["data"] == "synthetic" and r["mode"] == "prefill" and r["seq"] == 1024 and r["budget"] == 64]
+    keys = [
+        r
+        for r in d["rows"]
+        if r["data"] == "synthetic" and r["mode"] == "prefill" and r["seq"] == 1024 and r["budget"] == 64
+    ]
     for n in ("mean ungated", "sim_weighted ungated"):
         a = np.mean([r["distance"] for r in keys if r["disposition"] == n and not r["merge_keys"]])
         b = np.mean([r["distance"] for r in keys if r["disposition"] == n and r["merge_keys"]])
@@ -67,7 +72,20 @@ def perturbation():
         for data in sorted({r["data"] for r in real}):
             for b in sorted({r["budget"] for r in real}):
                 for sig in ("proxy", "observed"):
-                    vals = [next((r["distance"] for r in real if r["data"] == data and r["budget"] == b and r["signal"] == sig and r["disposition"] == n), float("nan")) for n in names]
+                    vals = [
+                        next(
+                            (
+                                r["distance"]
+                                for r in real
+                                if r["data"] == data
+                                and r["budget"] == b
+                                and r["signal"] == sig
+                                and r["disposition"] == n
+                            ),
+                            float("nan"),
+                        )
+                        for n in names
+                    ]
                     print(f"| {data} | {b} | {sig} | " + " | ".join(f"{v:.4f}" for v in vals) + " |")
 
 
@@ -78,20 +96,26 @@ def speed():
         print("| budget | D | H | KVCache us | Rotating x | H2O x | CaM x | scoring / attention |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in d["rows"]:
-            print(f"| {r['budget']} | {r['head_dim']} | {r['kv_heads']} | {r['us_KVCache']:.0f} | {r['ratio_RotatingKVCache']:.2f} | "
-                  f"{r['ratio_h2o']:.2f} | {r['ratio_cam']:.2f} | {r['scoring_over_attention']:.2f} |")
+            print(
+                f"| {r['budget']} | {r['head_dim']} | {r['kv_heads']} | {r['us_KVCache']:.0f} | {r['ratio_RotatingKVCache']:.2f} | "  # noqa: E501
+                f"{r['ratio_h2o']:.2f} | {r['ratio_cam']:.2f} | {r['scoring_over_attention']:.2f} |"
+            )
     d = load("e2e_speed_interleaved")
     if d:
         print(f"\n### end to end; `{d['command']}`\n")
         print("| method | prefill tok/s | x full | decode tok/s | x full | KV kept MiB | KV full MiB | peak MB |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in d["rows"]:
-            print(f"| {r['spec']} | {r['prefill_tps']:.1f} | {r['prefill_ratio']:.2f} | {r['decode_tps']:.2f} | {r['decode_ratio']:.2f} | "
-                  f"{r['kv_bytes_kept'] / 2**20:.1f} | {r['kv_bytes_full'] / 2**20:.1f} | {r['peak_memory_mb']:.0f} |")
+            print(
+                f"| {r['spec']} | {r['prefill_tps']:.1f} | {r['prefill_ratio']:.2f} | {r['decode_tps']:.2f} | {r['decode_ratio']:.2f} | "  # noqa: E501
+                f"{r['kv_bytes_kept'] / 2**20:.1f} | {r['kv_bytes_full'] / 2**20:.1f} | {r['peak_memory_mb']:.0f} |"
+            )
         for r in d.get("long", []):
             p = r["points"]
-            print(f"\nlong {r['spec']}: ms/step {p[0]['ms_per_step']:.1f} -> {p[-1]['ms_per_step']:.1f}, "
-                  f"active MB {p[0]['active_mb']:.0f} -> {p[-1]['active_mb']:.0f}")
+            print(
+                f"\nlong {r['spec']}: ms/step {p[0]['ms_per_step']:.1f} -> {p[-1]['ms_per_step']:.1f}, "
+                f"active MB {p[0]['active_mb']:.0f} -> {p[-1]['active_mb']:.0f}"
+            )
     d = load("soak_10k")
     if d:
         print(f"\n### soak; `{d['command']}`\n")
@@ -99,8 +123,10 @@ def speed():
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in d["runs"]:
             p = r["points"]
-            print(f"| {r['spec']} | {r['steps']} | {p[1]['ms_per_step']:.2f} | {p[-1]['ms_per_step']:.2f} | "
-                  f"{r['time_ratio_last_first']:.2f} | {p[1]['active_mb']:.1f} | {p[-1]['active_mb']:.1f} |")
+            print(
+                f"| {r['spec']} | {r['steps']} | {p[1]['ms_per_step']:.2f} | {p[-1]['ms_per_step']:.2f} | "
+                f"{r['time_ratio_last_first']:.2f} | {p[1]['active_mb']:.1f} | {p[-1]['active_mb']:.1f} |"
+            )
     d = load("blas_speedup")
     if d:
         print(f"\n### BLAS; `{d['command']}`\n")

@@ -6,7 +6,8 @@
 Feeds tokens one at a time (the model's own greedy choices) through a tiny random-weight llama with
 each bounded policy and with mlx-lm's full KVCache for contrast. Every ``--every`` steps it records
 the mean step time and MLX active memory. Flat means: last window / the window at 20% of the run
-(after warm-up and after the budget has filled) close to 1 for time, and no memory growth. Stops a policy early when ``--seconds`` (per policy) runs out.
+(after warm-up and after the budget has filled) close to 1 for time, and no memory growth. Stops a policy early when
+``--seconds`` (per policy) runs out.
 Writes benchmarks/results/soak.json and soak.png.
 """
 
@@ -16,8 +17,8 @@ from pathlib import Path
 
 from _common import Stopwatch, mx, parser, plot_time_memory, result_name, write_json
 
-from kvpolicy_core.evaluation import make_caches
-from kvpolicy_core.tiny_models import tiny_llama
+from kvpolicy_core.eval.perplexity import make_caches
+from kvpolicy_core.testing.tiny_models import tiny_llama
 
 POLICIES = ["full", "h2o:budget=256", "cam:budget=256", "cam:budget=256,merge=paper", "h2o:budget=256,signal=observed"]
 
@@ -34,13 +35,17 @@ def soak(model, spec, tokens, every, seconds):
         mx.eval(tok)
         t_window += t.wall
         if step % every == 0:
-            points.append({"step": step, "ms_per_step": 1e3 * t_window / every, "active_mb": mx.get_active_memory() / 2**20})
+            points.append(
+                {"step": step, "ms_per_step": 1e3 * t_window / every, "active_mb": mx.get_active_memory() / 2**20}
+            )
             t_window = 0.0
             if start.wall > seconds:
                 break
     first, last = points[len(points) // 5], points[-1]  # skip warm-up and the filling of the budget
     return {
-        "spec": spec, "steps": points[-1]["step"], "points": points,
+        "spec": spec,
+        "steps": points[-1]["step"],
+        "points": points,
         "time_ratio_last_first": last["ms_per_step"] / first["ms_per_step"],
         "memory_growth_mb": last["active_mb"] - first["active_mb"],
     }
@@ -59,8 +64,11 @@ def main():
     for spec in POLICIES:
         r = soak(model, spec.replace("256", "64") if args.smoke else spec, args.tokens, args.every, args.seconds)
         runs.append(r)
-        print(f"{r['spec']:40} steps {r['steps']:5d}  time last/first {r['time_ratio_last_first']:.2f}  "
-              f"memory growth {r['memory_growth_mb']:+.2f} MB", flush=True)
+        print(
+            f"{r['spec']:40} steps {r['steps']:5d}  time last/first {r['time_ratio_last_first']:.2f}  "
+            f"memory growth {r['memory_growth_mb']:+.2f} MB",
+            flush=True,
+        )
     out = Path(args.out)
     path = write_json(result_name("soak", args), {"tokens": args.tokens, "runs": runs}, out)
     if not args.smoke:

@@ -28,12 +28,11 @@ import os
 import time
 
 from _common import interleave, mx, parser, result_name, timed, write_json
-
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.attention import _wrap
+from kvpolicy_core.attention.hook import _wrap
 from kvpolicy_core.parts.base import CacheView
 from kvpolicy_core.parts.cumulative_attention import CumulativeAttentionScorer
 
@@ -101,8 +100,11 @@ def step_times(kinds, budget, D, H, steps, q_heads, rounds, keys="random"):
     per_round = max(steps // rounds, 1)
     by_round = interleave({k: (lambda s=s: samples(s, per_round)) for k, s in steppers.items()}, rounds)
     got = {k: [t for r in v for t in r] for k, v in by_round.items()}  # load changes hit every kind alike
-    merged = {k: int(s.cache.merges) / (H * max(s.cache.offset - budget, 1)) for k, s in steppers.items()
-              if hasattr(s.cache, "merges")}
+    merged = {
+        k: int(s.cache.merges) / (H * max(s.cache.offset - budget, 1))
+        for k, s in steppers.items()
+        if hasattr(s.cache, "merges")
+    }
     return {k: sorted(v)[len(v) // 2] for k, v in got.items()}, merged
 
 
@@ -123,13 +125,24 @@ def scoring_vs_attention(budget, D, H, steps, q_heads):
 def main():
     p = parser(__doc__, rounds=3, rounds_help="interleaved rounds over the kinds")
     p.add_argument("--steps", type=int, default=300, help="decode steps timed per kind (over all rounds)")
-    p.add_argument("--kinds", default="KVCache;RotatingKVCache;h2o;cam;h2o:signal=proxy;cam:signal=proxy",
-                   help="';'-separated: KVCache, RotatingKVCache or policy config strings (first is the baseline)")
+    p.add_argument(
+        "--kinds",
+        default="KVCache;RotatingKVCache;h2o;cam;h2o:signal=proxy;cam:signal=proxy",
+        help="';'-separated: KVCache, RotatingKVCache or policy config strings (first is the baseline)",
+    )
     p.add_argument("--grid", default=None, help="budget:head_dim:kv_heads triples, comma-separated (e.g. 256:256:1)")
-    p.add_argument("--keys", choices=["random", "clustered"], default="random",
-                   help="random: cosines ~0 (CaM never merges); clustered: cosines ~0.9 (CaM merges up to its cap)")
-    p.add_argument("--clock", choices=sorted(CLOCK), default="wall",
-                   help="wall: elapsed time; cpu: this process's CPU time (all threads; less sensitive to other load)")
+    p.add_argument(
+        "--keys",
+        choices=["random", "clustered"],
+        default="random",
+        help="random: cosines ~0 (CaM never merges); clustered: cosines ~0.9 (CaM merges up to its cap)",
+    )
+    p.add_argument(
+        "--clock",
+        choices=sorted(CLOCK),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time (all threads; less sensitive to other load)",
+    )
     args = p.parse_args()
     global clock
     clock = CLOCK[args.clock]
@@ -146,16 +159,28 @@ def main():
         q_heads = max(H, 4)
         times, merged = step_times(kinds, budget, D, H, steps, q_heads, rounds, args.keys)
         t_score, t_attn = scoring_vs_attention(budget, D, H, steps, q_heads)
-        row = {"budget": budget, "head_dim": D, "kv_heads": H, "q_heads": q_heads,
-               "load": os.getloadavg()[0], **{f"us_{k}": 1e6 * t for k, t in times.items()},
-               **{f"ratio_{k}": times[k] / times[kinds[0]] for k in kinds[1:]},
-               **{f"merges_per_eviction_{k}": m for k, m in merged.items()},
-               "us_scoring": 1e6 * t_score, "us_attention": 1e6 * t_attn, "scoring_over_attention": t_score / t_attn}
+        row = {
+            "budget": budget,
+            "head_dim": D,
+            "kv_heads": H,
+            "q_heads": q_heads,
+            "load": os.getloadavg()[0],
+            **{f"us_{k}": 1e6 * t for k, t in times.items()},
+            **{f"ratio_{k}": times[k] / times[kinds[0]] for k in kinds[1:]},
+            **{f"merges_per_eviction_{k}": m for k, m in merged.items()},
+            "us_scoring": 1e6 * t_score,
+            "us_attention": 1e6 * t_attn,
+            "scoring_over_attention": t_score / t_attn,
+        }
         rows.append(row)
-        print(f"budget={budget:5d} D={D:3d} H={H} load {row['load']:.1f}: "
-              + "  ".join(f"{k} {1e6 * t:7.1f}us" for k, t in times.items())
-              + "  | " + " ".join(f"{k} {row['ratio_' + k]:.2f}x" for k in kinds[1:])
-              + f" | scoring/attention {row['scoring_over_attention']:.2f}", flush=True)
+        print(
+            f"budget={budget:5d} D={D:3d} H={H} load {row['load']:.1f}: "
+            + "  ".join(f"{k} {1e6 * t:7.1f}us" for k, t in times.items())
+            + "  | "
+            + " ".join(f"{k} {row['ratio_' + k]:.2f}x" for k in kinds[1:])
+            + f" | scoring/attention {row['scoring_over_attention']:.2f}",
+            flush=True,
+        )
     from pathlib import Path
 
     tag = result_name("step_cost", args)
@@ -175,12 +200,18 @@ def plot(rows, path):
     for H in sorted({r["kv_heads"] for r in rows}):
         sub = sorted((r for r in rows if r["kv_heads"] == H and r["head_dim"] == 128), key=lambda r: r["budget"])
         for kind, style in (("h2o", "-"), ("cam", "--")):
-            ax[0].plot([r["budget"] for r in sub], [r[f"ratio_{kind}"] for r in sub], style, marker="o", label=f"{kind} H={H}")
+            ax[0].plot(
+                [r["budget"] for r in sub], [r[f"ratio_{kind}"] for r in sub], style, marker="o", label=f"{kind} H={H}"
+            )
         ax[1].plot([r["budget"] for r in sub], [r["scoring_over_attention"] for r in sub], marker="o", label=f"H={H}")
     ax[0].axhline(1.0, color="gray", lw=0.8)
-    ax[0].set(xscale="log", xlabel="budget (retained tokens)", ylabel="step time / KVCache", title="decode step, head_dim 128")
+    ax[0].set(
+        xscale="log", xlabel="budget (retained tokens)", ylabel="step time / KVCache", title="decode step, head_dim 128"
+    )
     ax[1].axhline(1.0, color="gray", lw=0.8)
-    ax[1].set(xscale="log", xlabel="budget", ylabel="proxy scoring / attention pass", title="scoring cost, head_dim 128")
+    ax[1].set(
+        xscale="log", xlabel="budget", ylabel="proxy scoring / attention pass", title="scoring cost, head_dim 128"
+    )
     ax[0].legend(fontsize=7)
     ax[1].legend(fontsize=7)
     fig.tight_layout()

@@ -11,8 +11,8 @@ from __future__ import annotations
 from _common import Stopwatch, interleave, mx, parser, result_name, write_json  # the BLAS first
 
 from kvpolicy_core import PolicyCache  # noqa: E402
-from kvpolicy_core.policy_step import PolicyStep  # noqa: E402
-from kvpolicy_core.testing import random_kv  # noqa: E402
+from kvpolicy_core.cache.step import PolicyStep  # noqa: E402
+from kvpolicy_core.testing.conformance import random_kv  # noqa: E402
 
 CHECKED = PolicyStep._raise_broken
 
@@ -48,8 +48,13 @@ def main() -> None:
         args.steps, args.budget, args.rounds = 20, 16, 1
     rows = []
     for method in (f"h2o:budget={args.budget}", f"cam:budget={args.budget}"):
-        got = interleave({mode: (lambda mode=mode: ms_per_step(method, args.steps, mode == "on", args.budget))
-                          for mode in ("on", "off")}, args.rounds)
+        got = interleave(
+            {
+                mode: (lambda mode=mode: ms_per_step(method, args.steps, mode == "on", args.budget))
+                for mode in ("on", "off")
+            },
+            args.rounds,
+        )
         on, off = min(got["on"]), min(got["off"])
         rows.append({"spec": method, "validated_ms": on, "unvalidated_ms": off, "ratio": on / off, "rounds": got})
         print(f"{method}: ms/step validated {on:.3f}, unvalidated {off:.3f}, ratio {on / off:.3f}")

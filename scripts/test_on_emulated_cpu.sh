@@ -24,7 +24,7 @@ chmod +x "$tmp/python"
 cat >"$tmp/sitecustomize.py" <<PY
 import sys
 sys.executable = "$tmp/python"
-from kvpolicy_core import blas_check
+from kvpolicy_core.runtime import blas_check
 blas_check.PROBE_N = 128
 PY
 echo "emulated CPU: $(grep '^flags' "$tmp/cpuinfo")" >&2

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from kvpolicy_core.blas import load_optimized_blas
+from kvpolicy_core.runtime.blas import load_optimized_blas
 
 load_optimized_blas(quiet=True)  # before mlx: the real-model tests need a fast BLAS
 
 import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
-
 from helpers import VOCAB, tiny_gemma3, tiny_llama, write_tiny_model_dir  # noqa: E402
 
 

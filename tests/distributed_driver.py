@@ -19,14 +19,14 @@ from pathlib import Path
 def main() -> int:
     start = time.perf_counter()
     runs, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    from kvpolicy_core.blas import load_optimized_blas
+    from kvpolicy_core.runtime.blas import load_optimized_blas
 
     load_optimized_blas(quiet=True)  # before mlx, as the CLI does: the same BLAS as the one-process run
     import mlx.core as mx
 
-    from kvpolicy_core.cli import main as cli
-    from kvpolicy_core.distributed import rank_path, world
-    from kvpolicy_core.persistence import CacheFileError, load_caches
+    from kvpolicy_core.apps.cli import main as cli
+    from kvpolicy_core.integration.persistence import CacheFileError, load_caches
+    from kvpolicy_core.runtime.distributed import rank_path, world
 
     rank, size = world()
     report = {"startup_seconds": round(time.perf_counter() - start, 2), "runs": []}

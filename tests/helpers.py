@@ -9,9 +9,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from kvpolicy_core import testing as kit
-from kvpolicy_core.testing import feed, with_fields  # noqa: F401  (re-exported to the tests)
-from kvpolicy_core.tiny_models import VOCAB, tiny_llama, tiny_model, write_tiny_llama_dir  # noqa: F401
+from kvpolicy_core.testing import conformance as kit
+from kvpolicy_core.testing.conformance import feed, with_fields  # noqa: F401  (re-exported to the tests)
+from kvpolicy_core.testing.tiny_models import VOCAB, tiny_llama, tiny_model, write_tiny_llama_dir  # noqa: F401
 
 #: Every shipped method variant, without budget fields (tests append theirs with ``with_fields``).
 SHIPPED_METHODS = [

@@ -20,9 +20,23 @@ from typing import Dict, List, Sequence
 import mlx.core as mx
 import numpy as np
 
-ARRAY_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "__array__",
-               "__bytes__", "__repr__", "__format__", "__dlpack__", "__getstate__", "__copy__",
-               "__deepcopy__")
+ARRAY_READS = (
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__complex__",
+    "__array__",
+    "__bytes__",
+    "__repr__",
+    "__format__",
+    "__dlpack__",
+    "__getstate__",
+    "__copy__",
+    "__deepcopy__",
+)
 MX_SYNCS = ("eval", "synchronize")
 NP_READS = ("array", "asarray", "asanyarray", "ascontiguousarray", "frombuffer")
 _ABSENT = object()
@@ -68,6 +82,7 @@ class HostSyncs:
             if (not only_arrays or any(isinstance(a, mx.array) for a in args[:1])) and self._watched():
                 self.calls.append(name)
             return fn(*args, **kwargs)
+
         return counted
 
     def _patch(self, owner, attr: str, new) -> None:

@@ -64,8 +64,10 @@ def _pool_sorted(mass_by_pos, P):
     """Max over the P nearest retained neighbours in position order: {pos: value}."""
     order = sorted(mass_by_pos)
     r = (P - 1) // 2
-    return {p: max(mass_by_pos[order[k]] for k in range(max(0, i - r), min(len(order), i + r + 1)))
-            for i, p in enumerate(order)}
+    return {
+        p: max(mass_by_pos[order[k]] for k in range(max(0, i - r), min(len(order), i + r + 1)))
+        for i, p in enumerate(order)
+    }
 
 
 def reference_window(K, chunks, budget, n_sink, recent, W, P, Q=None, scale=None):

@@ -19,8 +19,12 @@ from pathlib import Path
 
 #: every shipped method: H2O and CaM (observed signal: the hook), random, and CaM merging every loser
 #: (min_sim=-1), so its slots carry nonzero log-weights when saved; on Gemma 3 (sliding-window layers)
-METHODS = ("h2o:budget=16,n_sink=2", "cam:budget=16,n_sink=2", "random:budget=16,n_sink=2,salt=3",
-           "cam:budget=16,n_sink=2,min_sim=-1")
+METHODS = (
+    "h2o:budget=16,n_sink=2",
+    "cam:budget=16,n_sink=2",
+    "random:budget=16,n_sink=2,salt=3",
+    "cam:budget=16,n_sink=2,min_sim=-1",
+)
 PROMPT = (20, 13)  # chunk sizes of the prompt (the second chunk evicts)
 DECODE = 5  # decode steps before saving (a pending eviction is saved)
 CONTINUE = 6  # decode steps after restoring, compared exactly
@@ -75,9 +79,14 @@ def restore(route: str, directory: Path, i: int, model):
     if route == "from_state":
         arrays, meta = mx.load(str(d / f"{i}.states.safetensors"), return_metadata=True)
         layers = json.loads(meta["layers"])
-        return [PolicyCache.from_state(tuple(arrays.get(f"{j}.{k}") for k in range(4)) + (m,)
-                                       + ((arrays[f"{j}.5"],) if f"{j}.5" in arrays else ()))
-                for j, m in enumerate(layers)]
+        return [
+            PolicyCache.from_state(
+                tuple(arrays.get(f"{j}.{k}") for k in range(4))
+                + (m,)
+                + ((arrays[f"{j}.5"],) if f"{j}.5" in arrays else ())
+            )
+            for j, m in enumerate(layers)
+        ]
     raise ValueError(f"unknown route {route!r}")
 
 
@@ -96,7 +105,7 @@ def save_states(path: Path, caches) -> None:
 
 
 def main() -> int:
-    from kvpolicy_core.blas import load_optimized_blas
+    from kvpolicy_core.runtime.blas import load_optimized_blas
 
     load_optimized_blas(quiet=True)  # before mlx, as the test process (conftest.py): the same matmul results
     import numpy as np

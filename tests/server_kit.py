@@ -27,20 +27,30 @@ def save_tiny_model_dir(path: Path, seed: int = 0) -> Path:
     tokenizer (trained offline on a two-line corpus) and a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from kvpolicy_core.tiny_models import write_tiny_llama_dir
+    from kvpolicy_core.testing.tiny_models import write_tiny_llama_dir
 
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>", "<bos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<eos>", "<bos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": "<bos>",
-        "chat_template": CHAT_TEMPLATE,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<eos>",
+                "bos_token": "<bos>",
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
     return write_tiny_llama_dir(path, seed=seed, vocab=tok.get_vocab_size(), tokenizer=False, eos_token_id=0)
 
 
@@ -56,14 +66,22 @@ class Server:
     def __init__(self, args: List[str], timeout: float = 120.0, prelude: str = "") -> None:
         """``prelude``: Python run in the server process before the CLI (e.g. to inject a fault)."""
         self.port = free_port()
-        entry = ["-c", f"{prelude}\nimport sys\nfrom kvpolicy_core.cli import main\nsys.exit(main(sys.argv[1:]))"] \
-            if prelude else ["-m", "kvpolicy_core.cli"]
+        entry = (
+            ["-c", f"{prelude}\nimport sys\nfrom kvpolicy_core.apps.cli import main\nsys.exit(main(sys.argv[1:]))"]
+            if prelude
+            else ["-m", "kvpolicy_core.apps.cli"]
+        )
         cmd = [sys.executable, *entry, "serve", "--port", str(self.port), *args]
         # SIGINT restored to its default in the child, as at a terminal: a test run started in the
         # background by a non-interactive shell inherits SIGINT ignored, and Ctrl-C (stop()) would do nothing
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         # drain the server's log as it is written: an undrained pipe fills (64 KiB) and blocks the
         # server's next log line, and with it the generation thread that writes it
         self._lines: List[str] = []
@@ -81,8 +99,14 @@ class Server:
         self.stop()
         raise RuntimeError("server did not come up")
 
-    def request(self, method: str, path: str, body: Optional[bytes] = None,
-                headers: Optional[dict] = None, timeout: float = 120.0) -> Tuple[int, bytes]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Optional[bytes] = None,
+        headers: Optional[dict] = None,
+        timeout: float = 120.0,
+    ) -> Tuple[int, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             conn.request(method, path, body=body, headers=headers or {})
@@ -116,15 +140,16 @@ class Server:
         """POST with stream=true; yields each SSE `data:` event (JSON), ending at [DONE]."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         try:
-            conn.request("POST", path, json.dumps({**payload, "stream": True}).encode(),
-                         {"Content-Type": "application/json"})
+            conn.request(
+                "POST", path, json.dumps({**payload, "stream": True}).encode(), {"Content-Type": "application/json"}
+            )
             r = conn.getresponse()
             assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
             for line in r:
                 line = line.decode().strip()
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     yield {"done": True}
                     return

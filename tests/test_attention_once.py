@@ -1,6 +1,6 @@
-"""Attention computed once for the observed signal (issue 16): the same output and the same scores.
+"""Attention computed once for the observed signal: the same output and the same scores.
 
-The hook's one composed pass (:func:`kvpolicy_core.attention_weights.attention_with_weights`) must give
+The hook's one composed pass (:func:`kvpolicy_core.attention.weights.attention_with_weights`) must give
 exactly what mlx-lm's fused attention gives, and the scorer fed its weights exactly what it computed
 from its own softmax before: model logits and cache state are compared bit for bit with the previous
 path (``before_attention`` + mlx-lm's kernel) for every shipped method, on grouped-query heads,
@@ -14,12 +14,11 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import kvpolicy_core.cache as cache_module
-from kvpolicy_core import KVCacheBuilder, PolicyCache
-from kvpolicy_core.attention_weights import attention_with_weights
-
 from helpers import SHIPPED_METHODS, VOCAB, run_chunks, tiny_gemma3, tiny_llama, with_fields
+
+import kvpolicy_core.cache.policy_cache as cache_module
+from kvpolicy_core import KVCacheBuilder, PolicyCache
+from kvpolicy_core.attention.weights import attention_with_weights
 
 
 def _inputs(B, Hq, H, S, L, D, dtype, seed=0):
@@ -31,11 +30,19 @@ def _inputs(B, Hq, H, S, L, D, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("shape, mask_kind", [
-    ((1, 4, 4, 1, 50), None), ((2, 8, 2, 1, 50), None), ((2, 4, 1, 7, 30), "causal"),
-    ((1, 4, 2, 7, 30), "bool"), ((2, 4, 2, 7, 30), "additive4"), ((2, 4, 2, 1, 30), "bool4"),
-    ((2, 4, 2, 1, 30), "additive4"), ((1, 4, 1, 1, 30), "causal"),  # decode steps: the compiled graph
-])
+@pytest.mark.parametrize(
+    "shape, mask_kind",
+    [
+        ((1, 4, 4, 1, 50), None),
+        ((2, 8, 2, 1, 50), None),
+        ((2, 4, 1, 7, 30), "causal"),
+        ((1, 4, 2, 7, 30), "bool"),
+        ((2, 4, 2, 7, 30), "additive4"),
+        ((2, 4, 2, 1, 30), "bool4"),
+        ((2, 4, 2, 1, 30), "additive4"),
+        ((1, 4, 1, 1, 30), "causal"),  # decode steps: the compiled graph
+    ],
+)
 def test_one_pass_output_is_mlx_fused_attention_bit_for_bit(dtype, shape, mask_kind):
     B, Hq, H, S, L = shape
     q, k, v = _inputs(B, Hq, H, S, L, 16, dtype)
@@ -127,8 +134,11 @@ def test_only_a_full_buffers_decode_step_takes_the_compiled_attention(monkeypatc
     the eager ops; once its buffer is full (budget + 1 slots, the steady state) every step is compiled."""
     seen = []
     real = cache_module.attention_with_weights
-    monkeypatch.setattr(cache_module, "attention_with_weights",
-                        lambda q, k, v, *a, **kw: seen.append((k.shape[2], kw.get("compiled"))) or real(q, k, v, *a, **kw))
+    monkeypatch.setattr(
+        cache_module,
+        "attention_with_weights",
+        lambda q, k, v, *a, **kw: seen.append((k.shape[2], kw.get("compiled"))) or real(q, k, v, *a, **kw),
+    )
     cache = PolicyCache("h2o:budget=8")
     keys, values = _inputs(1, 2, 2, 1, 20, 16, mx.float32)[1:]
     q = mx.random.normal((1, 2, 1, 16))

@@ -11,15 +11,25 @@ from helpers import tiny_gemma3, tiny_llama
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 
 from kvpolicy_core import KVCacheBuilder, PolicyCache, attach, detach
-from kvpolicy_core.batch_cache import BatchPolicyCache
+from kvpolicy_core.cache.batch import BatchPolicyCache
 
 # cam's default merge (mass) keeps per-slot attention log-weights: its batched rows give the attention
 # additive masks (test_log_weight_rows_are_batched pins that it does); mass_blend keeps none
-SHIPPED = ["h2o", "cam", "cam:merge=mass_blend", "random", "streamingllm", "tova", "cam:merge=mean,gate=false",
-           "cam:merge=sim_weighted", "cam:merge=paper", "h2o:signal=proxy",  # gated merges: per-row random draws
-           "h2o:signal=observed",
-           "h2o:layers=unbounded",  # sliding layers keep mlx-lm's RotatingKVCache, batched by mlx-lm
-           "cam:after=2,min_sim=-1"]  # merges begin at each row's own offset 16 (rows cross it at different steps)
+SHIPPED = [
+    "h2o",
+    "cam",
+    "cam:merge=mass_blend",
+    "random",
+    "streamingllm",
+    "tova",
+    "cam:merge=mean,gate=false",
+    "cam:merge=sim_weighted",
+    "cam:merge=paper",
+    "h2o:signal=proxy",  # gated merges: per-row random draws
+    "h2o:signal=observed",
+    "h2o:layers=unbounded",  # sliding layers keep mlx-lm's RotatingKVCache, batched by mlx-lm
+    "cam:after=2,min_sim=-1",
+]  # merges begin at each row's own offset 16 (rows cross it at different steps)
 LENGTHS = (5, 23, 14)  # one under the budget, two over it
 MAX_TOKENS = (12, 4, 12)  # the second row finishes early (filter)
 
@@ -29,8 +39,12 @@ def prompts():
 
 
 def single(model, prompt, max_tokens, prefill_step_size):
-    out = list(zip(range(max_tokens), generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                                                    prefill_step_size=prefill_step_size)))
+    out = list(
+        zip(
+            range(max_tokens),
+            generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=prefill_step_size),
+        )
+    )
     return [t for _, (t, _) in out], [lp for _, (_, lp) in out]
 
 
@@ -59,8 +73,9 @@ def model(request):
     detach(m)
 
 
-@pytest.mark.parametrize("method, prefill_step_size",
-                         [(m, 2048) for m in SHIPPED] + [(m, 7) for m in ("h2o", "cam", "tova")])
+@pytest.mark.parametrize(
+    "method, prefill_step_size", [(m, 2048) for m in SHIPPED] + [(m, 7) for m in ("h2o", "cam", "tova")]
+)
 def test_each_row_equals_its_prompt_alone(model, method, prefill_step_size):
     """Prompts of 5, 23 and 14 tokens (budget 8): the 4-token row finishes early (filter), the
     14-token row joins after 3 decode steps (extend); prefill in one chunk or chunks of 7."""
@@ -102,7 +117,9 @@ def test_batch_generate_matches_single_generation_and_leaves_given_caches_alone(
         for c, p in zip(given, ps):
             model(mx.array(p)[None, :-1], cache=c)
         before = [(c[0].offset, c[0].tokens_kept) for c in given]
-        out2 = batch_generate(model, Tok, [p[-1:] for p in ps], prompt_caches=given, max_tokens=6, return_token_ids=True)
+        out2 = batch_generate(
+            model, Tok, [p[-1:] for p in ps], prompt_caches=given, max_tokens=6, return_token_ids=True
+        )
         assert [(c[0].offset, c[0].tokens_kept) for c in given] == before
         assert out2.token_ids == alone
     finally:
@@ -159,7 +176,7 @@ def test_log_weight_rows_are_batched():
 
 
 def test_merged_rows_keep_the_attention_hook_their_caches_hold():
-    """The caches that need the hook own it (issue 12): a batch merged from them keeps it installed
+    """The caches that need the hook own it: a batch merged from them keeps it installed
     after the original caches are gone, and its rows still observe the model's attention."""
     import gc
     import weakref
@@ -185,12 +202,15 @@ def test_merged_rows_keep_the_attention_hook_their_caches_hold():
 def test_decode_steps_of_rows_at_their_budget_run_stacked_with_each_rows_counters(monkeypatch):
     """Once every row is at its budget the rows take decode steps as one stacked step (batch_rows.py);
     each row still ends with exactly its own state: slots, offset and its own merge/gate counters."""
-    from kvpolicy_core import batch_rows
+    from kvpolicy_core.cache import batch_rows
 
     stacked_steps = []
     step = batch_rows.StackedRows.update_and_fetch
-    monkeypatch.setattr(batch_rows.StackedRows, "update_and_fetch",
-                        lambda self, k, v: stacked_steps.append(len(self)) or step(self, k, v))
+    monkeypatch.setattr(
+        batch_rows.StackedRows,
+        "update_and_fetch",
+        lambda self, k, v: stacked_steps.append(len(self)) or step(self, k, v),
+    )
     model = tiny_gemma3(window=6, seed=7)
     attach(model, "cam:budget=8,n_sink=2,merge=paper")  # gated: row b draws with its own key
     try:
@@ -198,8 +218,9 @@ def test_decode_steps_of_rows_at_their_budget_run_stacked_with_each_rows_counter
         alone = []
         for p in ps:
             caches = model.make_cache()
-            tokens = [t for (t, _), _ in zip(generate_step(mx.array(p), model, max_tokens=10, prompt_cache=caches),
-                                             range(10))]
+            tokens = [
+                t for (t, _), _ in zip(generate_step(mx.array(p), model, max_tokens=10, prompt_cache=caches), range(10))
+            ]
             alone.append((tokens, caches))
         gen = BatchGenerator(model, stop_tokens=None)
         uids = gen.insert(ps, [10] * len(ps))

@@ -14,25 +14,32 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("script, result", [
-    ("step_cost.py", "step_cost_smoke.json"),
-    ("soak.py", "soak_smoke.json"),
-    ("quality.py", "quality_token_smoke.json"),
-    ("perturbation.py", "perturbation_smoke.json"),
-    ("blas_speedup.py", "blas_speedup_smoke.json"),
-    ("e2e_speed.py", "e2e_speed_smoke.json"),
-    ("batch_speed.py", "batch_speed_smoke.json"),
-    ("batch_policy_step.py", "batch_policy_step_smoke.json"),
-    ("needle.py", "needle_smoke.json"),
-    ("paired.py", "paired_smoke.json"),
-    ("merge_batching.py", "merge_batching_smoke.json"),
-    ("op_cost.py", "op_cost_smoke.json"),
-    ("paper_merge_growth.py", "paper_merge_growth_smoke.json"),
-    ("validation_cost.py", "validation_cost_smoke.json"),
-])
+@pytest.mark.parametrize(
+    "script, result",
+    [
+        ("step_cost.py", "step_cost_smoke.json"),
+        ("soak.py", "soak_smoke.json"),
+        ("quality.py", "quality_token_smoke.json"),
+        ("perturbation.py", "perturbation_smoke.json"),
+        ("blas_speedup.py", "blas_speedup_smoke.json"),
+        ("e2e_speed.py", "e2e_speed_smoke.json"),
+        ("batch_speed.py", "batch_speed_smoke.json"),
+        ("batch_policy_step.py", "batch_policy_step_smoke.json"),
+        ("needle.py", "needle_smoke.json"),
+        ("paired.py", "paired_smoke.json"),
+        ("merge_batching.py", "merge_batching_smoke.json"),
+        ("op_cost.py", "op_cost_smoke.json"),
+        ("paper_merge_growth.py", "paper_merge_growth_smoke.json"),
+        ("validation_cost.py", "validation_cost_smoke.json"),
+    ],
+)
 def test_benchmark_smoke(tmp_path, script, result):
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / result).read_text())
     assert data["versions"]["mlx"] and data["command"].startswith("python")
@@ -40,8 +47,12 @@ def test_benchmark_smoke(tmp_path, script, result):
 
 def test_end_to_end_speed_interleaved_smoke(tmp_path):
     """``--interleave``: every method timed at every step, alternately; one row per method with its medians."""
-    proc = subprocess.run([sys.executable, str(BENCH / "e2e_speed.py"), "--smoke", "--interleave", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "e2e_speed.py"), "--smoke", "--interleave", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "e2e_speed_smoke.json").read_text())["rows"]
     assert [r["spec"].split(":")[0] for r in rows] == ["full", "rotating", "h2o", "cam"]
@@ -53,8 +64,22 @@ def test_step_cost_with_clustered_keys_times_steps_that_merge(tmp_path):
     record the merges per decode eviction."""
     rates = {}
     for keys in ("random", "clustered"):
-        proc = subprocess.run([sys.executable, str(BENCH / "step_cost.py"), "--smoke", "--keys", keys, "--kinds",
-                               "KVCache;cam:cap=none", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(BENCH / "step_cost.py"),
+                "--smoke",
+                "--keys",
+                keys,
+                "--kinds",
+                "KVCache;cam:cap=none",
+                "--out",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         data = json.loads((tmp_path / "step_cost_smoke.json").read_text())
         assert data["keys"] == keys
@@ -65,8 +90,8 @@ def test_step_cost_with_clustered_keys_times_steps_that_merge(tmp_path):
 def test_perplexity_reports_the_share_of_evictions_that_merged():
     """evaluation.perplexity: ``merges_per_eviction`` for caches that count merges (CaM), absent for H2O;
     0 where CaM never merges (cap=1), the share of (token, KV head) evictions otherwise."""
-    from kvpolicy_core.evaluation import perplexity
-    from kvpolicy_core.testing import tiny_llama
+    from kvpolicy_core.eval.perplexity import perplexity
+    from kvpolicy_core.testing.conformance import tiny_llama
 
     model, ids = tiny_llama(), list(range(3, 43))
     never = perplexity(model, ids, "cam:budget=16,cap=1", progress=False)
@@ -79,7 +104,7 @@ def test_perplexity_reports_the_share_of_evictions_that_merged():
 def test_paired_ratio_is_exp_of_the_mean_nll_difference_with_an_interval_that_can_exclude_one():
     import numpy as np
 
-    from kvpolicy_core.evaluation import paired_ratio
+    from kvpolicy_core.eval.perplexity import paired_ratio
 
     rng = np.random.default_rng(0)
     b = rng.gamma(2.0, 1.5, 511)
@@ -95,11 +120,10 @@ def test_paired_ratio_is_exp_of_the_mean_nll_difference_with_an_interval_that_ca
         paired_ratio([], [])
 
 
-
 def test_pooled_ratio_weighs_texts_by_tokens_and_narrows_with_more_of_them():
     import numpy as np
 
-    from kvpolicy_core.evaluation import paired_ratio, pooled_ratio
+    from kvpolicy_core.eval.perplexity import paired_ratio, pooled_ratio
 
     rng = np.random.default_rng(1)
     texts = [rng.gamma(2.0, 1.5, n) for n in (511, 300, 511)]
@@ -113,8 +137,12 @@ def test_pooled_ratio_weighs_texts_by_tokens_and_narrows_with_more_of_them():
 
 
 def test_quality_rows_keep_per_token_nlls_and_compare_to_the_reference(tmp_path):
-    proc = subprocess.run([sys.executable, str(BENCH / "quality.py"), "--smoke", "--methods", "h2o;cam", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "quality.py"), "--smoke", "--methods", "h2o;cam", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "quality_token_smoke.json").read_text())
     assert all(len(r["nll"]) == data["tokens"] - 1 for r in data["rows"]) and len(data["ids_sha256"]) == 64
@@ -123,14 +151,17 @@ def test_quality_rows_keep_per_token_nlls_and_compare_to_the_reference(tmp_path)
     assert "nll" not in (tmp_path / "quality_token_smoke.csv").read_text().splitlines()[0]
 
 
-@pytest.mark.parametrize("a, b, needle", [
-    (list(range(1, 100)), [1.0], "equal-length"),  # would broadcast
-    (list(range(1, 100)), list(range(1, 99)), "equal-length"),
-    ([1.0] * 50 + [float("nan")] * 49, [1.0] * 99, "finite"),
-    ([1.0] * 20, [2.0] * 20, "two blocks"),  # one block: every resample the same, a point interval
-])
+@pytest.mark.parametrize(
+    "a, b, needle",
+    [
+        (list(range(1, 100)), [1.0], "equal-length"),  # would broadcast
+        (list(range(1, 100)), list(range(1, 99)), "equal-length"),
+        ([1.0] * 50 + [float("nan")] * 49, [1.0] * 99, "finite"),
+        ([1.0] * 20, [2.0] * 20, "two blocks"),  # one block: every resample the same, a point interval
+    ],
+)
 def test_paired_ratio_refuses_what_would_give_a_meaningless_interval(a, b, needle):
-    from kvpolicy_core.evaluation import paired_ratio
+    from kvpolicy_core.eval.perplexity import paired_ratio
 
     with pytest.raises(ValueError, match=needle):
         paired_ratio(a, b)
@@ -143,19 +174,43 @@ def test_paired_py_matches_rows_of_one_model_and_mode_only(tmp_path):
     rng = np.random.default_rng(3)
 
     def result(name, model, mode, nll_cam, nll_h2o):
-        rows = [{"method": m, "budget": 16, "seed": 0, "compression": 5.0, "perplexity": float(np.exp(np.mean(n))),
-                 "nll": list(n)} for m, n in (("cam", nll_cam), ("h2o", nll_h2o))]
+        rows = [
+            {
+                "method": m,
+                "budget": 16,
+                "seed": 0,
+                "compression": 5.0,
+                "perplexity": float(np.exp(np.mean(n))),
+                "nll": list(n),
+            }
+            for m, n in (("cam", nll_cam), ("h2o", nll_h2o))
+        ]
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({"model": model, "text": "pydoc", "start": 0, "mode": mode, "chunk": 1,
-                                    "ids_sha256": "same", "rows": rows}))
+        path.write_text(
+            json.dumps(
+                {
+                    "model": model,
+                    "text": "pydoc",
+                    "start": 0,
+                    "mode": mode,
+                    "chunk": 1,
+                    "ids_sha256": "same",
+                    "rows": rows,
+                }
+            )
+        )
         return str(path)
 
     base = rng.gamma(2.0, 1.5, 100)
     small = result("small", "m1", "token", base + 0.1, base)
     big = result("big", "m2", "token", base - 1.0, base + 1.0)
     chunked = result("chunked", "m1", "chunked", base + 2.0, base)
-    run = lambda *files: subprocess.run([sys.executable, str(BENCH / "paired.py"), *files, "--out", str(tmp_path)],  # noqa: E731
-                                        capture_output=True, text=True, timeout=300)
+    run = lambda *files: subprocess.run(
+        [sys.executable, str(BENCH / "paired.py"), *files, "--out", str(tmp_path)],  # noqa: E731
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     proc = run(small, big, chunked)
     assert proc.returncode == 0, proc.stderr
     ratios = sorted(round(c["ratio"], 4) for c in json.loads((tmp_path / "paired.json").read_text())["comparisons"])

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from kvpolicy_core import blas, blas_check, blas_elf
+from kvpolicy_core.runtime import blas, blas_check, blas_elf
 
 AVX512 = frozenset("sse4_2 ssse3 pni avx avx2 fma avx512f avx512cd avx512bw avx512dq avx512vl".split())
 AVX2 = frozenset("sse4_2 ssse3 pni avx avx2 fma".split())
@@ -64,13 +64,16 @@ def test_a_build_read_from_its_file_is_judged_against_the_cpu_before_it_runs():
     assert "unknown target" in blas_check.judge_build(blas_elf.StaticBuild(openblas=True, target="FUTURE"), AVX512)[1]
 
 
-@pytest.mark.parametrize("coretype, flags, ok", [
-    ("SkylakeX", AVX2, False),     # OpenBLAS would run AVX-512 kernels on an AVX2 CPU
-    ("skylakex", AVX512, True),    # names are case-insensitive, as in OpenBLAS
-    ("Haswell", AVX2, True),
-    ("Haswell", SSE, False),
-    ("Katmai", SSE, True),         # a core kvpolicy does not know: OpenBLAS's own business
-])
+@pytest.mark.parametrize(
+    "coretype, flags, ok",
+    [
+        ("SkylakeX", AVX2, False),  # OpenBLAS would run AVX-512 kernels on an AVX2 CPU
+        ("skylakex", AVX512, True),  # names are case-insensitive, as in OpenBLAS
+        ("Haswell", AVX2, True),
+        ("Haswell", SSE, False),
+        ("Katmai", SSE, True),  # a core kvpolicy does not know: OpenBLAS's own business
+    ],
+)
 def test_a_user_forced_coretype_must_fit_the_cpu(coretype, flags, ok):
     verdict, why = blas_check.judge_build(DYNAMIC, flags, coretype)
     assert verdict is ok
@@ -84,23 +87,28 @@ def test_coretype_is_forced_only_to_a_core_the_library_carries():
     assert blas_check.best_coretype("Prescott", AVX512, DYNAMIC.cores) == "SkylakeX"
 
 
-@pytest.mark.parametrize("picked, flags, want", [
-    ("Prescott", AVX512, "SkylakeX"),   # library older than the CPU: force the best core the flags allow
-    ("Prescott", AVX2, "Haswell"),
-    ("Prescott", frozenset({"avx"}), "Sandybridge"),
-    ("Prescott", SSE, None),            # nothing better is safe
-    ("Haswell", AVX2, None),            # the library already picked well
-    ("SkylakeX", AVX512, None),
-    ("Zen", AVX2, None),
-])
+@pytest.mark.parametrize(
+    "picked, flags, want",
+    [
+        ("Prescott", AVX512, "SkylakeX"),  # library older than the CPU: force the best core the flags allow
+        ("Prescott", AVX2, "Haswell"),
+        ("Prescott", frozenset({"avx"}), "Sandybridge"),
+        ("Prescott", SSE, None),  # nothing better is safe
+        ("Haswell", AVX2, None),  # the library already picked well
+        ("SkylakeX", AVX512, None),
+        ("Zen", AVX2, None),
+    ],
+)
 def test_coretype_is_forced_only_upwards_and_only_within_the_flags(picked, flags, want):
     assert blas_check.best_coretype(picked, flags) == want
 
 
 def test_cpu_flags_and_model_read_from_a_cpuinfo_file(tmp_path):
     f = tmp_path / "cpuinfo"
-    f.write_text("vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC 7B12\n"
-                 "flags\t\t: fpu sse4_2 avx avx2 fma\n\nprocessor : 1\nflags : avx512f\n")
+    f.write_text(
+        "vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC 7B12\n"
+        "flags\t\t: fpu sse4_2 avx avx2 fma\n\nprocessor : 1\nflags : avx512f\n"
+    )
     assert blas_check.cpu_flags(str(f)) == frozenset({"fpu", "sse4_2", "avx", "avx2", "fma"})
     assert blas_check.cpu_model(str(f)) == "AuthenticAMD 23 49 AMD EPYC 7B12"
     assert blas_check.cpu_flags(str(tmp_path / "missing")) == frozenset()
@@ -139,11 +147,15 @@ const char *openblas_get_config(void) { return "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_
 const char *openblas_get_corename(void) { return "Prescott"; }
 void cblas_sgemm(void) { __builtin_trap(); }
 """
-AVX2_CPUINFO = ("vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC 7B12\n"
-                "flags\t\t: fpu sse sse2 pni ssse3 sse4_1 sse4_2 avx avx2 fma\n")
-AVX512_CPUINFO = ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Intel Xeon\n"
-                  "flags\t\t: fpu sse sse2 pni ssse3 sse4_1 sse4_2 avx avx2 fma avx512f avx512cd avx512bw avx512dq "
-                  "avx512vl\n")
+AVX2_CPUINFO = (
+    "vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC 7B12\n"
+    "flags\t\t: fpu sse sse2 pni ssse3 sse4_1 sse4_2 avx avx2 fma\n"
+)
+AVX512_CPUINFO = (
+    "vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Intel Xeon\n"
+    "flags\t\t: fpu sse sse2 pni ssse3 sse4_1 sse4_2 avx avx2 fma avx512f avx512cd avx512bw avx512dq "
+    "avx512vl\n"
+)
 
 
 def compile_lib(tmp_path_factory, source, name, opt="-O2"):
@@ -173,8 +185,10 @@ def dynamic_lib(tmp_path_factory):
 
 def read_build_in_a_child(path):
     """``blas_elf.read_build(path)`` in a child process: a library that ran while being read would kill it."""
-    code = ("import sys, json; from kvpolicy_core.blas_elf import read_build\n"
-            "b = read_build(sys.argv[1]); print(json.dumps({**b.__dict__, 'cores': sorted(b.cores)}))")
+    code = (
+        "import sys, json; from kvpolicy_core.runtime.blas_elf import read_build\n"
+        "b = read_build(sys.argv[1]); print(json.dumps({**b.__dict__, 'cores': sorted(b.cores)}))"
+    )
     proc = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"reading the file ran the library ({proc.returncode}): {proc.stderr[-1000:]}"
     return json.loads(proc.stdout)
@@ -228,12 +242,12 @@ def test_the_file_read_agrees_with_what_each_installed_openblas_says_of_itself(t
 # Loads the BLAS, records which libraries the probe's child was started for, then multiplies with MLX.
 CHILD = r"""
 import json, sys, warnings
-from kvpolicy_core import blas_check
+from kvpolicy_core.runtime import blas_check
 probed, probe = [], blas_check.probe
 blas_check.probe = lambda path, *a, **k: probed.append(path) or probe(path, *a, **k)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    from kvpolicy_core.blas import blas_info, load_optimized_blas
+    from kvpolicy_core.runtime.blas import blas_info, load_optimized_blas
     load_optimized_blas()
 import mlx.core as mx
 a = mx.arange(12, dtype=mx.float32).reshape(3, 4)
@@ -315,8 +329,9 @@ def test_a_skylakex_build_is_refused_on_an_avx2_cpu_without_being_probed(tmp_pat
 def test_a_forced_core_the_cpu_cannot_run_refuses_a_dynamic_arch_build_without_probing(tmp_path, dynamic_lib):
     """OpenBLAS obeys ``OPENBLAS_CORETYPE`` without checking the CPU: SkylakeX kernels on an AVX2 CPU would die."""
     (tmp_path / "avx2").write_text(AVX2_CPUINFO)
-    out = run_child(tmp_path, KVPOLICY_BLAS=dynamic_lib, KVPOLICY_CPUINFO=str(tmp_path / "avx2"),
-                    OPENBLAS_CORETYPE="SkylakeX")
+    out = run_child(
+        tmp_path, KVPOLICY_BLAS=dynamic_lib, KVPOLICY_CPUINFO=str(tmp_path / "avx2"), OPENBLAS_CORETYPE="SkylakeX"
+    )
     assert out["info"]["path"] != dynamic_lib and dynamic_lib not in out["probed"]
     assert any(dynamic_lib in w and "OPENBLAS_CORETYPE=SkylakeX" in w and "avx512f" in w for w in out["warnings"])
 
@@ -351,10 +366,16 @@ def test_loader_on_this_machine_ends_with_a_working_non_reference_blas(tmp_path)
 
 
 def test_no_candidate_left_warns_with_the_fix(tmp_path, sigill_lib):
-    script = CHILD.replace("load_optimized_blas()", textwrap.dedent("""\
-        import kvpolicy_core.blas as b
+    script = CHILD.replace(
+        "load_optimized_blas()",
+        textwrap.dedent(
+            """\
+        import kvpolicy_core.runtime.blas as b
         b.candidates = lambda: iter([("test", %r)])
-        load_optimized_blas()""" % sigill_lib).replace("\n", "\n    "))
+        load_optimized_blas()"""
+            % sigill_lib
+        ).replace("\n", "\n    "),
+    )
     env = {**os.environ, "KVPOLICY_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -373,8 +394,13 @@ def test_a_corrupt_verdict_cache_is_ignored(tmp_path, sigill_lib):
 def test_cli_doctor_reports_the_blas(tmp_path):
     env = {**os.environ, "KVPOLICY_CACHE": str(tmp_path / "cache")}
     env.pop("KVPOLICY_BLAS", None)
-    proc = subprocess.run([sys.executable, "-m", "kvpolicy_core.cli", "doctor", "--json", "--no-measure"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpolicy_core.apps.cli", "doctor", "--json", "--no-measure"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert set(report) >= {"cpu", "isa", "mlx", "blas"}

@@ -22,15 +22,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kvpolicy_core import blas, blas_check
-
 from test_blas import CHILD, WANT
+
+from kvpolicy_core.runtime import blas, blas_check
 
 QEMU = shutil.which("qemu-x86_64")
 CC = shutil.which("cc") or shutil.which("gcc")
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or QEMU is None or CC is None,
-                                reason="needs x86-64, a C compiler and qemu-user (scripts/setup.sh installs qemu)")
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64" or QEMU is None or CC is None,
+    reason="needs x86-64, a C compiler and qemu-user (scripts/setup.sh installs qemu)",
+)
 #: qemu CPU model -> the core a DYNAMIC_ARCH OpenBLAS picks on it.
 CPUS = {"EPYC-Rome": "Zen", "SandyBridge": "Sandybridge", "Nehalem": "Nehalem"}
 
@@ -61,10 +62,13 @@ def emulated(code, cpu, tmp_path, **env):
         if k not in env:
             full.pop(k, None)
     # qemu runs AVX2 kernels at ~0.01 GFLOP/s: a 128-cubed probe sgemm takes ~0.4 s there, a 512-cubed one ~30 s.
-    prelude = (f"import sys; sys.executable = {str(wrapper)!r}\n"
-               "from kvpolicy_core import blas_check; blas_check.PROBE_N = 128\n")
-    return subprocess.run([QEMU, "-cpu", cpu, sys.executable, "-c", prelude + code], capture_output=True, text=True,
-                          env=full, timeout=600)
+    prelude = (
+        f"import sys; sys.executable = {str(wrapper)!r}\n"
+        "from kvpolicy_core import blas_check; blas_check.PROBE_N = 128\n"
+    )
+    return subprocess.run(
+        [QEMU, "-cpu", cpu, sys.executable, "-c", prelude + code], capture_output=True, text=True, env=full, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +89,10 @@ def test_the_cpuid_reader_agrees_with_proc_cpuinfo_on_this_cpu(cpuinfo_tool, tmp
 
 @pytest.mark.parametrize("cpu", list(CPUS))
 def test_the_avx512_build_really_dies_on_the_emulated_cpu(tmp_path, cmeel, cpu):
-    code = (f"import ctypes; ctypes.CDLL({cmeel!r}, mode=ctypes.RTLD_GLOBAL)\n"
-            "import mlx.core as mx\na = mx.ones((256, 256)); mx.eval(a @ a); print('survived')")
+    code = (
+        f"import ctypes; ctypes.CDLL({cmeel!r}, mode=ctypes.RTLD_GLOBAL)\n"
+        "import mlx.core as mx\na = mx.ones((256, 256)); mx.eval(a @ a); print('survived')"
+    )
     proc = emulated(code, cpu, tmp_path)
     assert proc.returncode in (-4, 132) and "survived" not in proc.stdout, (proc.returncode, proc.stderr[-500:])
 
@@ -116,7 +122,8 @@ def test_a_forced_core_beyond_the_emulated_cpu_refuses_the_library(tmp_path, cpu
     system = [p for s, p in blas.candidates() if s == "system OpenBLAS"]
     if not system:
         pytest.skip("no system OpenBLAS (scripts/setup.sh installs libopenblas0-pthread as root)")
-    out, _ = run_emulated_loader("EPYC-Rome", cpuinfo_tool, tmp_path, KVPOLICY_BLAS=system[0],
-                                 OPENBLAS_CORETYPE="SkylakeX")
+    out, _ = run_emulated_loader(
+        "EPYC-Rome", cpuinfo_tool, tmp_path, KVPOLICY_BLAS=system[0], OPENBLAS_CORETYPE="SkylakeX"
+    )
     assert out["info"]["path"] != system[0] and system[0] not in out["probed"]
     assert any(system[0] in w and "OPENBLAS_CORETYPE=SkylakeX" in w and "avx512f" in w for w in out["warnings"])

@@ -3,21 +3,22 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import SHIPPED_METHODS, VOCAB, plain_caches, random_kv, run_chunks, tiny_llama, with_fields
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
-from helpers import SHIPPED_METHODS, VOCAB, plain_caches, random_kv, run_chunks, tiny_gemma3, tiny_llama, with_fields
-from kvpolicy_core import ConfigError, KVCacheBuilder, ModelError, PolicyCache, attach, detach
-from kvpolicy_core import KVPolicyError
-from kvpolicy_core import attention as attention_hook
-from kvpolicy_core.batch_cache import BatchPolicyCache
-from kvpolicy_core.testing import feed
+from kvpolicy_core import ConfigError, KVCacheBuilder, KVPolicyError, ModelError, PolicyCache, attach, detach
+from kvpolicy_core.cache.batch import BatchPolicyCache
+from kvpolicy_core.testing.conformance import feed
+
 
 @pytest.mark.parametrize("method", SHIPPED_METHODS)
 @pytest.mark.parametrize("chunks", [[40], [1] * 40, [13, 1, 1, 25], [7] * 5 + [1] * 5])
 def test_budget_above_length_reproduces_plain_cache_exactly(llama_model, tokens, method, chunks):
     ref = run_chunks(llama_model, plain_caches(llama_model), tokens, chunks)
-    got = run_chunks(llama_model, KVCacheBuilder.for_model(llama_model, with_fields(method, "budget=64")), tokens, chunks)
+    got = run_chunks(
+        llama_model, KVCacheBuilder.for_model(llama_model, with_fields(method, "budget=64")), tokens, chunks
+    )
     assert mx.array_equal(ref, got)
 
 
@@ -56,7 +57,12 @@ def test_generate_uses_fresh_bounded_caches_with_small_prefill_steps(llama_model
         for _ in range(2):
             caches = llama_model.make_cache()
             made.append(caches)
-            out = [t for (t, _), _ in zip(generate_step(tokens[0], llama_model, prompt_cache=caches, prefill_step_size=7), range(12))]
+            out = [
+                t
+                for (t, _), _ in zip(
+                    generate_step(tokens[0], llama_model, prompt_cache=caches, prefill_step_size=7), range(12)
+                )
+            ]
             assert len(out) == 12 and all(0 <= t < VOCAB for t in out)
             for c in caches:
                 assert isinstance(c, PolicyCache) and c.tokens_kept == 10 and c.offset >= 40 + 11
@@ -73,7 +79,9 @@ def test_mlx_lm_generate_runs_with_attached_caches(tiny_model_dir):
     attach(model, "h2o:budget=16")
     try:
         seen = []
-        for response in mlx_lm.stream_generate(model, tokenizer, "hello there, a prompt longer than the budget", max_tokens=8):
+        for response in mlx_lm.stream_generate(
+            model, tokenizer, "hello there, a prompt longer than the budget", max_tokens=8
+        ):
             seen.append(response.token)
         assert len(seen) == 8
         prompt = "hello again, also a prompt longer than sixteen"
@@ -143,8 +151,8 @@ def test_a_policys_compiled_steps_go_with_it():
     cache uses a policy, its parts and their traces are freed (a server building caches per request)."""
     import gc
 
-    from kvpolicy_core import compiled_parts
-    from kvpolicy_core.testing import feed
+    from kvpolicy_core.cache import compiled as compiled_parts
+    from kvpolicy_core.testing.conformance import feed
 
     gc.collect()
     before = len(compiled_parts._cache)
@@ -226,7 +234,7 @@ def test_attention_hook_is_removable_and_ignores_foreign_caches():
 
 
 def test_observed_signal_without_the_hook_is_a_clear_error():
-    from kvpolicy_core.tiny_models import tiny_model
+    from kvpolicy_core.testing.tiny_models import tiny_model
 
     model = tiny_model("qwen2", seed=5)  # caches built by hand: no hook installed for them
     caches = [PolicyCache("h2o:budget=8,signal=observed", layer=i) for i in range(len(model.layers))]
@@ -278,8 +286,7 @@ def test_trim_is_exact_where_scores_are_per_token(method):
     assert all(np.array_equal(a, b) for a, b in zip(before, _states(trimmed))) and trimmed.offset == 36
 
 
-@pytest.mark.parametrize("method", ["h2o:budget=12", "cam:budget=12", "h2o:budget=12,signal=proxy",
-                                    "tova:budget=12"])
+@pytest.mark.parametrize("method", ["h2o:budget=12", "cam:budget=12", "h2o:budget=12,signal=proxy", "tova:budget=12"])
 def test_trim_is_refused_where_scores_carry_the_attention_of_later_tokens(method):
     cache = PolicyCache(method)
     assert not cache.is_trimmable()  # already empty: mlx-lm's speculative decoding refuses it up front

@@ -7,8 +7,8 @@ import pytest
 from pydantic import Field
 
 from kvpolicy_core import KVCacheBuilder, MethodSpec, PolicyCache, hookimpl, parse_config
-from kvpolicy_core.attention_config import AttentionPolicyConfig
-from kvpolicy_core.plugins import register_plugin, unregister_plugin
+from kvpolicy_core.plugin.attention_config import AttentionPolicyConfig
+from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
 
 
 class QuantishConfig(AttentionPolicyConfig):
@@ -45,7 +45,7 @@ def test_a_config_field_named_bits_is_not_a_cache_attribute(quantish, llama_mode
 def test_counters_and_the_specifications_names_are_properties(llama_model, tokens):
     caches = KVCacheBuilder.for_model(llama_model, parse_config("cam:budget=8,n_sink=2,merge=mean,gate=false"))
     for t in range(24):
-        llama_model(tokens[:1, t % 40:t % 40 + 1], cache=caches)
+        llama_model(tokens[:1, t % 40 : t % 40 + 1], cache=caches)
     c = caches[0]
     assert (c.merge_mode, c.merge_gate, c.n_sink) == ("mean", False, 2)
     assert c.merges == c.stats()["merges"] > 0 and c.gate_draws == c.stats().get("gate_draws", 0)

@@ -3,14 +3,14 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from helpers import CAM_METHODS, feed, random_kv, run_chunks, tiny_llama, with_fields
+
 from kvpolicy_cam import CamConfig
 from kvpolicy_cam.gated_merge import GatedMergeDisposition, bernoulli, gate_probability, merge_targets
 from kvpolicy_cam.paper_merge import PaperMergeDisposition
 from kvpolicy_core import KVCacheBuilder, PolicyCache
+from kvpolicy_core.config.policy import step_key
 from kvpolicy_core.parts.base import CacheView
-from kvpolicy_core.policy import step_key
 
 
 def view(keys, values=None, scores=None, positions=None, offset=None):
@@ -95,7 +95,9 @@ def test_sim_weighted_folds_a_similar_loser_in_strongly_and_a_dissimilar_one_wea
     keys = [[1, 0], [1, 1], [-1, 0.2], [0, 1]]  # loser [0, 1] vs [1, 1]: cos = 0.707
     _, far, _ = blend("sim_weighted", keys, [[0, 0], [0, 0], [9, 9], [10, 10]])
     assert np.allclose(far, np.full(2, 10 / np.sqrt(2)), atol=1e-5)
-    _, neg, _ = blend("sim_weighted", [[1, 0], [-1, 0.1], [-1, -0.1], [1, 0]], [[0, 0], [1, 1], [1, 1], [10, 10]], loser=3)
+    _, neg, _ = blend(
+        "sim_weighted", [[1, 0], [-1, 0.1], [-1, -0.1], [1, 0]], [[0, 0], [1, 1], [1, 1], [10, 10]], loser=3
+    )
     assert np.allclose(neg, [1, 1])  # negative cosine clipped to w = 0
 
 
@@ -186,7 +188,9 @@ def test_paper_merge_spreads_the_loser_over_the_next_m_tokens():
         u = d.dispose(v, L(2), mx.random.key(seed))
         if u.stats["merges"].item():
             break
-    assert u.stats["gate_draws"].item() == 1 and u.stats["merges"].item() == 1 and u.d_keys is None and u.d_scores is None
+    assert (
+        u.stats["gate_draws"].item() == 1 and u.stats["merges"].item() == 1 and u.d_keys is None and u.d_scores is None
+    )
     targets = np.array(u.targets[0, 0]).tolist()
     adds = dict(zip(targets, np.array(u.d_values[0, 0]).tolist()))
     assert sorted(targets) == [3, 4, 5]

@@ -5,13 +5,13 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from helpers import feed, random_kv
+
 from kvpolicy_cam.mass_merge import MassMergeDisposition
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.attention_bias import with_log_weights
+from kvpolicy_core.attention.bias import with_log_weights
+from kvpolicy_core.cache.slots import SlotStore
 from kvpolicy_core.parts.base import CacheView
-from kvpolicy_core.slots import SlotStore
 
 
 def random_view(seed, B=2, H=2, L=12, D=6, log_weights=True):
@@ -23,8 +23,16 @@ def random_view(seed, B=2, H=2, L=12, D=6, log_weights=True):
     s[0, 0, 5] = 0.0  # a slot that drew no attention
     lw = rng.uniform(0.0, 1.0, size=(B, H, L)).astype(np.float32) if log_weights else None
     offset = L + 3
-    view = CacheView(mx.array(K), mx.array(V), mx.array(pos), mx.array(s), offset, 0, None,
-                     log_weights=None if lw is None else mx.array(lw))
+    view = CacheView(
+        mx.array(K),
+        mx.array(V),
+        mx.array(pos),
+        mx.array(s),
+        offset,
+        0,
+        None,
+        log_weights=None if lw is None else mx.array(lw),
+    )
     return view, (K, V, pos, s, lw, offset)
 
 
@@ -40,13 +48,14 @@ def losers_of(view, E, seed):
     return mx.array(out)
 
 
-def reference_mass_merge(K, V, pos, s, lw, offset, losers, log_weights, n_sink=2, min_sim=-1.0, cap=None,
-                         after_tokens=0):
+def reference_mass_merge(
+    K, V, pos, s, lw, offset, losers, log_weights, n_sink=2, min_sim=-1.0, cap=None, after_tokens=0
+):
     """Loops: nearest non-sink survivor by cosine (a loser below ``min_sim`` is dropped, and one whose
     target's log-weight is at ``log(cap)`` already, and every loser before ``offset`` reaches
     ``after_tokens``), then the docstring's equations per target."""
     B, H, L, _ = K.shape
-    K2, V2, s2 = K.copy(), V.copy(), s.copy()
+    V2, s2 = V.copy(), s.copy()
     lw2 = None if lw is None else lw.copy()
     for b in range(B):
         for h in range(H):
@@ -87,8 +96,9 @@ def apply(view, update):
     return store
 
 
-@pytest.mark.parametrize("min_sim, cap, after", [(-1.0, None, 0), (0.5, None, 0), (-1.0, 1.5, 0), (-1.0, None, 1),
-                                                  (-1.0, None, 10**6)])
+@pytest.mark.parametrize(
+    "min_sim, cap, after", [(-1.0, None, 0), (0.5, None, 0), (-1.0, 1.5, 0), (-1.0, None, 1), (-1.0, None, 10**6)]
+)
 @pytest.mark.parametrize("log_weights", [True, False])
 @pytest.mark.parametrize("E", [1, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -96,12 +106,14 @@ def test_mass_merges_match_the_slow_reference(log_weights, E, seed, min_sim, cap
     view, (K, V, pos, s, lw, offset) = random_view(seed, log_weights=log_weights)
     losers = losers_of(view, E, seed)
     after = after * offset  # 0: no condition; 1 x offset: merges (at the threshold); 10**6 x: drops
-    d = MassMergeDisposition(n_sink=2, log_weights=log_weights, gate=False, min_sim=min_sim, cap=cap,
-                             after_tokens=after)
+    d = MassMergeDisposition(
+        n_sink=2, log_weights=log_weights, gate=False, min_sim=min_sim, cap=cap, after_tokens=after
+    )
     store = apply(view, d.dispose(view, losers, mx.random.key(0)))
     cap = cap if log_weights else None  # the cap bounds log-weights: mass_blend keeps none
-    V2, s2, lw2 = reference_mass_merge(K, V, pos, s, lw, offset, np.array(losers), log_weights, min_sim=min_sim,
-                                       cap=cap, after_tokens=after)
+    V2, s2, lw2 = reference_mass_merge(
+        K, V, pos, s, lw, offset, np.array(losers), log_weights, min_sim=min_sim, cap=cap, after_tokens=after
+    )
     np.testing.assert_allclose(np.array(store.values), V2, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.array(store.scores), s2, rtol=1e-6)
     if log_weights:
@@ -124,8 +136,16 @@ def test_mass_merge_keeps_the_attention_output_of_a_query_whose_shares_match_the
     pos = np.array([2, 5, 9], np.int32)
     offset = 12
     s = (p * (offset - pos)).astype(np.float32)  # rate = share
-    view = CacheView(mx.array(K)[None, None], mx.array(V)[None, None], mx.array(pos)[None, None],
-                     mx.array(s)[None, None], offset, 0, None, log_weights=mx.zeros((1, 1, 3)))
+    view = CacheView(
+        mx.array(K)[None, None],
+        mx.array(V)[None, None],
+        mx.array(pos)[None, None],
+        mx.array(s)[None, None],
+        offset,
+        0,
+        None,
+        log_weights=mx.zeros((1, 1, 3)),
+    )
     d = MassMergeDisposition(n_sink=0, log_weights=True, gate=False)
     u = d.dispose(view, mx.array([[[2]]], mx.int32), mx.random.key(0))
     assert u.targets.item() == 1
@@ -137,8 +157,9 @@ def test_mass_merge_keeps_the_attention_output_of_a_query_whose_shares_match_the
     out = mx.fast.scaled_dot_product_attention(qq, Kk, Vk, scale=D**-0.5, mask=mask)
     full = mx.fast.scaled_dot_product_attention(qq, mx.array(K)[None, None], mx.array(V)[None, None], scale=D**-0.5)
     assert mx.allclose(out, full, atol=1e-5)
-    dropped = mx.fast.scaled_dot_product_attention(qq, mx.array(K[:2])[None, None], mx.array(V[:2])[None, None],
-                                                   scale=D**-0.5)
+    dropped = mx.fast.scaled_dot_product_attention(
+        qq, mx.array(K[:2])[None, None], mx.array(V[:2])[None, None], scale=D**-0.5
+    )
     assert not mx.allclose(dropped, full, atol=1e-3)  # dropping l would have changed it
 
 
@@ -146,8 +167,16 @@ def test_mass_blend_barely_moves_a_heavy_survivor():
     K = np.array([[1, 0], [1, 0.1], [1, 0.12], [0, 1]], np.float32)
     V = np.array([[0, 0], [1, 1], [9, 9], [5, 5]], np.float32)
     s = np.array([1, 10.0, 0.1, 1], np.float32)
-    view = CacheView(mx.array(K)[None, None], mx.array(V)[None, None], mx.arange(4, dtype=mx.int32)[None, None],
-                     mx.array(s)[None, None], 4, 0, None, log_weights=None)
+    view = CacheView(
+        mx.array(K)[None, None],
+        mx.array(V)[None, None],
+        mx.arange(4, dtype=mx.int32)[None, None],
+        mx.array(s)[None, None],
+        4,
+        0,
+        None,
+        log_weights=None,
+    )
     u = MassMergeDisposition(n_sink=1, log_weights=False).dispose(view, mx.array([[[2]]], mx.int32), mx.random.key(0))
     store = apply(view, u)
     assert u.targets.item() == 1 and u.d_log_weights is None
@@ -205,7 +234,7 @@ def test_cap_bounds_what_one_slot_stands_for_and_cap_one_is_h2o_exactly():
 
 
 def test_cap_is_refused_below_one_and_for_merges_without_log_weights():
-    from kvpolicy_core.config import parse_config
+    from kvpolicy_core.config.parse import parse_config
     from kvpolicy_core.errors import ConfigError
 
     for bad in ("cam:cap=0.5", "cam:merge=mass_blend,cap=4", "cam:merge=sim_weighted,cap=4"):
@@ -214,7 +243,7 @@ def test_cap_is_refused_below_one_and_for_merges_without_log_weights():
 
 
 def test_min_sim_is_refused_for_merges_that_do_not_use_it():
-    from kvpolicy_core.config import parse_config
+    from kvpolicy_core.config.parse import parse_config
     from kvpolicy_core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="min_sim"):
@@ -294,8 +323,10 @@ def test_after_drops_until_the_cache_has_seen_after_times_its_budget_then_merges
 def test_an_after_beyond_any_offset_is_h2o_for_the_whole_run(after):
     """A threshold past 2**31 tokens (the int32 offset of compiled steps) is accepted and never reached."""
     K, V = random_kv(B=2, H=2, S=40, D=8, seed=12)
-    late, h2o = PolicyCache(f"cam:budget=10,n_sink=2,signal=proxy,min_sim=-1,after={after}"), PolicyCache(
-        "h2o:budget=10,n_sink=2,signal=proxy")
+    late, h2o = (
+        PolicyCache(f"cam:budget=10,n_sink=2,signal=proxy,min_sim=-1,after={after}"),
+        PolicyCache("h2o:budget=10,n_sink=2,signal=proxy"),
+    )
     for c in (late, h2o):
         feed(c, K, V, [12] + [1] * 28)
     assert late.merges == 0
@@ -304,7 +335,7 @@ def test_an_after_beyond_any_offset_is_h2o_for_the_whole_run(after):
 
 
 def test_after_is_refused_below_one_and_for_merges_that_do_not_use_it():
-    from kvpolicy_core.config import parse_config
+    from kvpolicy_core.config.parse import parse_config
     from kvpolicy_core.errors import ConfigError
 
     for bad in ("cam:after=0.5", "cam:merge=sim_weighted,after=2", "cam:merge=drop,after=2"):

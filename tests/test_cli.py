@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvpolicy_core.cli import main
+from kvpolicy_core.apps.cli import main
 
 
 def run(capsys, *argv, stdin=None, monkeypatch=None):
@@ -24,24 +24,56 @@ def test_methods_lists_packages_parts_and_fields(capsys):
     assert "budget = 512" in out and "merge = 'mass'" in out
     code, out, _ = run(capsys, "methods", "--json")
     data = {m["method"]: m for m in json.loads(out)["methods"]}
-    assert data["cam"]["fields"]["merge_gate"]["default"] is False and data["h2o"]["parts"]["selector"] == "lowest_score"
+    assert (
+        data["cam"]["fields"]["merge_gate"]["default"] is False and data["h2o"]["parts"]["selector"] == "lowest_score"
+    )
 
 
 def test_generate_from_argument_file_and_stdin(capsys, tiny_model_dir, tmp_path, monkeypatch):
-    code, out, err = run(capsys, "generate", "hello world, a long prompt", "--model", str(tiny_model_dir),
-                         "--method", "cam:budget=8,n_sink=2", "--max-tokens", "12")
+    code, out, err = run(
+        capsys,
+        "generate",
+        "hello world, a long prompt",
+        "--model",
+        str(tiny_model_dir),
+        "--method",
+        "cam:budget=8,n_sink=2",
+        "--max-tokens",
+        "12",
+    )
     assert code == 0 and out.strip()
     # the gate off is implied by the mass merge: not spelled out in the label
     assert "[cam:budget=8,n_sink=2]" in err and "tok/s" in err and "KV kept" in err and "peak memory" in err
     prompt = tmp_path / "p.txt"
     prompt.write_text("a prompt from a file that is long")
-    code, out, err = run(capsys, "generate", "--file", str(prompt), "--model", str(tiny_model_dir),
-                         "--method", "h2o:budget=8,n_sink=2", "--max-tokens", "5", "--json")
+    code, out, err = run(
+        capsys,
+        "generate",
+        "--file",
+        str(prompt),
+        "--model",
+        str(tiny_model_dir),
+        "--method",
+        "h2o:budget=8,n_sink=2",
+        "--max-tokens",
+        "5",
+        "--json",
+    )
     summary = json.loads(err.strip().splitlines()[-1])
     assert code == 0 and summary["generation_tokens"] == 5 and summary["kv_bytes_kept"] <= summary["kv_bytes_full"]
     assert summary["compression_ratio"] > 1
-    code, out, err = run(capsys, "generate", "--model", str(tiny_model_dir), "--max-tokens", "3", "--method", "full",
-                         stdin="from stdin", monkeypatch=monkeypatch)
+    code, out, err = run(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--max-tokens",
+        "3",
+        "--method",
+        "full",
+        stdin="from stdin",
+        monkeypatch=monkeypatch,
+    )
     assert code == 0 and "[full]" in err
 
 
@@ -49,11 +81,37 @@ def test_eval_table_and_json(capsys, tiny_model_dir, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 4)
     out_json = tmp_path / "r.json"
-    code, out, err = run(capsys, "eval", "--model", str(tiny_model_dir), "--file", str(text), "--tokens", "60",
-                         "--method", "full", "--method", "rotating", "--method", "cam:n_sink=2", "--budget", "12",
-                         "--budget", "24", "--json", str(out_json), "--no-progress")
+    code, out, err = run(
+        capsys,
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--file",
+        str(text),
+        "--tokens",
+        "60",
+        "--method",
+        "full",
+        "--method",
+        "rotating",
+        "--method",
+        "cam:n_sink=2",
+        "--budget",
+        "12",
+        "--budget",
+        "24",
+        "--json",
+        str(out_json),
+        "--no-progress",
+    )
     assert code == 0
-    for label in ("full", "rotating:budget=12", "rotating:budget=24", "cam:budget=12,n_sink=2", "cam:budget=24,n_sink=2"):
+    for label in (
+        "full",
+        "rotating:budget=12",
+        "rotating:budget=24",
+        "cam:budget=12,n_sink=2",
+        "cam:budget=24,n_sink=2",
+    ):
         assert label in out
     data = json.loads(out_json.read_text())
     assert data["tokens"] == 60 and len(data["results"]) == 5
@@ -65,13 +123,35 @@ def test_eval_table_and_json(capsys, tiny_model_dir, tmp_path):
 def test_eval_chunked_mode_and_config_files(capsys, tiny_model_dir, tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('method = "cam"\nbudget = 16\nn_sink = 2\nmerge = "mean"\n')
-    code, out, _ = run(capsys, "eval", "--model", str(tiny_model_dir), "--config", str(cfg), "--tokens", "40",
-                       "--chunk", "8", "--no-progress")
+    code, out, _ = run(
+        capsys,
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--config",
+        str(cfg),
+        "--tokens",
+        "40",
+        "--chunk",
+        "8",
+        "--no-progress",
+    )
     assert code == 0 and "cam:budget=16,n_sink=2,merge=mean" in out and "chunk: 8" in out
     cfg = tmp_path / "c.json"
     cfg.write_text('{"method": "h2o", "h2o_budget": 16, "h2o_n_sink": 2}')
-    code, out, _ = run(capsys, "eval", "--model", str(tiny_model_dir), "--config", str(cfg), "--tokens", "30",
-                       "--no-progress", "--json", "-")
+    code, out, _ = run(
+        capsys,
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--config",
+        str(cfg),
+        "--tokens",
+        "30",
+        "--no-progress",
+        "--json",
+        "-",
+    )
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["results"][0]["spec"] == "h2o:budget=16,n_sink=2"
 
 
@@ -119,21 +199,26 @@ def test_no_prompt_is_an_error(capsys, tiny_model_dir, monkeypatch):
     assert code == 2 and "no prompt" in err
 
 
-@pytest.mark.parametrize("content, needle", [
-    (b"\x00\x01\x9c\xffELF", "not UTF-8 text (byte 0x9c at offset 2)"),
-    (b"", "the file is empty"),
-    (b" \n\t\n", "the file is empty"),
-    (None, "is a directory, not a file"),
-])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"\x00\x01\x9c\xffELF", "not UTF-8 text (byte 0x9c at offset 2)"),
+        (b"", "the file is empty"),
+        (b" \n\t\n", "the file is empty"),
+        (None, "is a directory, not a file"),
+    ],
+)
 def test_unreadable_text_files_are_one_line_naming_the_file(capsys, tmp_path, tiny_model_dir, content, needle):
     path = tmp_path / "in.toml"
     if content is None:
         path.mkdir()
     else:
         path.write_bytes(content)
-    for argv, who in ((["generate", "--file", str(path)], "kvpolicy: error: --file"),
-                      (["eval", "--config", str(path)], "kvpolicy: error: --config"),
-                      (["serve", "--method", str(path)], "kvpolicy serve: error: --method")):
+    for argv, who in (
+        (["generate", "--file", str(path)], "kvpolicy: error: --file"),
+        (["eval", "--config", str(path)], "kvpolicy: error: --config"),
+        (["serve", "--method", str(path)], "kvpolicy serve: error: --method"),
+    ):
         code, _, err = run(capsys, *argv, "--model", str(tiny_model_dir))
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0] == f"{who} {path}: {needle}", err
@@ -143,7 +228,7 @@ def test_prompt_file_with_a_bom_and_from_a_pipe(capsys, tmp_path, tiny_model_dir
     import os
     import threading
 
-    from kvpolicy_core.textfile import read_text_file
+    from kvpolicy_core.apps.textfile import read_text_file
 
     bom = tmp_path / "bom.txt"
     bom.write_bytes(b"\xef\xbb\xbfhello")
@@ -152,7 +237,8 @@ def test_prompt_file_with_a_bom_and_from_a_pipe(capsys, tmp_path, tiny_model_dir
     os.mkfifo(fifo)  # as `--file <(...)` gives: readable, not a regular file
     writer = threading.Thread(target=lambda: fifo.write_text("hello world from a pipe"))
     writer.start()
-    code, out, err = run(capsys, "generate", "--file", str(fifo), "--model", str(tiny_model_dir), "--max-tokens", "2",
-                         "--method", "full")
+    code, out, err = run(
+        capsys, "generate", "--file", str(fifo), "--model", str(tiny_model_dir), "--max-tokens", "2", "--method", "full"
+    )
     writer.join(timeout=10)
     assert code == 0 and "[full]" in err, err

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from kvpolicy_core import MergeUpdate, MethodSpec, PolicyCache, PolicyConfig, hookimpl, pick_lowest
-from kvpolicy_core.plugins import register_plugin, unregister_plugin
-from kvpolicy_core.testing import feed, random_kv
+from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
+from kvpolicy_core.testing.conformance import feed, random_kv
 
 
 class OldSelector:

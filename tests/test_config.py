@@ -8,7 +8,12 @@ from kvpolicy_core import ConfigError, KVCacheConfig, UnknownMethodError, parse_
 def test_spec_api_works_as_written():
     c = KVCacheConfig(method="cam", head_dim=128, cam_budget=512, cam_n_sink=4, cam_merge="sim_weighted")
     assert (c.cam_budget, c.cam_n_sink, c.cam_merge, c.cam_merge_gate, c.cam_merge_keys) == (
-        512, 4, "sim_weighted", True, False)
+        512,
+        4,
+        "sim_weighted",
+        True,
+        False,
+    )
     h = KVCacheConfig(method="h2o", h2o_budget=256, h2o_n_sink=2)
     assert (h.h2o_budget, h.h2o_n_sink, h.seed) == (256, 2, 0)
 
@@ -31,7 +36,14 @@ def test_all_forms_give_the_same_config():
 def test_defaults_match_the_specification_except_the_measured_scorer_and_merge():
     c = parse_config("cam")
     p = c.policy
-    assert (p.budget, p.n_sink, p.merge, p.merge_gate, p.merge_keys, p.merge_min_sim) == (512, 4, "mass", False, True, 0.85)
+    assert (p.budget, p.n_sink, p.merge, p.merge_gate, p.merge_keys, p.merge_min_sim) == (
+        512,
+        4,
+        "mass",
+        False,
+        True,
+        0.85,
+    )
     assert p.recent_tokens == 256
     # scorer defaults chosen by measurement (docs/methods/h2o.md); signal=proxy is the specification's
     assert (p.signal, p.obs_window_rows, p.pool_width) == ("observed", 32, 15)
@@ -46,8 +58,13 @@ def test_defaults_match_the_specification_except_the_measured_scorer_and_merge()
     with pytest.raises(ConfigError, match="prompt=false applies to the mass merges"):
         parse_config("cam:merge=sim_weighted,prompt=false")
     assert (p.merge_cap, blend.merge_cap) == (8.0, None)  # the cap bounds log-weights: mass only
-    for spec in ("cam:keys=false", "cam:min_sim=-1", "cam:budget=64,min_sim=0.7,gate=true", "cam:cap=none",
-                 "cam:cap=4"):
+    for spec in (
+        "cam:keys=false",
+        "cam:min_sim=-1",
+        "cam:budget=64,min_sim=0.7,gate=true",
+        "cam:cap=none",
+        "cam:cap=4",
+    ):
         c = parse_config(spec)
         assert parse_config(c.to_string()) == c  # labels give the config back, implied defaults included
 
@@ -128,12 +145,15 @@ def test_json_round_trip_keeps_method_fields():
     assert parse_config({**{k: v for k, v in data.items() if k != "policy"}, **data["policy"]}) == c
 
 
-@pytest.mark.parametrize("text, want", [
-    ("cam:budget=32", "cam:budget=32"),  # the gate off is implied by the mass merge: not written
-    ("cam:budget=32,gate=true", "cam:budget=32,merge_gate=true"),  # the gate's own default is True
-    ("cam:budget=32,merge=sim_weighted", "cam:budget=32,merge=sim_weighted"),
-    ("cam:budget=32,merge=sim_weighted,gate=false", "cam:budget=32,merge=sim_weighted,merge_gate=false"),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("cam:budget=32", "cam:budget=32"),  # the gate off is implied by the mass merge: not written
+        ("cam:budget=32,gate=true", "cam:budget=32,merge_gate=true"),  # the gate's own default is True
+        ("cam:budget=32,merge=sim_weighted", "cam:budget=32,merge=sim_weighted"),
+        ("cam:budget=32,merge=sim_weighted,gate=false", "cam:budget=32,merge=sim_weighted,merge_gate=false"),
+    ],
+)
 def test_to_string_writes_exactly_what_gives_the_config_back(text, want):
     """A default that depends on another field (CaM's gate) is written only when it differs from
     what the other fields imply: labels stay short and always parse back to the same config."""

@@ -1,9 +1,9 @@
 """The test kit's conformance suite over every method this repository ships: one shared matrix."""
 
 import pytest
-
 from helpers import SHIPPED_METHODS, with_fields
-from kvpolicy_core.testing import PolicyConformance, run_conformance
+
+from kvpolicy_core.testing.conformance import PolicyConformance, run_conformance
 
 SHIPPED = [with_fields(m, "budget=16,n_sink=2") for m in SHIPPED_METHODS]
 

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import SHIPPED_METHODS, with_fields
-from kvpolicy_core.cache import PolicyCache
-from kvpolicy_core.cli import main as cli
-from kvpolicy_core.distributed import free_port_pair
-from kvpolicy_core.tiny_models import write_model_dir
-from kvpolicy_core.persistence import load_caches
+
+from kvpolicy_core.apps.cli import main as cli
+from kvpolicy_core.cache.policy_cache import PolicyCache
+from kvpolicy_core.integration.persistence import load_caches
+from kvpolicy_core.runtime.distributed import free_port_pair
+from kvpolicy_core.testing.tiny_models import write_model_dir
 
 BIN = Path(sys.executable).parent
 DRIVER = Path(__file__).with_name("distributed_driver.py")
@@ -47,8 +47,15 @@ def launch(command, timeout: float = TIMEOUT, cwd=None):
     failure is detected from that warning.
     """
     argv = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", "-p", str(free_port_pair()), "--", *command]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=cwd, start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        start_new_session=True,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -82,12 +89,15 @@ def assert_same_caches(single_file, rank_base, mode):
     want = load_caches(single_file)
     ranks = [load_caches(rank_base, shard=(r, 2)) for r in range(2)]
     if mode == "tensor":  # every rank has every layer and half of each layer's heads
-        got = [tuple(np.concatenate(parts, axis=1) for parts in zip(*(retained(r[i]) for r in ranks)))
-               for i in range(len(want))]
+        got = [
+            tuple(np.concatenate(parts, axis=1) for parts in zip(*(retained(r[i]) for r in ranks)))
+            for i in range(len(want))
+        ]
     else:  # rank 1 holds the first layers, rank 0 the last ones
         got = [retained(c) for c in ranks[1] + ranks[0]]
-        assert [c.layer for c in ranks[1] + ranks[0] if isinstance(c, PolicyCache)] == \
-               [c.layer for c in want if isinstance(c, PolicyCache)]
+        assert [c.layer for c in ranks[1] + ranks[0] if isinstance(c, PolicyCache)] == [
+            c.layer for c in want if isinstance(c, PolicyCache)
+        ]
     assert len(got) == len(want)
     for layer, ((pos, v), c) in enumerate(zip(got, want)):
         w_pos, w_v = retained(c)
@@ -111,8 +121,7 @@ def test_kvpolicy_generate_under_mlx_launch_prints_the_one_process_text(models, 
     args = ["generate", PROMPT, "--model", str(models["llama"]), "--method", "cam:budget=32", "--max-tokens", TOKENS]
     code, want, _ = one_process(args + ["--save-caches", str(tmp_path / "one.safetensors")])
     assert code == 0 and len(want.strip()) > 5
-    out, err = launch([str(BIN / "kvpolicy"), *args, "--save-caches", str(tmp_path / "two.safetensors")],
-                      cwd=tmp_path)
+    out, err = launch([str(BIN / "kvpolicy"), *args, "--save-caches", str(tmp_path / "two.safetensors")], cwd=tmp_path)
     assert out == want  # printed once (rank 0 only), and the same text
     assert "tensor parallel over 2 ranks" in err and err.count("[cam:budget=32]") == 1
     assert "rank 0 of 2: KV bytes are its share" in err
@@ -130,11 +139,44 @@ class Launch:
         self.runs, self.index = [], {}
         for model, parallel in (("llama", "auto"), ("qwen2", "pipeline")):
             for m in self.methods:
-                self.add((parallel, m), ["generate", PROMPT, "--model", str(models[model]), "--method", m,
-                                         "--max-tokens", TOKENS, "--parallel", parallel])
-        self.add("eval", ["eval", "--model", str(models["llama"]), "--file", str(text), "--tokens", "32", "--chunk", "4",
-                          "--method", "full", "--method", "cam:budget=16,n_sink=2", "--method",
-                          "random:budget=16,n_sink=2", "--no-progress", "--json", "-"])
+                self.add(
+                    (parallel, m),
+                    [
+                        "generate",
+                        PROMPT,
+                        "--model",
+                        str(models[model]),
+                        "--method",
+                        m,
+                        "--max-tokens",
+                        TOKENS,
+                        "--parallel",
+                        parallel,
+                    ],
+                )
+        self.add(
+            "eval",
+            [
+                "eval",
+                "--model",
+                str(models["llama"]),
+                "--file",
+                str(text),
+                "--tokens",
+                "32",
+                "--chunk",
+                "4",
+                "--method",
+                "full",
+                "--method",
+                "cam:budget=16,n_sink=2",
+                "--method",
+                "random:budget=16,n_sink=2",
+                "--no-progress",
+                "--json",
+                "-",
+            ],
+        )
         self.add("unsupported", ["generate", PROMPT, "--model", str(models["gemma3_text"]), "--max-tokens", "2"])
         (root / "runs.json").write_text(json.dumps([argv for argv, _ in self.runs]))
         launch([sys.executable, str(DRIVER), str(root / "runs.json"), str(root)], cwd=root)
@@ -149,8 +191,13 @@ class Launch:
     def result(self, name):
         """(rank 0's stdout, rank 0's stderr, [exit code per rank], [report entry per rank], argv)."""
         i = self.index[name]
-        return ((self.root / f"{i}.out").read_text(), (self.root / f"{i}.err").read_text(),
-                [rep[i]["code"] for rep in self.reports], [rep[i] for rep in self.reports], self.runs[i][1])
+        return (
+            (self.root / f"{i}.out").read_text(),
+            (self.root / f"{i}.err").read_text(),
+            [rep[i]["code"] for rep in self.reports],
+            [rep[i] for rep in self.reports],
+            self.runs[i][1],
+        )
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +214,9 @@ def test_every_method_gives_the_one_process_text_and_caches(launched, parallel, 
         code, want, _ = one_process(argv + ["--save-caches", str(tmp_path / "one.safetensors")])
         assert code == 0 and out == want, f"{method}: the text differs from one process"
         assert f"{mode} parallel over 2 ranks" in err
-        assert_same_caches(tmp_path / "one.safetensors", launched.root / f"two-{launched.index[(parallel, method)]}.safetensors", mode)
+        assert_same_caches(
+            tmp_path / "one.safetensors", launched.root / f"two-{launched.index[(parallel, method)]}.safetensors", mode
+        )
         for r, rep in enumerate(reports):  # each rank loaded its own file back and refused the other's
             assert f"saved by rank {1 - r} of 2, but this is rank {r} of 2" in rep["other_refused"], method
     if mode == "pipeline":  # the caches carry the model's global layer indices

@@ -4,7 +4,7 @@ import inspect
 import re
 from pathlib import Path
 
-from kvpolicy_core import hookspecs
+from kvpolicy_core.plugin import hookspecs
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins" / "hooks.md"
 

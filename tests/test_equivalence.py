@@ -2,9 +2,9 @@
 
 import mlx.core as mx
 import pytest
-
 from helpers import feed, random_kv
-from kvpolicy_core import KVCacheBuilder, PolicyCache, build_policy, attach, detach
+
+from kvpolicy_core import PolicyCache, attach, build_policy, detach
 
 GATES = ["gate=true", "gate=false"]
 

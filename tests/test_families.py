@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.models.cache import CacheList, KVCache
 
 from kvpolicy_core import KVCacheBuilder, ModelError, detach
-from kvpolicy_core.testing import tiny_llama
-from kvpolicy_core.tiny_models import REFUSED_FAMILIES, support_matrix, support_table, tiny_model
+from kvpolicy_core.testing.conformance import tiny_llama
+from kvpolicy_core.testing.tiny_models import REFUSED_FAMILIES, support_matrix, support_table, tiny_model
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cache.md"
 
@@ -21,22 +21,36 @@ def test_family_matrix_matches_the_support_table_in_the_docs():
         for config, result in row.items():
             assert result == "works" or result.startswith("refused: "), (family, config, result)
     # the families users run all work with the proxy signal (no attention hook needed)
-    assert all(row["h2o:budget=16,n_sink=2,signal=proxy"] == "works" and row["cam:budget=16,n_sink=2,merge=mass_blend,signal=proxy"] == "works"
-               for row in matrix.values())
+    assert all(
+        row["h2o:budget=16,n_sink=2,signal=proxy"] == "works"
+        and row["cam:budget=16,n_sink=2,merge=mass_blend,signal=proxy"] == "works"
+        for row in matrix.values()
+    )
     # default H2O/CaM (observed signal) work on every family whose attention kvpolicy can observe; the others
     # (hand-written attention: gemma2) are refused with the reason, never run wrong
     for family, row in matrix.items():
         for config in ("h2o:budget=16,n_sink=2", "cam:budget=16,n_sink=2"):
-            assert row[config] == "works" or "cannot observe its attention" in row[config], (family, config, row[config])
+            assert row[config] == "works" or "cannot observe its attention" in row[config], (
+                family,
+                config,
+                row[config],
+            )
     assert [f for f, row in matrix.items() if row["h2o:budget=16,n_sink=2"] != "works"] == ["gemma2"]
     table = support_table(matrix)
-    assert table in DOC.read_text(), f"docs/cache.md is stale; regenerate with python -m kvpolicy_core.tiny_models:\n{table}"
+    assert table in DOC.read_text(), (
+        f"docs/cache.md is stale; regenerate with python -m kvpolicy_core.testing.tiny_models:\n{table}"
+    )
 
 
-@pytest.mark.parametrize("family, reason", [
-    ("gemma3n", "makes 2 caches for 4 layers"), ("deepseek_v3", "latent attention"),
-    ("llama4", "ChunkedKVCache"), ("qwen3_next", "ArraysCache"),
-])
+@pytest.mark.parametrize(
+    "family, reason",
+    [
+        ("gemma3n", "makes 2 caches for 4 layers"),
+        ("deepseek_v3", "latent attention"),
+        ("llama4", "ChunkedKVCache"),
+        ("qwen3_next", "ArraysCache"),
+    ],
+)
 def test_models_kvpolicy_cannot_serve_are_refused_with_the_reason(family, reason):
     assert family in REFUSED_FAMILIES
     model = tiny_model(family)
@@ -52,7 +66,7 @@ def test_hybrid_cache_list_layers_are_refused():
 
 
 def test_the_attention_hook_is_installed_only_when_needed():
-    from kvpolicy_core import attention
+    from kvpolicy_core.attention import hook as attention
 
     refs = lambda name: attention._patched.get(name, (None, 0))[1]  # noqa: E731  installs per module
     model = tiny_llama(seed=4)
@@ -65,7 +79,9 @@ def test_the_attention_hook_is_installed_only_when_needed():
     assert refs("mlx_lm.models.llama") == before
     gemma = tiny_model("gemma3_text")
     before = refs("mlx_lm.models.gemma3_text")
-    caches = KVCacheBuilder.for_model(gemma, "h2o:budget=16,signal=proxy")  # sliding-window layers need the per-layer mask
+    caches = KVCacheBuilder.for_model(
+        gemma, "h2o:budget=16,signal=proxy"
+    )  # sliding-window layers need the per-layer mask
     assert refs("mlx_lm.models.gemma3_text") == before + 1
     detach(gemma)  # nothing attached: the caches keep their hook
     assert refs("mlx_lm.models.gemma3_text") == before + 1
@@ -92,7 +108,7 @@ def test_a_saved_tiny_llama_directory_holds_the_in_memory_weights(tmp_path):
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from kvpolicy_core.tiny_models import write_tiny_llama_dir
+    from kvpolicy_core.testing.tiny_models import write_tiny_llama_dir
 
     path = write_tiny_llama_dir(tmp_path / "m", seed=3)
     saved = mx.load(str(path / "model.safetensors"))

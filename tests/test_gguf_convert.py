@@ -41,14 +41,23 @@ def write_gguf(path, rng):
     tensors = {"token_embd.weight": (len(TOKENS), HIDDEN), "output_norm.weight": (HIDDEN,)}
     for i in range(LAYERS):
         b = f"blk.{i}."
-        tensors.update({
-            b + "attn_q.weight": (HEADS * HD, HIDDEN), b + "attn_k.weight": (KV * HD, HIDDEN),
-            b + "attn_v.weight": (KV * HD, HIDDEN), b + "attn_output.weight": (HIDDEN, HEADS * HD),
-            b + "attn_q_norm.weight": (HD,), b + "attn_k_norm.weight": (HD,),
-            b + "ffn_gate.weight": (FFN, HIDDEN), b + "ffn_up.weight": (FFN, HIDDEN), b + "ffn_down.weight": (HIDDEN, FFN),
-            b + "attn_norm.weight": (HIDDEN,), b + "post_attention_norm.weight": (HIDDEN,),
-            b + "ffn_norm.weight": (HIDDEN,), b + "post_ffw_norm.weight": (HIDDEN,),
-        })
+        tensors.update(
+            {
+                b + "attn_q.weight": (HEADS * HD, HIDDEN),
+                b + "attn_k.weight": (KV * HD, HIDDEN),
+                b + "attn_v.weight": (KV * HD, HIDDEN),
+                b + "attn_output.weight": (HIDDEN, HEADS * HD),
+                b + "attn_q_norm.weight": (HD,),
+                b + "attn_k_norm.weight": (HD,),
+                b + "ffn_gate.weight": (FFN, HIDDEN),
+                b + "ffn_up.weight": (FFN, HIDDEN),
+                b + "ffn_down.weight": (HIDDEN, FFN),
+                b + "attn_norm.weight": (HIDDEN,),
+                b + "post_attention_norm.weight": (HIDDEN,),
+                b + "ffn_norm.weight": (HIDDEN,),
+                b + "post_ffw_norm.weight": (HIDDEN,),
+            }
+        )
     arrays = {}
     for name, shape in tensors.items():
         a = (rng.standard_normal(shape) * 0.1).astype(np.float32)
@@ -88,7 +97,9 @@ def test_conversion_shifts_norms_dequantises_and_loads(tmp_path):
     weights = mx.load(str(out / "model.safetensors"))
     norm = np.array(weights["model.layers.1.pre_feedforward_layernorm.weight"])
     np.testing.assert_allclose(norm, arrays["blk.1.ffn_norm.weight"] - 1.0, atol=1e-6)
-    np.testing.assert_allclose(np.array(weights["model.layers.0.self_attn.q_proj.weight"]), arrays["blk.0.attn_q.weight"])
+    np.testing.assert_allclose(
+        np.array(weights["model.layers.0.self_attn.q_proj.weight"]), arrays["blk.0.attn_q.weight"]
+    )
     q8 = np.array(weights["model.layers.0.mlp.up_proj.weight"])
     assert np.abs(q8 - arrays["blk.0.ffn_up.weight"]).max() < 0.01  # Q8_0 round trip
     assert weights["model.embed_tokens.weight"].dtype == mx.float32

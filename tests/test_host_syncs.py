@@ -17,10 +17,10 @@ from mlx_lm.models.cache import KVCache
 from kvpolicy_cam.config import CamConfig
 from kvpolicy_cam.mass_merge import MassMergeDisposition
 from kvpolicy_core import KVCacheBuilder, MethodSpec, PluginError, PolicyCache, attach, detach, hookimpl
+from kvpolicy_core.cache.step import PolicyStep, valid_by_construction
 from kvpolicy_core.parts.base import Disposition
-from kvpolicy_core.plugins import register_plugin, unregister_plugin
-from kvpolicy_core.policy_step import PolicyStep, valid_by_construction
-from kvpolicy_core.shipped_parts import shipped
+from kvpolicy_core.parts.shipped import shipped
+from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
 
 PACKAGES = ["kvpolicy_core", "kvpolicy_h2o", "kvpolicy_cam"]
 FIELDS = "budget=8,n_sink=2"  # prompts of 20-24 tokens: every decode step evicts
@@ -80,8 +80,17 @@ def test_no_host_sync_on_a_decode_step_of_a_shipped_method(model, method):
 def test_the_counter_counts_each_kind_of_read_inserted_on_the_decode_path(monkeypatch, model, read):
     """One read of each kind, made from kvpolicy's decode path (the attention-hook check every cache step runs),
     is counted once per layer per step; mlx-lm's own read of the sampled token is not (it is outside kvpolicy)."""
-    reads = {"item": lambda a: a.item(), "tolist": lambda a: a.tolist(), "bool": bool, "if": lambda a: 1 if a else 0,
-             "int": int, "float": float, "numpy": lambda a: np.asarray(a), "eval": lambda a: mx.eval(a), "str": str}
+    reads = {
+        "item": lambda a: a.item(),
+        "tolist": lambda a: a.tolist(),
+        "bool": bool,
+        "if": lambda a: 1 if a else 0,
+        "int": int,
+        "float": float,
+        "numpy": lambda a: np.asarray(a),
+        "eval": lambda a: mx.eval(a),
+        "str": str,
+    }
     real = PolicyStep.check_observed
 
     def check_observed(self, *args):
@@ -114,8 +123,11 @@ class OutsideMass(PluginMass):
 
 
 #: a copy of CaM's class posing as it (its name, module and methods): another class, so a plugin's part
-CopiedMass = type("MassMergeDisposition", (Disposition,),
-                  {k: v for k, v in vars(MassMergeDisposition).items() if k not in ("__dict__", "__weakref__")})
+CopiedMass = type(
+    "MassMergeDisposition",
+    (Disposition,),
+    {k: v for k, v in vars(MassMergeDisposition).items() if k not in ("__dict__", "__weakref__")},
+)
 
 
 class MassPlugin:
@@ -155,10 +167,21 @@ def test_a_plugins_merge_keeps_its_checks_and_their_host_sync(mass_plugin, metho
     model = tiny_llama(layers=2, seed=1)
     config = f"{method}:{FIELDS},min_sim=-1"
     assert single_syncs(model, KVCacheBuilder.for_model(model, config)) == [2 * 2] * STEPS
-    tokens = [t for t, _ in generate_step(mx.arange(24), model, max_tokens=12,
-                                          prompt_cache=KVCacheBuilder.for_model(model, config))]
-    cam = [t for t, _ in generate_step(mx.arange(24), model, max_tokens=12,
-                                       prompt_cache=KVCacheBuilder.for_model(model, f"cam:{FIELDS},min_sim=-1"))]
+    tokens = [
+        t
+        for t, _ in generate_step(
+            mx.arange(24), model, max_tokens=12, prompt_cache=KVCacheBuilder.for_model(model, config)
+        )
+    ]
+    cam = [
+        t
+        for t, _ in generate_step(
+            mx.arange(24),
+            model,
+            max_tokens=12,
+            prompt_cache=KVCacheBuilder.for_model(model, f"cam:{FIELDS},min_sim=-1"),
+        )
+    ]
     assert tokens == cam
 
 

@@ -43,7 +43,7 @@ def find_cycle(g):
         stack.append(n)
         for m in g[n]:
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state:
                 found = visit(m)
                 if found:
@@ -62,7 +62,7 @@ def find_cycle(g):
 
 def test_core_has_no_import_cycle():
     g = graph()
-    assert "kvpolicy_core.config" in g and "kvpolicy_core.plugins" in g["kvpolicy_core.config"]
+    assert "kvpolicy_core.config.parse" in g and "kvpolicy_core.plugin.discovery" in g["kvpolicy_core.config.parse"]
     cycle = find_cycle(g)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -73,7 +73,7 @@ def test_the_checker_finds_a_cycle():
 
 
 def test_a_config_with_a_typed_policy_needs_no_registry(monkeypatch):
-    import kvpolicy_core.config as config_module
+    import kvpolicy_core.config.parse as config_module
     from kvpolicy_h2o import H2OConfig
 
     def no_registry():

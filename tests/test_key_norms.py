@@ -1,4 +1,4 @@
-"""Per-slot key norms kept by the cache for CaM's cosine search (issue 16): always the norms of the keys."""
+"""Per-slot key norms kept by the cache for CaM's cosine search: always the norms of the keys."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvpolicy_cam.gated_merge import cosine_to_all
 from kvpolicy_core import PolicyCache
 from kvpolicy_core.parts.base import CacheView
-from kvpolicy_core.testing import feed, random_kv
-from kvpolicy_cam.gated_merge import cosine_to_all
+from kvpolicy_core.testing.conformance import feed, random_kv
 
 
 def _check(cache):
@@ -19,7 +19,9 @@ def _check(cache):
     np.testing.assert_allclose(np.array(view.key_norms), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["cam:merge=mean,gate=false,keys=true", "cam:keys=true", "cam:merge=sim_weighted,signal=proxy"])
+@pytest.mark.parametrize(
+    "method", ["cam:merge=mean,gate=false,keys=true", "cam:keys=true", "cam:merge=sim_weighted,signal=proxy"]
+)
 def test_kept_norms_follow_appends_decode_writes_compaction_and_key_merges(method):
     cache = PolicyCache(f"{method},budget=10,n_sink=2")
     K, V = random_kv(B=2, H=3, S=60, D=8, seed=1)

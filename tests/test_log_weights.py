@@ -5,16 +5,24 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import feed, random_kv, run_chunks, tiny_gemma3, tiny_llama
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from helpers import feed, random_kv, run_chunks, tiny_gemma3, tiny_llama
-from kvpolicy_core import (CacheFileError, KVCacheBuilder, MergeUpdate, PluginError, PolicyCache, attention,
-                           load_caches, save_caches)
-from kvpolicy_core.attention_bias import with_log_weights
-from kvpolicy_core.builder import needs_hook
+from kvpolicy_core import (
+    CacheFileError,
+    KVCacheBuilder,
+    MergeUpdate,
+    PluginError,
+    PolicyCache,
+    load_caches,
+    save_caches,
+)
+from kvpolicy_core.attention import hook as attention
+from kvpolicy_core.attention.bias import with_log_weights
+from kvpolicy_core.cache.slots import LOG_WEIGHT_BOUND
+from kvpolicy_core.config.policy import Policy, build_policy
+from kvpolicy_core.integration.builder import needs_hook
 from kvpolicy_core.parts.drop import DropDisposition
-from kvpolicy_core.policy import Policy, build_policy
-from kvpolicy_core.slots import LOG_WEIGHT_BOUND
 
 
 class LogWeightedDrop(DropDisposition):
@@ -141,9 +149,14 @@ class ScriptedLogWeightMerge(DropDisposition):
         B, H, _ = losers.shape
         t = mx.zeros((B, H, 1), mx.int32)
         dv = mx.zeros((B, H, 1, view.values.shape[-1]))
-        d_lw = {"ok": mx.ones((B, H, 1)), "shape": mx.ones((B, H, 2)), "list": [[[1.0]]],
-                "nan": mx.full((B, H, 1), math.nan), "inf": mx.full((B, H, 1), math.inf),
-                "-inf": mx.full((B, H, 1), -math.inf)}[self.mode]
+        d_lw = {
+            "ok": mx.ones((B, H, 1)),
+            "shape": mx.ones((B, H, 2)),
+            "list": [[[1.0]]],
+            "nan": mx.full((B, H, 1), math.nan),
+            "inf": mx.full((B, H, 1), math.inf),
+            "-inf": mx.full((B, H, 1), -math.inf),
+        }[self.mode]
         return MergeUpdate(t, None, dv, None, d_log_weights=d_lw)
 
 

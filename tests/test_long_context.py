@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from kvpolicy_core.cli import main
-from kvpolicy_core.tasks import ruler
-from kvpolicy_core.tasks.ruler import TaskParams, build_context, build_suite, score
+from kvpolicy_core.apps.cli import main
+from kvpolicy_core.eval.tasks import ruler
+from kvpolicy_core.eval.tasks.ruler import TaskParams, build_context, build_suite, score
 
 SMALL = {  # parameters that fit the tiny model's character-level contexts of a few hundred tokens
     "niah_multikey": TaskParams(keys=3, questions=3, digits=4),
@@ -64,15 +64,25 @@ def test_common_words_are_the_most_frequent_words_of_the_list(tok):
     words = [w for w in body.split() if w.isalpha()]
     counts = {w: words.count(w) for w in set(words)}
     assert sorted(ctx.questions[0].answers) == sorted(sorted(counts, key=counts.get)[-2:])
-    assert min(counts[w] for w in ctx.questions[0].answers) == 6 > max(
-        c for w, c in counts.items() if w not in ctx.questions[0].answers)
+    assert (
+        min(counts[w] for w in ctx.questions[0].answers)
+        == 6
+        > max(c for w, c in counts.items() if w not in ctx.questions[0].answers)
+    )
 
 
 def test_suite_has_cwe_once_per_seed_and_bad_inputs_are_clear(tok):
     suite = build_suite(tok, ["niah_single", "cwe"], [600], ["pydoc", "noise"], [0, 1], params=SMALL)
     assert sorted(c.id for c in suite) == sorted(
-        ["niah_single-pydoc-600-0", "niah_single-pydoc-600-1", "niah_single-noise-600-0",
-         "niah_single-noise-600-1", "cwe-wordlist-600-0", "cwe-wordlist-600-1"])
+        [
+            "niah_single-pydoc-600-0",
+            "niah_single-pydoc-600-1",
+            "niah_single-noise-600-0",
+            "niah_single-noise-600-1",
+            "cwe-wordlist-600-0",
+            "cwe-wordlist-600-1",
+        ]
+    )
     with pytest.raises(ValueError, match="task must be one of"):
         build_context(tok, "qa", 600)
     with pytest.raises(ValueError, match="no room for a haystack"):
@@ -115,7 +125,7 @@ def _suite(tok):
 
 
 def test_both_protocols_answer_every_question_for_every_method(tiny):
-    from kvpolicy_core.tasks.ruler_runner import format_table, run_suite, summarize
+    from kvpolicy_core.eval.tasks.ruler_runner import format_table, run_suite, summarize
 
     model, tok = tiny
     suite = _suite(tok)
@@ -136,7 +146,7 @@ def test_each_question_sees_only_the_compressed_context(tiny):
     """Query-agnostic: the answer to a question does not depend on which questions were asked before it."""
     import dataclasses
 
-    from kvpolicy_core.tasks.ruler_runner import run_context
+    from kvpolicy_core.eval.tasks.ruler_runner import run_context
 
     model, tok = tiny
     ctx = _suite(tok)[0]
@@ -146,21 +156,29 @@ def test_each_question_sees_only_the_compressed_context(tiny):
         fwd = run_context(model, tok, ctx, spec, ["query-agnostic"], 128, early_stop=False)
         bwd = run_context(model, tok, backwards, spec, ["query-agnostic"], 128, early_stop=False)
         assert [r["output"] for r in fwd] == [r["output"] for r in bwd][::-1], spec
-        alone = run_context(model, tok, dataclasses.replace(ctx, questions=ctx.questions[1:2]), spec,
-                            ["query-agnostic"], 128, early_stop=False)
+        alone = run_context(
+            model,
+            tok,
+            dataclasses.replace(ctx, questions=ctx.questions[1:2]),
+            spec,
+            ["query-agnostic"],
+            128,
+            early_stop=False,
+        )
         assert alone[0]["output"] == fwd[1]["output"], spec
 
 
 def test_shared_first_chunk_is_each_methods_own_prefill(tiny):
     """Replaying the recorded first chunk gives the answers of prefilling each method through generate_step."""
-    from kvpolicy_core.tasks.ruler_runner import run_suite
+    from kvpolicy_core.eval.tasks.ruler_runner import run_suite
 
     model, tok = tiny
     suite = _suite(tok)[:1]
     shared = run_suite(model, tok, suite, SPECS, prefill_step=128, early_stop=False)
     own = run_suite(model, tok, suite, SPECS, prefill_step=128, share_first_chunk=False, early_stop=False)
-    assert [(r["method"], r["protocol"], r["output"]) for r in shared] == \
-        [(r["method"], r["protocol"], r["output"]) for r in own]
+    assert [(r["method"], r["protocol"], r["output"]) for r in shared] == [
+        (r["method"], r["protocol"], r["output"]) for r in own
+    ]
 
 
 def test_question_in_prompt_is_generate_step_on_the_full_prompt(tiny):
@@ -168,8 +186,8 @@ def test_question_in_prompt_is_generate_step_on_the_full_prompt(tiny):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from kvpolicy_core.evaluation import make_caches
-    from kvpolicy_core.tasks.ruler_runner import run_context
+    from kvpolicy_core.eval.perplexity import make_caches
+    from kvpolicy_core.eval.tasks.ruler_runner import run_context
 
     model, tok = tiny
     ctx = _suite(tok)[1]
@@ -177,8 +195,13 @@ def test_question_in_prompt_is_generate_step_on_the_full_prompt(tiny):
     got = run_context(model, tok, ctx, spec, ["question-in-prompt"], 128, early_stop=False)[0]
     q = ctx.questions[0]
     out = []
-    for t, _ in generate_step(mx.array(ctx.full_prompt_ids(0)), model, max_tokens=q.max_new_tokens,
-                              prompt_cache=make_caches(model, spec), prefill_step_size=128):
+    for t, _ in generate_step(
+        mx.array(ctx.full_prompt_ids(0)),
+        model,
+        max_tokens=q.max_new_tokens,
+        prompt_cache=make_caches(model, spec),
+        prefill_step_size=128,
+    ):
         if t in ctx.stop_ids:
             break
         out.append(t)
@@ -187,12 +210,37 @@ def test_question_in_prompt_is_generate_step_on_the_full_prompt(tiny):
 
 def test_cli_ruler_table_json_and_jsonl(capsys, tiny_model_dir, tmp_path):
     out, prompts = tmp_path / "ruler.json", tmp_path / "prompts.jsonl"
-    base = ["eval", "--task", "ruler", "--model", str(tiny_model_dir), "--lengths", "400", "--ruler-tasks",
-            "niah_single", "--haystack", "noise", "--no-progress"]
+    base = [
+        "eval",
+        "--task",
+        "ruler",
+        "--model",
+        str(tiny_model_dir),
+        "--lengths",
+        "400",
+        "--ruler-tasks",
+        "niah_single",
+        "--haystack",
+        "noise",
+        "--no-progress",
+    ]
     assert main(base + ["--export-jsonl", str(prompts)]) == 0
     assert [c.task for c in ruler.read_jsonl(prompts)] == ["niah_single"]
-    code = main(base + ["--method", "h2o", "--ratio", "4", "--prefill-step", "128", "--json", str(out),
-                        "--protocol", "query-agnostic"])
+    code = main(
+        base
+        + [
+            "--method",
+            "h2o",
+            "--ratio",
+            "4",
+            "--prefill-step",
+            "128",
+            "--json",
+            str(out),
+            "--protocol",
+            "query-agnostic",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "h2o:budget=100" in printed and "full" in printed

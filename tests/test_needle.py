@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from kvpolicy_core.cli import main
-from kvpolicy_core.tasks.haystack import haystack_text
-from kvpolicy_core.tasks.needle import build_trial, first_number
+from kvpolicy_core.apps.cli import main
+from kvpolicy_core.eval.tasks.haystack import haystack_text
+from kvpolicy_core.eval.tasks.needle import build_trial, first_number
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,32 @@ def test_first_number_is_exact():
 
 def test_cli_needle_table_and_json(capsys, tiny_model_dir, tmp_path):
     out = tmp_path / "needle.json"
-    code = main(["eval", "--task", "needle", "--model", str(tiny_model_dir), "--lengths", "60", "--depths", "0,1",
-                 "--method", "full", "--method", "h2o", "--budget", "40", "--prefill-step", "16",
-                 "--haystack", "stdlib", "--json", str(out), "--no-progress"])
+    code = main(
+        [
+            "eval",
+            "--task",
+            "needle",
+            "--model",
+            str(tiny_model_dir),
+            "--lengths",
+            "60",
+            "--depths",
+            "0,1",
+            "--method",
+            "full",
+            "--method",
+            "h2o",
+            "--budget",
+            "40",
+            "--prefill-step",
+            "16",
+            "--haystack",
+            "stdlib",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "h2o:budget=40" in printed and "found" in printed
@@ -84,10 +107,8 @@ def test_smollm2_converts_and_answers():
 @pytest.mark.parametrize("model_name", ["llama", "gemma"])
 def test_replayed_prefill_is_the_real_prefill(model_name, llama_model, gemma_model, tok):
     """Sharing one recorded prefill between specs gives the same caches and answers as prefilling each."""
-    import mlx.core as mx
-    import numpy as np
 
-    from kvpolicy_core.tasks.needle import record_prefill, replayable, run_trial
+    from kvpolicy_core.eval.tasks.needle import record_prefill, replayable, run_trial
 
     model = llama_model if model_name == "llama" else gemma_model
     trial = build_trial(tok, "needle", "pydoc", 30, 0.5, seed=0)

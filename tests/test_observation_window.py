@@ -5,13 +5,13 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from helpers import random_kv
-from kvpolicy_core import ConfigError, KVCacheBuilder, PolicyCache, parse_config
-from kvpolicy_core.parts.observation_window import ObservationWindowScorer, pool_by_position
-from kvpolicy_core.policy import build_policy
 from reference import reference_window
 from test_h2o import as_dicts, assert_same, drive
+
+from kvpolicy_core import ConfigError, KVCacheBuilder, PolicyCache, parse_config
+from kvpolicy_core.config.policy import build_policy
+from kvpolicy_core.parts.observation_window import ObservationWindowScorer, pool_by_position
 
 CHUNKS = [[24], [9, 1, 1, 1, 6, 1, 5], [16, 8], [3, 17, 1, 3], [2, 3, 4, 15]]  # the last two: runs of chunks
 
@@ -58,8 +58,10 @@ def test_decode_steps_are_the_cumulative_scorer():
     """Token by token (S == 1 always) the window scorer is exactly observed H2O."""
     K, V = random_kv(B=1, H=2, S=40, D=8, seed=24)
     Q = mx.random.normal((1, 4, 40, 8), key=mx.random.key(25))
-    runs = [as_dicts(drive(PolicyCache(f"h2o:budget=12,signal=observed{extra}"), K, V, [1] * 40, Q, 0.3))
-            for extra in ("", ",obs_window=0,pool=1")]
+    runs = [
+        as_dicts(drive(PolicyCache(f"h2o:budget=12,signal=observed{extra}"), K, V, [1] * 40, Q, 0.3))
+        for extra in ("", ",obs_window=0,pool=1")
+    ]
     assert runs[0] == runs[1]
 
 

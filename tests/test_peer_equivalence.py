@@ -13,9 +13,9 @@ chunks that fit (``prefill_step_size=1`` in ``generate_step``).
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import VOCAB, run_chunks, tiny_llama
 from mlx_lm.models.cache import RotatingKVCache
 
-from helpers import VOCAB, run_chunks, tiny_llama
 from kvpolicy_core import KVCacheBuilder
 
 pytest.importorskip("kvpolicy_streaming", reason="examples/kvpolicy-streaming is not installed")
@@ -73,8 +73,10 @@ def test_same_tokens_on_the_default_model():
     prompt = "The history of the Roman Empire covers the history of ancient Rome from the fall of the Roman Republic"
     outs, logits = [], []
     budget, sinks = 31, 4
-    for caches in ([RotatingKVCache(max_size=budget + 1, keep=sinks) for _ in model.layers],
-                   KVCacheBuilder.for_model(model, f"streamingllm:budget={budget},n_sink={sinks}")):
+    for caches in (
+        [RotatingKVCache(max_size=budget + 1, keep=sinks) for _ in model.layers],
+        KVCacheBuilder.for_model(model, f"streamingllm:budget={budget},n_sink={sinks}"),
+    ):
         rs = list(mlx_lm.stream_generate(model, tok, prompt, max_tokens=24, prompt_cache=caches, prefill_step_size=1))
         outs.append([r.token for r in rs])
         logits.append(np.stack([np.array(r.logprobs) for r in rs]))

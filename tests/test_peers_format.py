@@ -17,8 +17,12 @@ _spec.loader.exec_module(peers)
 
 
 def _line(**over):
-    row = {"id": "a", "task": "needle_single", "context_ids": [1, 2, 3],
-           "questions": [{"question_ids": [4, 5], "answers": ["48213"], "max_new_tokens": 8}]}
+    row = {
+        "id": "a",
+        "task": "needle_single",
+        "context_ids": [1, 2, 3],
+        "questions": [{"question_ids": [4, 5], "answers": ["48213"], "max_new_tokens": 8}],
+    }
     row.update(over)
     return json.dumps(row)
 
@@ -60,15 +64,28 @@ def test_prompts_file_round_trips_and_bad_lines_name_line_and_field(tmp_path):
 
 def test_table_merges_libraries_into_one_row_per_method_ratio_and_task(tmp_path):
     def result(library, method, ratio, scores, seconds):
-        rows = [{"library": library, "method": method, "ratio": ratio, "task": "needle_single", "score": s,
-                 "seconds": t, "prefill_s": t - 1, "cpu_s": t / 2, "prefill_cpu_s": t / 4,
-                 "answers": [{"seconds": 1.0}]} for s, t in zip(scores, seconds)]
+        rows = [
+            {
+                "library": library,
+                "method": method,
+                "ratio": ratio,
+                "task": "needle_single",
+                "score": s,
+                "seconds": t,
+                "prefill_s": t - 1,
+                "cpu_s": t / 2,
+                "prefill_cpu_s": t / 4,
+                "answers": [{"seconds": 1.0}],
+            }
+            for s, t in zip(scores, seconds)
+        ]
         path = tmp_path / f"{library}_{method}.json"
         path.write_text(json.dumps({"library": library, "threads": 1, "rows": rows}))
         return path
 
-    text = peers.table([result("kvpolicy", "h2o", 8.0, [1, 0, 0], [3, 4, 5]),
-                        result("kvpress", "no_press", 1.0, [1, 1], [2, 2])])
+    text = peers.table(
+        [result("kvpolicy", "h2o", 8.0, [1, 0, 0], [3, 4, 5]), result("kvpress", "no_press", 1.0, [1, 1], [2, 2])]
+    )
     lines = text.splitlines()
     assert lines[2] == "| kvpress | no_press | 1x | needle_single | 100 | 2 | 2.0 | 1.0 | 0.5 |"
     assert lines[3] == "| kvpolicy | h2o | 8x | needle_single | 33 | 3 | 4.0 | 2.0 | 1.0 |"

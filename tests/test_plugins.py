@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 from kvpolicy_core import PluginError, get_registry, reset_registry
-from kvpolicy_core.plugins import register_plugin, unregister_plugin
+from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
 
 
 def make_dist(root, name, modules, entry_points):
@@ -62,7 +62,9 @@ def test_entry_point_from_an_installed_distribution(site):
 
 
 def test_broken_plugin_is_reported_and_skipped(site):
-    make_dist(site, "kvpolicy_broken", {"kvp_broken": "raise ImportError('no numpy for you')"}, {"broken": "kvp_broken"})
+    make_dist(
+        site, "kvpolicy_broken", {"kvp_broken": "raise ImportError('no numpy for you')"}, {"broken": "kvp_broken"}
+    )
     make_dist(site, "kvpolicy_oldest", {"kvp_oldest": GOOD}, {"oldest": "kvp_oldest"})
     reset_registry()
     with pytest.warns(RuntimeWarning, match=r"skipping plugin 'broken' \(kvp_broken, from kvpolicy_broken\).*no numpy"):
@@ -95,7 +97,7 @@ def test_duplicate_method_names_both_plugins(site):
     with pytest.warns(RuntimeWarning, match="registered twice: plugin 'fakecam'") as w:
         reg = get_registry()
     assert "'cam'" in str(w[0].message)
-    assert reg.methods()["cam"].plugin == "cam"  # the shipped plugin keeps its name (issue 13)
+    assert reg.methods()["cam"].plugin == "cam"  # the shipped plugin keeps its name
     assert reg.method("cam").config_class.__name__ == "CamConfig"
     assert "h2o" in reg.methods()  # the others carry on
 
@@ -136,8 +138,8 @@ def test_invalid_config_class_and_raising_hook_are_reported(site):
 
 
 def test_registry_is_lazy_and_pluggy_is_not_on_the_decode_path(llama_model, monkeypatch):
+    import kvpolicy_core.plugin.discovery as plugins
     from kvpolicy_core import KVCacheBuilder
-    import kvpolicy_core.plugins as plugins
 
     caches = KVCacheBuilder.for_model(llama_model, "cam:budget=8")
     monkeypatch.setattr(plugins, "get_registry", lambda: (_ for _ in ()).throw(AssertionError("registry used")))
@@ -188,21 +190,28 @@ def test_a_third_party_method_with_a_shipped_name_is_reported_and_the_shipped_on
     assert reg.methods()["other"].dist == "other_pkg"  # only the clashing registration is skipped
     (conflict,) = reg.conflicts
     assert (conflict.kind, conflict.name, conflict.kept, conflict.skipped) == (
-        "methods", "h2o", "kvpolicy-h2o:h2o", "other_pkg:h2o")
+        "methods",
+        "h2o",
+        "kvpolicy-h2o:h2o",
+        "other_pkg:h2o",
+    )
     assert conflict.message in " ".join(reg.failures)  # `kvpolicy methods` shows the failures
 
 
 def test_a_third_party_entry_point_loading_a_shipped_module_does_not_take_its_methods(site):
     make_dist(site, "other_pkg", {}, {"mine": "kvpolicy_h2o.plugin"})
     reset_registry()
-    with pytest.warns(RuntimeWarning, match=r"'mine' \(kvpolicy_h2o.plugin, from other_pkg\).*'kvpolicy-h2o:h2o' already"):
+    with pytest.warns(
+        RuntimeWarning, match=r"'mine' \(kvpolicy_h2o.plugin, from other_pkg\).*'kvpolicy-h2o:h2o' already"
+    ):
         reg = get_registry()
     assert reg.methods()["h2o"].dist == "kvpolicy-h2o" and reg.methods()["h2o"].plugin == "h2o"
 
 
 @pytest.mark.parametrize("alpha_first", [True, False])
 def test_a_clash_between_two_third_party_plugins_is_won_by_the_first_distribution_name(
-        site, tmp_path_factory, monkeypatch, alpha_first):
+    site, tmp_path_factory, monkeypatch, alpha_first
+):
     """The winner does not depend on sys.path order: distributions load in name order (shipped ones first)."""
     other = tmp_path_factory.mktemp("other_site")
     first, second = (site, other) if alpha_first else (other, site)
@@ -217,11 +226,16 @@ def test_a_clash_between_two_third_party_plugins_is_won_by_the_first_distributio
     assert [(c.kept, c.skipped) for c in reg.conflicts] == [("kvp_alpha:oldest", "kvp_beta:oldest")]
 
 
-@pytest.mark.parametrize("block, left", [("other-pkg", {"h2o": "kvpolicy-h2o"}),
-                                         ("Other_Pkg:h2o", {"h2o": "kvpolicy-h2o"}),
-                                         ("kvpolicy-h2o", {"h2o": "other_pkg"}),
-                                         ("kvpolicy-h2o:h2o, other_pkg", {}),
-                                         ("h2o", {})])  # a bare entry-point name: every entry point so named
+@pytest.mark.parametrize(
+    "block, left",
+    [
+        ("other-pkg", {"h2o": "kvpolicy-h2o"}),
+        ("Other_Pkg:h2o", {"h2o": "kvpolicy-h2o"}),
+        ("kvpolicy-h2o", {"h2o": "other_pkg"}),
+        ("kvpolicy-h2o:h2o, other_pkg", {}),
+        ("h2o", {}),
+    ],
+)  # a bare entry-point name: every entry point so named
 def test_blocking_names_a_distribution_or_one_of_its_entry_points(site, monkeypatch, block, left):
     make_dist(site, "other_pkg", {"other_h2o": method_plugin("h2o")}, {"h2o": "other_h2o"})
     monkeypatch.setenv("KVPOLICY_BLOCK_PLUGINS", block)
@@ -273,8 +287,12 @@ def test_a_plugin_that_exits_in_a_hook_is_reported_and_rolled_back(site):
 
 
 def test_ctrl_c_while_a_plugin_imports_is_not_swallowed(site):
-    make_dist(site, "kvp_interrupted", {"kvp_interrupted_mod": "raise KeyboardInterrupt\n"},
-              {"interrupted": "kvp_interrupted_mod"})
+    make_dist(
+        site,
+        "kvp_interrupted",
+        {"kvp_interrupted_mod": "raise KeyboardInterrupt\n"},
+        {"interrupted": "kvp_interrupted_mod"},
+    )
     reset_registry()
     with pytest.raises(KeyboardInterrupt):
         get_registry()

@@ -11,10 +11,10 @@ import gc
 
 import mlx.core as mx
 import pytest
+from helpers import SHIPPED_METHODS, tiny_llama, with_fields
 from mlx_lm.generate import generate_step
 
-from helpers import SHIPPED_METHODS, tiny_llama, with_fields
-from kvpolicy_core.builder import KVCacheBuilder
+from kvpolicy_core.integration.builder import KVCacheBuilder
 
 CHUNK, CHUNKS, BUDGET = 48, 10, 16
 
@@ -28,8 +28,9 @@ def _active_after_each_chunk(model, caches, prompt):
             gc.collect()
             seen.append(mx.get_active_memory())
 
-    gen = generate_step(prompt, model, prompt_cache=caches, max_tokens=1, prefill_step_size=CHUNK,
-                        prompt_progress_callback=progress)
+    gen = generate_step(
+        prompt, model, prompt_cache=caches, max_tokens=1, prefill_step_size=CHUNK, prompt_progress_callback=progress
+    )
     next(gen)
     gen.close()
     return seen

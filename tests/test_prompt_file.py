@@ -15,17 +15,20 @@ import sys
 import mlx.core as mx
 import mlx_lm
 import pytest
-from kvpolicy_core.model.tiny import write_model_dir
-from kvpolicy_core.prompt_file import document_ids, file_metadata, question_ids
 from mlx_lm.generate import generate_step
 from server_kit import Server
 
 from kvpolicy_core import KVCacheBuilder
+from kvpolicy_core.apps.prompt_file import document_ids, file_metadata, question_ids
+from kvpolicy_core.testing.tiny_models import write_model_dir
 
 METHOD = "cam:budget=32,n_sink=2"
 STEP = 64  # prefill chunk: the document is prefilled in several chunks, evicting between them
-DOCUMENT = "the quick brown fox jumps over the lazy dog. " * 4 + "the secret number is 4821. " + \
-    "hello world, how are you today? " * 3
+DOCUMENT = (
+    "the quick brown fox jumps over the lazy dog. " * 4
+    + "the secret number is 4821. "
+    + "hello world, how are you today? " * 3
+)
 QUESTIONS = ("what is the secret number?", "who jumps over the dog?")
 MAX_TOKENS = 12
 
@@ -49,9 +52,23 @@ def compressed(tmp_path_factory):
     d = tmp_path_factory.mktemp("prompt-file")
     write_model_dir(d / "model", "llama", layers=2)
     (d / "doc.txt").write_text(DOCUMENT)
-    out = _done(_cli("kvpolicy_core.cli", "cache-prompt", "--model", str(d / "model"), "--file", str(d / "doc.txt"),
-                     "--method", METHOD, "--prefill-step-size", str(STEP), "--prompt-cache-file",
-                     str(d / "doc.safetensors"), "--json"))
+    out = _done(
+        _cli(
+            "kvpolicy_core.apps.cli",
+            "cache-prompt",
+            "--model",
+            str(d / "model"),
+            "--file",
+            str(d / "doc.txt"),
+            "--method",
+            METHOD,
+            "--prefill-step-size",
+            str(STEP),
+            "--prompt-cache-file",
+            str(d / "doc.safetensors"),
+            "--json",
+        )
+    )
     return d, json.loads(out)
 
 
@@ -61,13 +78,18 @@ def reference(compressed):
     d, _ = compressed
     model, tokenizer = mlx_lm.load(str(d / "model"))
     caches = KVCacheBuilder.for_model(model, METHOD)
-    for _ in generate_step(mx.array(document_ids(tokenizer, DOCUMENT)), model, max_tokens=0, prompt_cache=caches,
-                           prefill_step_size=STEP):
+    for _ in generate_step(
+        mx.array(document_ids(tokenizer, DOCUMENT)), model, max_tokens=0, prompt_cache=caches, prefill_step_size=STEP
+    ):
         pass
     answers = {}
     for q in QUESTIONS:
-        ids = [r.token for r in mlx_lm.stream_generate(model, tokenizer, question_ids(tokenizer, q),
-                                                        max_tokens=MAX_TOKENS, prompt_cache=copy.deepcopy(caches))]
+        ids = [
+            r.token
+            for r in mlx_lm.stream_generate(
+                model, tokenizer, question_ids(tokenizer, q), max_tokens=MAX_TOKENS, prompt_cache=copy.deepcopy(caches)
+            )
+        ]
         answers[q] = (tokenizer.decode(ids), ids)
     return answers, len(document_ids(tokenizer, DOCUMENT))
 
@@ -87,10 +109,25 @@ def test_questions_from_the_file_in_new_processes_equal_a_fresh_copy_each(compre
     d, _ = compressed
     path = d / "doc.safetensors"
     before = _sha(path)
-    kvpolicy = {q: _cli("kvpolicy_core.cli", "generate", "--prompt-cache", str(path), q, "--max-tokens",
-                        str(MAX_TOKENS)) for q in QUESTIONS}
-    mlx = {q: _cli("kvpolicy_core.with_mlx_lm", "generate", "--prompt-cache-file", str(path), "--prompt", q,
-                   "--max-tokens", str(MAX_TOKENS), "--verbose", "False") for q in QUESTIONS}
+    kvpolicy = {
+        q: _cli("kvpolicy_core.apps.cli", "generate", "--prompt-cache", str(path), q, "--max-tokens", str(MAX_TOKENS))
+        for q in QUESTIONS
+    }
+    mlx = {
+        q: _cli(
+            "kvpolicy_core.apps.with_mlx_lm",
+            "generate",
+            "--prompt-cache-file",
+            str(path),
+            "--prompt",
+            q,
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--verbose",
+            "False",
+        )
+        for q in QUESTIONS
+    }
     answers = reference[0]
     assert answers[QUESTIONS[0]] != answers[QUESTIONS[1]]
     for q in QUESTIONS:
@@ -106,8 +143,9 @@ def test_serve_answers_every_request_that_extends_the_document_from_a_copy(compr
     server = Server(["--prompt-cache", str(path), "--max-tokens", str(MAX_TOKENS)])
     try:
         for i, q in enumerate(QUESTIONS + QUESTIONS[:1]):
-            status, body = server.post("/v1/completions", {"prompt": DOCUMENT + q, "max_tokens": MAX_TOKENS,
-                                                            "logprobs": True})
+            status, body = server.post(
+                "/v1/completions", {"prompt": DOCUMENT + q, "max_tokens": MAX_TOKENS, "logprobs": True}
+            )
             assert status == 200, body
             ids = [c["id"] for c in body["choices"][0]["logprobs"]["content"]]
             assert ids == reference[0][q][1], q
@@ -124,12 +162,16 @@ def test_a_prompt_cache_with_another_method_or_model_is_refused(compressed, tmp_
     d, _ = compressed
     other = write_model_dir(tmp_path / "other", "llama", layers=2, seed=1)
     path = str(d / "doc.safetensors")
-    for args, needle in ((["generate", "--prompt-cache", path, "q", "--method", "h2o"],
-                          "the method comes from the file"),
-                         (["generate", "--prompt-cache", path, "q", "--model", str(other)],
-                          "is not the model the prompt cache was made with"),
-                         (["serve", "--prompt-cache", path, "--method", "h2o"], "is not the method of --prompt-cache"),
-                         (["serve", "--prompt-cache", path, "--model", str(other)], "is not the model of")):
-        proc = subprocess.run([sys.executable, "-m", "kvpolicy_core.cli", *args], capture_output=True, text=True,
-                              timeout=300)
+    for args, needle in (
+        (["generate", "--prompt-cache", path, "q", "--method", "h2o"], "the method comes from the file"),
+        (
+            ["generate", "--prompt-cache", path, "q", "--model", str(other)],
+            "is not the model the prompt cache was made with",
+        ),
+        (["serve", "--prompt-cache", path, "--method", "h2o"], "is not the method of --prompt-cache"),
+        (["serve", "--prompt-cache", path, "--model", str(other)], "is not the model of"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvpolicy_core.apps.cli", *args], capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-1000:]

@@ -3,12 +3,12 @@ random budgets, sinks, recent windows, batch sizes, head counts, head dims and u
 
 import mlx.core as mx
 import numpy as np
+from helpers import SHIPPED_METHODS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import SHIPPED_METHODS
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.testing import feed, random_kv
+from kvpolicy_core.testing.conformance import feed, random_kv
 
 METHODS = SHIPPED_METHODS
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -21,8 +21,13 @@ def scenarios(draw):
     recent = draw(st.integers(0, budget - n_sink - 1))
     sizes = draw(st.lists(st.one_of(st.integers(1, 3), st.integers(1, 300)), min_size=1, max_size=12))
     return {
-        "budget": budget, "n_sink": n_sink, "recent": recent, "sizes": sizes,
-        "B": draw(st.integers(1, 3)), "H": draw(st.integers(1, 3)), "D": draw(st.sampled_from([4, 8, 16])),
+        "budget": budget,
+        "n_sink": n_sink,
+        "recent": recent,
+        "sizes": sizes,
+        "B": draw(st.integers(1, 3)),
+        "H": draw(st.integers(1, 3)),
+        "D": draw(st.sampled_from([4, 8, 16])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -71,7 +76,9 @@ def test_cam_drop_equals_h2o(s, gate):
 def test_a_merge_conserves_total_score_mass(s):
     total = sum(s["sizes"])
     keys, values = random_kv(B=s["B"], H=s["H"], S=total, D=s["D"], seed=s["seed"])
-    cache = PolicyCache(config("cam:min_sim=-1,prompt=true,cap=none", s))  # every loser merges (no gate, threshold, cap)
+    cache = PolicyCache(
+        config("cam:min_sim=-1,prompt=true,cap=none", s)
+    )  # every loser merges (no gate, threshold, cap)
     feed(cache, keys, values, s["sizes"])
     before = np.array(cache.scores).sum(axis=-1)
     cache.settle()  # budget > n_sink + recent leaves a non-sink survivor for every loser: all merge

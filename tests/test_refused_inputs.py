@@ -1,15 +1,23 @@
 """Inputs that look almost valid are refused with a message naming the field (or the part) and what it accepts."""
 
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers import random_kv
 
-from kvpolicy_core import ConfigError, MethodSpec, PluginError, PolicyCache, PolicyConfig, Scorer, hookimpl
-from kvpolicy_core import parse_config
+from kvpolicy_core import (
+    ConfigError,
+    MethodSpec,
+    PluginError,
+    PolicyCache,
+    PolicyConfig,
+    Scorer,
+    hookimpl,
+    parse_config,
+)
 from kvpolicy_core.parts.base import MergeUpdate
-from kvpolicy_core.plugins import register_plugin, unregister_plugin
-from kvpolicy_core.testing import feed
+from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
+from kvpolicy_core.testing.conformance import feed
 
 
 # ----------------------------------------------------------------------------- CaM's similarity threshold
@@ -26,9 +34,16 @@ def test_min_sim_inside_the_cosine_range_is_accepted(value):
 
 
 # ----------------------------------------------------------------------------- numbers in config strings
-@pytest.mark.parametrize("text, field", [("h2o:budget=１６", "budget"), ("cam:min_sim=０.５", "min_sim"),
-                                         ("h2o:budget=16,n_sink=٣", "n_sink"), ("h2o:head_dim=１２８", "head_dim"),
-                                         ({"method": "h2o", "budget": "１６"}, "budget")])
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("h2o:budget=１６", "budget"),
+        ("cam:min_sim=０.５", "min_sim"),
+        ("h2o:budget=16,n_sink=٣", "n_sink"),
+        ("h2o:head_dim=１２８", "head_dim"),
+        ({"method": "h2o", "budget": "１６"}, "budget"),
+    ],
+)
 def test_config_strings_accept_only_ascii_digits(text, field):
     with pytest.raises(ConfigError, match=rf"^(\w+_)?{field}: .*ASCII digits 0-9"):
         parse_config(text)
@@ -37,7 +52,11 @@ def test_config_strings_accept_only_ascii_digits(text, field):
 def test_ascii_numbers_in_config_strings_still_parse():
     config = parse_config("cam:budget=+16,n_sink=2,min_sim=-0.5,cap=1e1,head_dim=16")
     assert (config.policy.budget, config.policy.merge_min_sim, config.policy.merge_cap, config.head_dim) == (
-        16, -0.5, 10.0, 16)
+        16,
+        -0.5,
+        10.0,
+        16,
+    )
 
 
 # ----------------------------------------------------------------------------- head dim of the keys
@@ -106,8 +125,11 @@ def foreign_plugin():
 def test_a_scorer_returning_a_non_mlx_array_is_told_to_return_an_mx_array(foreign_plugin, kind, type_name):
     ForeignScorer.kind = kind
     keys, values = random_kv(S=3)
-    with pytest.raises(PluginError, match=rf"scorer 'foreign' .* returned scores as a {type_name}, not an "
-                                          r"mx\.array: it must return an mx\.array of shape \(2, 3, 3\)") as e:
+    with pytest.raises(
+        PluginError,
+        match=rf"scorer 'foreign' .* returned scores as a {type_name}, not an "
+        r"mx\.array: it must return an mx\.array of shape \(2, 3, 3\)",
+    ) as e:
         PolicyCache("foreign:budget=8,n_sink=1").update_and_fetch(keys, values)
     assert "shape (2, 3, 3), expected" not in str(e.value)
 

@@ -5,15 +5,22 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from helpers import SHIPPED_METHODS, VOCAB, plain_caches, random_kv, run_chunks, tiny_llama, with_fields
+
 from kvpolicy_core import (
-    CacheFileError, KVCacheBuilder, MethodSpec, PluginError, PolicyCache, PolicyConfig, hookimpl,
-    load_caches, save_caches,
+    CacheFileError,
+    KVCacheBuilder,
+    MethodSpec,
+    PluginError,
+    PolicyCache,
+    PolicyConfig,
+    hookimpl,
+    load_caches,
+    save_caches,
 )
 from kvpolicy_core.parts.cumulative_attention import CumulativeAttentionScorer
-from kvpolicy_core.plugins import register_plugin, unregister_plugin
-from kvpolicy_core.testing import feed
+from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
+from kvpolicy_core.testing.conformance import feed
 
 MERGING = [with_fields(m, "budget=8,n_sink=2") for m in SHIPPED_METHODS]
 
@@ -99,8 +106,15 @@ def faulty():
 
 
 def snapshot(cache):
-    return [np.array(x) for x in (cache.keys[..., : cache.n, :], cache.values[..., : cache.n, :],
-                                  cache.positions[..., : cache.n], cache.scores)] + [cache.n, cache.offset]
+    return [
+        np.array(x)
+        for x in (
+            cache.keys[..., : cache.n, :],
+            cache.values[..., : cache.n, :],
+            cache.positions[..., : cache.n],
+            cache.scores,
+        )
+    ] + [cache.n, cache.offset]
 
 
 def same(a, b):

@@ -15,10 +15,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import VOCAB, feed, random_kv, run_chunks, tiny_llama
-from kvpolicy_core.persistence import _digest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvpolicy_core import CacheFileError, KVCacheBuilder, KVPolicyError, PolicyCache, load_caches, save_caches
+from kvpolicy_core.integration.persistence import _digest
 
 
 def _resign(path, edit):
@@ -41,18 +41,22 @@ def saved(tmp_path, llama_model):
 def _set(name, fn):
     def edit(arrays, header):
         arrays[name] = fn(arrays[name])
+
     return edit
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (_set("0.positions", lambda p: p[..., :-1]), "positions must be int32"),
-    (_set("0.scores", lambda s: mx.concatenate([s, s[..., :1]], axis=-1)), "scores must be float32"),
-    (_set("0.keys", lambda k: (k * 100).astype(mx.int32)), "keys must have a floating dtype"),
-    (_set("0.positions", lambda p: mx.concatenate([p, p], axis=0)), "positions must be int32"),
-    (_set("0.positions", lambda p: p + 1000), "positions must be in \\[0, offset\\)"),
-    (_set("0.positions", lambda p: mx.zeros_like(p)), "positions repeat"),
-    (_set("0.positions", lambda p: p.astype(mx.int64)), "positions must be int32"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (_set("0.positions", lambda p: p[..., :-1]), "positions must be int32"),
+        (_set("0.scores", lambda s: mx.concatenate([s, s[..., :1]], axis=-1)), "scores must be float32"),
+        (_set("0.keys", lambda k: (k * 100).astype(mx.int32)), "keys must have a floating dtype"),
+        (_set("0.positions", lambda p: mx.concatenate([p, p], axis=0)), "positions must be int32"),
+        (_set("0.positions", lambda p: p + 1000), "positions must be in \\[0, offset\\)"),
+        (_set("0.positions", lambda p: mx.zeros_like(p)), "positions repeat"),
+        (_set("0.positions", lambda p: p.astype(mx.int64)), "positions must be int32"),
+    ],
+)
 def test_a_re_signed_file_with_a_bad_state_is_refused_when_loaded(saved, edit, needle):
     with pytest.raises(CacheFileError, match=needle):
         load_caches(_resign(saved, edit))
@@ -81,8 +85,11 @@ def test_load_caches_with_the_model_checks_heads_and_head_dims(tmp_path):
     caches = KVCacheBuilder.for_model(two_heads, "h2o:budget=8,n_sink=2")
     two_heads(mx.array([[1, 2, 3, 4]]), cache=caches)
     path = save_caches(tmp_path / "c.safetensors", caches)
-    with pytest.raises(CacheFileError, match=r"layer 0 holds \(kv heads, key dim, value dim\) \(2, 16, 16\), but "
-                                             r"the model's layer 0 has \(1, 16, 16\)"):
+    with pytest.raises(
+        CacheFileError,
+        match=r"layer 0 holds \(kv heads, key dim, value dim\) \(2, 16, 16\), but "
+        r"the model's layer 0 has \(1, 16, 16\)",
+    ):
         load_caches(path, model=one_head)
     assert [c.offset for c in load_caches(path, model=two_heads)] == [4, 4]
 
@@ -100,10 +107,13 @@ def test_a_state_without_its_meta_is_refused():
     assert cache.keys is None and cache.offset == 0
 
 
-@pytest.mark.parametrize("config, needle", [
-    ("cam:budget=16,n_sink=2,signal=proxy", "made by h2o .* but this cache is cam"),
-    ("h2o:budget=8,n_sink=2,signal=proxy", "budget 16.* this cache is h2o \\(budget 8"),
-])
+@pytest.mark.parametrize(
+    "config, needle",
+    [
+        ("cam:budget=16,n_sink=2,signal=proxy", "made by h2o .* but this cache is cam"),
+        ("h2o:budget=8,n_sink=2,signal=proxy", "budget 16.* this cache is h2o \\(budget 8"),
+    ],
+)
 def test_the_state_setter_refuses_a_state_of_another_policy(config, needle):
     target = _fed(config, S=6)
     before = [np.array(x) for x in target.state[:4]]
@@ -144,7 +154,7 @@ def test_mlx_lm_round_trip_between_prompt_chunks_continues_exactly(tmp_path, lla
 
 
 def test_mlx_lm_prompt_cache_of_a_batch_loads_back(tmp_path, llama_model):
-    from kvpolicy_core.batch_cache import BatchPolicyCache
+    from kvpolicy_core.cache.batch import BatchPolicyCache
 
     rows = []
     for seed in (1, 2):

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import resume_driver as driver
 from helpers import feed, random_kv
-from kvpolicy_core.model.tiny import write_model_dir
 from mlx_lm.models.cache import save_prompt_cache
 
 from kvpolicy_core import KVCacheBuilder, ModelError, PolicyCache, load_caches, save_caches
+from kvpolicy_core.testing.tiny_models import write_model_dir
 
 DRIVER = Path(__file__).with_name("resume_driver.py")
 
@@ -57,8 +57,12 @@ def resumed(tmp_path_factory):
         save_prompt_cache(str(d / f"{i}.prompt.safetensors"), caches)  # settles the caches (A's too)
         driver.save_states(d / f"{i}.states.safetensors", caches)
         want["settled", i] = driver.continuation(model, caches)
-    procs = {r: subprocess.Popen([sys.executable, str(DRIVER), r, str(d)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True) for r in driver.ROUTES}
+    procs = {
+        r: subprocess.Popen(
+            [sys.executable, str(DRIVER), r, str(d)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for r in driver.ROUTES
+    }
     got = {}
     for route, proc in procs.items():
         output = proc.communicate(timeout=600)[0]
@@ -75,8 +79,11 @@ def test_caches_restored_in_a_new_process_continue_bit_for_bit(resumed, route):
     assert not refused, refused
     kind = "settled" if route in driver.SETTLED else "raw"
     for i, method in enumerate(driver.METHODS):
-        assert np.array_equal(logits[str(i)], want[kind, i]), (route, method,
-                                                                float(np.abs(logits[str(i)] - want[kind, i]).max()))
+        assert np.array_equal(logits[str(i)], want[kind, i]), (
+            route,
+            method,
+            float(np.abs(logits[str(i)] - want[kind, i]).max()),
+        )
 
 
 def _without_hook_record(meta_json: str) -> str:
@@ -110,8 +117,11 @@ def test_a_hook_on_a_module_that_cannot_be_imported_is_refused_when_restoring():
     feed(cache, *random_kv(B=1, H=2, S=6, D=16), (6,))
     state = list(cache.state)
     meta = json.loads(state[4])
-    for modules, needle in ((["mlx_lm.models.no_such_family"], "cannot import"),
-                            (["some_plugin.not_imported"], "is not imported"), (["json"], "has no")):
+    for modules, needle in (
+        (["mlx_lm.models.no_such_family"], "cannot import"),
+        (["some_plugin.not_imported"], "is not imported"),
+        (["json"], "has no"),
+    ):
         state[4] = json.dumps({**meta, "hook": modules})
         with pytest.raises(ModelError, match=needle):
             PolicyCache.from_state(state)

@@ -43,8 +43,9 @@ def reference(tiny_dir):
 
     def run(prompt: str, max_tokens: int):
         ids, lps = [], []
-        for (t, lp), _ in zip(generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=max_tokens),
-                              range(max_tokens)):
+        for (t, lp), _ in zip(
+            generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=max_tokens), range(max_tokens)
+        ):
             ids.append(t)
             lps.append(lp[t].item())
             if t in tokenizer.eos_token_ids:
@@ -56,8 +57,9 @@ def reference(tiny_dir):
 
 
 def completion(server, prompt, max_tokens, **extra):
-    status, body = server.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
-                                                    "logprobs": True, **extra})
+    status, body = server.post(
+        "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "logprobs": True, **extra}
+    )
     assert status == 200, body
     content = body["choices"][0]["logprobs"]["content"]
     return [c["id"] for c in content], [c["logprob"] for c in content], body
@@ -71,8 +73,10 @@ def assert_same(got, want):
 
 
 def test_chat_completion(server):
-    status, body = server.post("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hello world, how are you today?"}], "max_tokens": 6})
+    status, body = server.post(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hello world, how are you today?"}], "max_tokens": 6},
+    )
     assert status == 200, body
     choice = body["choices"][0]
     assert body["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
@@ -87,8 +91,11 @@ def test_text_completion_equals_the_prompt_generated_alone(server, reference):
 
 
 def test_streaming_sse(server):
-    events = list(server.stream("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "the lazy dog"}], "max_tokens": 5}))
+    events = list(
+        server.stream(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "the lazy dog"}], "max_tokens": 5}
+        )
+    )
     assert events[-1] == {"done": True}
     chunks = [e for e in events[:-1] if e.get("choices")]
     assert chunks and all(e["object"] == "chat.completion.chunk" for e in chunks)
@@ -191,15 +198,18 @@ def test_bad_requests_get_http_errors_and_the_server_keeps_serving(server):
     assert len(completion(server, "hello", 2)[0]) >= 1
 
 
-@pytest.mark.parametrize("method, needle", [
-    ("nosuch", "unknown method 'nosuch'"),
-    ("cam:budget=0", "budget"),
-    ("cam:merge=sideways", "merge"),
-    ("missing.toml", "no such file"),
-    ('{"method": "h2o", "budget": "many"}', "budget"),
-])
+@pytest.mark.parametrize(
+    "method, needle",
+    [
+        ("nosuch", "unknown method 'nosuch'"),
+        ("cam:budget=0", "budget"),
+        ("cam:merge=sideways", "merge"),
+        ("missing.toml", "no such file"),
+        ('{"method": "h2o", "budget": "many"}', "budget"),
+    ],
+)
 def test_bad_method_is_a_clear_error_before_anything_loads(tiny_dir, method, needle, capsys):
-    from kvpolicy_core import serve
+    from kvpolicy_core.apps import serve
 
     assert serve.main(["--model", str(tiny_dir), "--method", method]) == 2
     err = capsys.readouterr().err
@@ -213,7 +223,7 @@ def test_bad_method_fails_the_command_at_start_up(tiny_dir):
 
 
 def test_method_from_json_and_toml_files(tmp_path):
-    from kvpolicy_core.serve import load_method
+    from kvpolicy_core.apps.serve import load_method
 
     (tmp_path / "m.toml").write_text('method = "h2o"\nbudget = 6\nn_sink = 1\n')
     (tmp_path / "m.json").write_text('{"method": "cam", "budget": 7, "merge": "mean"}')
@@ -234,9 +244,13 @@ def test_default_model_cam_64_two_concurrent_chats():
         results = [None, None]
 
         def chat(i):
-            results[i] = s.post("/v1/chat/completions", {
-                "messages": [{"role": "user", "content": question if i == 0 else "Write a haiku about autumn."}],
-                "max_tokens": 8})
+            results[i] = s.post(
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": question if i == 0 else "Write a haiku about autumn."}],
+                    "max_tokens": 8,
+                },
+            )
 
         threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
         for t in threads:

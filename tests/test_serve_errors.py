@@ -54,28 +54,34 @@ def test_empty_prompt_is_a_400_and_the_server_keeps_serving(server):
     assert_serving(server)
 
 
-@pytest.mark.parametrize("headers, body, needle", [
-    (b"Content-Length: \xb2", b'{"prompt": "x"}', "Invalid Content-Length header"),  # '²' is a digit to isdigit()
-    (b"Content-Length: +43", b'{"prompt": "x", "kvpolicy": "h2o:budget=4"}', "Invalid Content-Length header"),
-    (b"Content-Length: 500", b'{"prompt": "x"}', "ended after 15 of the 500 bytes"),
-    (b"Content-Length: 3", b"\xff\xfe{", "not UTF-8"),
-    (b"Content-Length: 100000", b"[" * 100000, "nested too deeply"),
-])
+@pytest.mark.parametrize(
+    "headers, body, needle",
+    [
+        (b"Content-Length: \xb2", b'{"prompt": "x"}', "Invalid Content-Length header"),  # '²' is a digit to isdigit()
+        (b"Content-Length: +43", b'{"prompt": "x", "kvpolicy": "h2o:budget=4"}', "Invalid Content-Length header"),
+        (b"Content-Length: 500", b'{"prompt": "x"}', "ended after 15 of the 500 bytes"),
+        (b"Content-Length: 3", b"\xff\xfe{", "not UTF-8"),
+        (b"Content-Length: 100000", b"[" * 100000, "nested too deeply"),
+    ],
+)
 def test_malformed_http_requests_are_400s_naming_the_problem(server, headers, body, needle):
     status, raw = server.raw_post("/v1/completions", headers + b"\r\nContent-Type: application/json", body)
     assert status == 400 and needle in json.loads(raw)["error"], raw
     assert_serving(server)
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ({"method": "h2o:budget=4"}, "method: a per-request method is not supported"),
-    ({"kvpolicy": "h2o:budget=4"}, "kvpolicy: a per-request method is not supported"),
-    ({"prompt": 5}, "prompt must be of type str"),
-    ({"stop": [1]}, "stop must be a string or a list of strings"),  # mlx-lm's thread died on it
-    ({"chat_template_kwargs": 3}, "chat_template_kwargs must be an object"),
-    ({"logit_bias": {"100000": 2.0}}, "logit_bias: token id 100000 is outside the vocabulary"),  # was a segfault
-    ({"logit_bias": {"-1": 2.0}}, "logit_bias: token id -1 is outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"method": "h2o:budget=4"}, "method: a per-request method is not supported"),
+        ({"kvpolicy": "h2o:budget=4"}, "kvpolicy: a per-request method is not supported"),
+        ({"prompt": 5}, "prompt must be of type str"),
+        ({"stop": [1]}, "stop must be a string or a list of strings"),  # mlx-lm's thread died on it
+        ({"chat_template_kwargs": 3}, "chat_template_kwargs must be an object"),
+        ({"logit_bias": {"100000": 2.0}}, "logit_bias: token id 100000 is outside the vocabulary"),  # was a segfault
+        ({"logit_bias": {"-1": 2.0}}, "logit_bias: token id -1 is outside the vocabulary"),
+    ],
+)
 def test_bad_fields_are_400s_naming_the_field(server, extra, needle):
     status, body = server.post("/v1/completions", {"prompt": "hello", "max_tokens": 2, **extra})
     assert status == 400 and needle in body["error"], body
@@ -85,16 +91,29 @@ def test_bad_fields_are_400s_naming_the_field(server, extra, needle):
 
 def test_kv_bits_server_reports_no_batching_and_refuses_empty_prompts(tiny_dir):
     # --kv-bits: mlx-lm serves one request at a time (and never batches), so the stats must say so
-    s = Server(["--model", str(tiny_dir), "--method", METHOD, "--max-tokens", "4", "--kv-bits", "8",
-                "--chat-template", CONTENT_ONLY_TEMPLATE])
+    s = Server(
+        [
+            "--model",
+            str(tiny_dir),
+            "--method",
+            METHOD,
+            "--max-tokens",
+            "4",
+            "--kv-bits",
+            "8",
+            "--chat-template",
+            CONTENT_ONLY_TEMPLATE,
+        ]
+    )
     try:
         assert s.stats()["batching"] is False
         status, body = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]})
         assert status == 400 and "messages: the formatted chat has no tokens" in body["error"], body
         status, body = s.post("/v1/completions", {"prompt": "", "max_tokens": 2})
         assert status == 400 and "prompt: no tokens" in body["error"], body  # mlx-lm: a 404
-        status, body = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}],
-                                                       "max_tokens": 2})
+        status, body = s.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+        )
         assert status == 200 and body["usage"]["completion_tokens"] == 2
         assert s.stats()["requests_finished"] == 1
     finally:
@@ -125,8 +144,12 @@ def test_a_failure_in_generation_fails_the_requests_it_held_and_the_server_keeps
 
 def _serve(tiny_dir, *args):
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "kvpolicy_core.cli", "serve", "--model", str(tiny_dir),
-                        "--method", METHOD, *args], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvpolicy_core.apps.cli", "serve", "--model", str(tiny_dir), "--method", METHOD, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return p.returncode, p.stderr, time.monotonic() - t0
 
 
@@ -138,13 +161,16 @@ def test_a_busy_port_is_one_error_line_and_exit_2(tiny_dir):
         code, err, seconds = _serve(tiny_dir, "--port", str(port))
     errors = [line for line in err.splitlines() if "error" in line.lower()]
     assert code == 2 and "Traceback" not in err, err
-    assert errors == [f"kvpolicy serve: error: --host 127.0.0.1 --port {port}: cannot listen there: "
-                      "Address already in use"], err
+    assert errors == [
+        f"kvpolicy serve: error: --host 127.0.0.1 --port {port}: cannot listen there: Address already in use"
+    ], err
     assert seconds < 60  # it exits: no generation thread is left to keep it alive
 
 
 def test_a_port_out_of_range_is_refused_not_wrapped(tiny_dir):
     port = 65536 + free_port()  # getaddrinfo would quietly listen on free_port()
     code, err, _ = _serve(tiny_dir, "--port", str(port))
-    assert code == 2 and err.strip().splitlines()[-1] == f"kvpolicy serve: error: --port {port}: not a port number " \
-        "(0 to 65535)", err
+    assert (
+        code == 2
+        and err.strip().splitlines()[-1] == f"kvpolicy serve: error: --port {port}: not a port number (0 to 65535)"
+    ), err

@@ -7,26 +7,27 @@ properties without launching, so a failure points at the part that broke.
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from helpers import SHIPPED_METHODS, random_kv, tiny_llama, with_fields
+
 from kvpolicy_cam.gated_merge import bernoulli
 from kvpolicy_core import KVCacheBuilder
-from kvpolicy_core.cache import PolicyCache
-from kvpolicy_core.distributed import choose_mode, rank_path
+from kvpolicy_core.cache.policy_cache import PolicyCache
+from kvpolicy_core.config.policy import step_key
 from kvpolicy_core.errors import KVPolicyError, ModelError
-from kvpolicy_core.tiny_models import write_model_dir
+from kvpolicy_core.integration.persistence import CacheFileError, load_caches, save_caches
 from kvpolicy_core.parts.random_score import hash01
-from kvpolicy_core.persistence import CacheFileError, load_caches, save_caches
-from kvpolicy_core.plugins import get_registry
-from kvpolicy_core.policy import step_key
-from kvpolicy_core.sharding import ShardLayout, shard_layout
-from kvpolicy_core.testing import feed
+from kvpolicy_core.plugin.discovery import get_registry
+from kvpolicy_core.runtime.distributed import choose_mode, rank_path
+from kvpolicy_core.runtime.sharding import ShardLayout, shard_layout
+from kvpolicy_core.testing.conformance import feed
+from kvpolicy_core.testing.tiny_models import write_model_dir
 
 CHUNKS = (12, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)  # 40 tokens, budget 10
 FIELDS = "budget=10,n_sink=2"
 #: the shipped matrix, plus every other installed method (e.g. the example plugin's) at its defaults
 METHODS = [with_fields(m, FIELDS) for m in SHIPPED_METHODS] + [
-    with_fields(name, FIELDS) for name in sorted(get_registry().methods()) if name not in {"h2o", "cam", "random"}]
+    with_fields(name, FIELDS) for name in sorted(get_registry().methods()) if name not in {"h2o", "cam", "random"}
+]
 
 
 def split_run(method, keys, values, layer=3):
@@ -76,7 +77,9 @@ def test_draws_are_a_function_of_the_global_head():
     full = np.array(bernoulli(p, key))
     assert (full == np.array(bernoulli(p, key, 0, 6))).all()  # unsharded draws are unchanged
     for offset in (0, 2, 4):
-        np.testing.assert_array_equal(np.array(bernoulli(p[:, offset : offset + 2], key, offset, 6)), full[:, offset : offset + 2])
+        np.testing.assert_array_equal(
+            np.array(bernoulli(p[:, offset : offset + 2], key, offset, 6)), full[:, offset : offset + 2]
+        )
     pos = mx.broadcast_to(mx.arange(20, dtype=mx.int32), (2, 6, 20))
     whole = np.array(hash01(pos, 5))
     np.testing.assert_array_equal(np.array(hash01(pos[:, 3:5], 5, head_offset=3)), whole[:, 3:5])
@@ -118,8 +121,11 @@ def test_rank_files_are_written_per_rank_and_refused_elsewhere(tmp_path):
         load_caches(paths[1], shard=(0, 2))  # another rank's file, named explicitly
     with pytest.raises(CacheFileError, match=r"saved by rank 0 of 2, but this is a single process"):
         load_caches(paths[0])  # one process (this test's world) loading a rank's file
-    with pytest.raises(CacheFileError, match=r"no such cache file for rank 0 of 4 \(files of this name: "
-                                             r"run.rank0-of-2.safetensors, run.rank1-of-2.safetensors\)"):
+    with pytest.raises(
+        CacheFileError,
+        match=r"no such cache file for rank 0 of 4 \(files of this name: "
+        r"run.rank0-of-2.safetensors, run.rank1-of-2.safetensors\)",
+    ):
         load_caches(base, shard=(0, 4))  # another world size
     with pytest.raises(CacheFileError, match="no such cache file for a single process"):
         load_caches(base)
@@ -145,7 +151,9 @@ def test_the_parallelism_is_chosen_or_refused_clearly(model_dirs):
     assert choose_mode(model_dirs["qwen2"], "pipeline", 2) == "pipeline"
     with pytest.raises(ModelError, match="'gemma3_text' model supports neither tensor nor pipeline parallelism"):
         choose_mode(model_dirs["gemma3_text"], "auto", 2)
-    with pytest.raises(ModelError, match=r"'llama' model does not support pipeline parallelism \(it supports: tensor\)"):
+    with pytest.raises(
+        ModelError, match=r"'llama' model does not support pipeline parallelism \(it supports: tensor\)"
+    ):
         choose_mode(model_dirs["llama"], "pipeline", 2)
     with pytest.raises(ModelError, match=r"num_key_value_heads \(4\) divisible by 3"):
         choose_mode(model_dirs["llama"], "tensor", 3)

@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvpolicy_core import CacheView
-from kvpolicy_core.testing import PolicyConformance, random_kv
+from kvpolicy_core.testing.conformance import PolicyConformance, random_kv
 from kvpolicy_streaming.neighbour_merge import NeighbourMergeDisposition
 
 
@@ -30,7 +30,11 @@ def new_values_way(keys, values, positions, losers, n_sink):
     keys, values = keys.copy(), values.copy()
     groups = {}
     for l in losers:
-        later = [j for j in range(len(positions)) if positions[j] > positions[l] and j not in losers and positions[j] >= n_sink]
+        later = [
+            j
+            for j in range(len(positions))
+            if positions[j] > positions[l] and j not in losers and positions[j] >= n_sink
+        ]
         if later:
             groups.setdefault(min(later, key=lambda j: positions[j]), []).append(l)
     for t, ls in groups.items():  # plain average of the target and its losers

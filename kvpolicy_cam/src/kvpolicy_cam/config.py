@@ -4,22 +4,22 @@ from typing import Literal, Optional
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from kvpolicy_core.attention_config import AttentionPolicyConfig
-
+from kvpolicy_core.plugin.attention_config import AttentionPolicyConfig
 
 #: Merges weighted by attention mass: ungated unless ``merge_gate`` is given.
 MASS_MERGES = ("mass", "mass_blend")
 #: ``merge="mass"``'s default key-cosine threshold (tuned token by token at 8x on the default corpus).
 MASS_MIN_SIM = 0.85
-#: ``merge="mass"``'s default cap on a merged slot's attention weight (measured at 4x, 8x and 16x, issue 15).
+#: ``merge="mass"``'s default cap on a merged slot's attention weight (measured at 4x, 8x and 16x).
 MASS_CAP = 8.0
 
 
 class CamConfig(AttentionPolicyConfig):
     """``method="cam"``; the specification's ``cam_*`` fields without the prefix.
 
-    Defaults (issue 15, measured in docs/methods/cam.md): ``merge="mass"`` with keys, ``min_sim=0.85``,
-    decode-step merges only and ``cap=8``, ``signal="observed"``, no gate. The specification's configuration is ``merge="sim_weighted", signal="proxy"`` (its
+    Defaults: ``merge="mass"`` with keys, ``min_sim=0.85``,
+    decode-step merges only and ``cap=8``, ``signal="observed"``, no gate. The specification's configuration is
+    ``merge="sim_weighted", signal="proxy"`` (its
     gate is on by default for that merge).
 
     ``merge``: ``"sim_weighted"`` (cosine-weighted blend into the most similar
@@ -30,7 +30,9 @@ class CamConfig(AttentionPolicyConfig):
     no log-weight). Config strings may say ``gate``, ``keys`` and ``m``.
     """
 
-    merge: Literal["sim_weighted", "mean", "drop", "paper", "mass", "mass_blend"] = Field("mass", description="Merge rule.")
+    merge: Literal["sim_weighted", "mean", "drop", "paper", "mass", "mass_blend"] = Field(
+        "mass", description="Merge rule."
+    )
     merge_gate: bool = Field(
         True,
         validation_alias=AliasChoices("merge_gate", "gate"),
@@ -81,8 +83,10 @@ class CamConfig(AttentionPolicyConfig):
     @classmethod
     def _min_sim_is_a_cosine(cls, value: float) -> float:
         if not -1.0 <= value <= 1.0:
-            raise ValueError(f"a key cosine threshold in [-1, 1] (got {value!r}); -1 merges every loser, "
-                             "and merge=drop merges none (H2O exactly)")
+            raise ValueError(
+                f"a key cosine threshold in [-1, 1] (got {value!r}); -1 merges every loser, "
+                "and merge=drop merges none (H2O exactly)"
+            )
         return value
 
     @model_validator(mode="before")
@@ -112,12 +116,16 @@ class CamConfig(AttentionPolicyConfig):
         if self.merge_min_sim != -1.0 and self.merge not in MASS_MERGES:
             raise ValueError(f"min_sim applies to the mass merges {MASS_MERGES}; merge={self.merge!r} does not use it")
         if self.merge_cap is not None and self.merge != "mass":
-            raise ValueError(f"cap applies to merge='mass' (the merge with log-weights); merge={self.merge!r} does not use it")
+            raise ValueError(
+                f"cap applies to merge='mass' (the merge with log-weights); merge={self.merge!r} does not use it"
+            )
         if self.merge_after != 1.0 and self.merge not in MASS_MERGES:
             raise ValueError(f"after applies to the mass merges {MASS_MERGES}; merge={self.merge!r} does not use it")
         if not self.merge_prompt and self.merge not in MASS_MERGES:
-            raise ValueError(f"prompt=false applies to the mass merges {MASS_MERGES}; merge={self.merge!r} "
-                             "always merges prompt losers")
+            raise ValueError(
+                f"prompt=false applies to the mass merges {MASS_MERGES}; merge={self.merge!r} "
+                "always merges prompt losers"
+            )
         return self
 
     @property

@@ -8,8 +8,7 @@ from typing import Optional
 import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
-from kvpolicy_core.shipped_parts import shipped
-
+from kvpolicy_core.parts.shipped import shipped
 
 #: The counters CaM's dispositions report (``cache.stats()``, ``cache.gate_draws``, ``cache.merges``).
 STATS = {"gate_draws": "losers that drew the Bernoulli merge gate", "merges": "losers merged into survivors"}
@@ -82,10 +81,20 @@ def finite_rows(x: mx.array, idx: mx.array) -> mx.array:
     return mx.isfinite(take(x, idx)).all(axis=-1)
 
 
-def blend_update(view: CacheView, losers: mx.array, target: mx.array, merge: mx.array, coef: mx.array,
-                 s_l: mx.array, draws: mx.array, merge_keys: bool, d_log_weights=None) -> MergeUpdate:
+def blend_update(
+    view: CacheView,
+    losers: mx.array,
+    target: mx.array,
+    merge: mx.array,
+    coef: mx.array,
+    s_l: mx.array,
+    draws: mx.array,
+    merge_keys: bool,
+    d_log_weights=None,
+) -> MergeUpdate:
     """The MergeUpdate of a blend ``x_t' = x_t + coef (x_l - x_t)`` for each merged loser (``merge`` [B, H, E]
     bool, ``coef`` [B, H, E]): values always, keys with ``merge_keys``; ``s_t' = s_t + s_l``."""
+
     def delta(x):  # where(), not a product: 0 * NaN would still be NaN
         d = coef[..., None] * (take(x, losers).astype(mx.float32) - take(x, target).astype(mx.float32))
         return mx.where(merge[..., None], d, 0.0).astype(x.dtype)
@@ -126,7 +135,7 @@ def bernoulli(p: mx.array, key: mx.array, head_offset: int = 0, heads_total: Opt
     return u < p
 
 
-@shipped  # kvpolicy_core.shipped_parts: decode updates trusted, guarded on the device
+@shipped  # kvpolicy_core.parts.shipped: decode updates trusted, guarded on the device
 class GatedMergeDisposition(Disposition):
     """Merge each loser l into its target t (the most similar surviving non-sink key).
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
 from kvpolicy_core.parts.merge import per_target_sum
-from kvpolicy_core.shipped_parts import shipped
+from kvpolicy_core.parts.shipped import shipped
 
 from .gated_merge import STATS, bernoulli, blend_update, finite_rows, gate_probability, merge_targets, per_row, take
 
@@ -34,8 +34,8 @@ _MAX_RATIO = 1e4  # bounds one merge's log-weight step to log(1 + 1e4) ~ 9.2
 def mass_at(view: CacheView, idx: mx.array, rate: bool) -> mx.array:
     """[B, H, E] float32: the mass of the slots ``idx`` [B, H, E], computed for those slots only::
 
-        rate=True:   r_j = max(s_j, 0) / max(o - pos_j, 1)   (the mean attention per query since it arrived)
-        rate=False:  m_j = max(s_j, 0)                        (the cumulative attention mass)
+    rate=True:   r_j = max(s_j, 0) / max(o - pos_j, 1)   (the mean attention per query since it arrived)
+    rate=False:  m_j = max(s_j, 0)                        (the cumulative attention mass)
     """
     s = mx.maximum(take(view.scores, idx), 0.0)
     if not rate:
@@ -51,7 +51,7 @@ def after_tokens(after: float, budget: int) -> int:
     return int(math.ceil(min(after * budget, _INT32_MAX)))
 
 
-@shipped  # kvpolicy_core.shipped_parts: decode updates trusted, guarded on the device
+@shipped  # kvpolicy_core.parts.shipped: decode updates trusted, guarded on the device
 class MassMergeDisposition(Disposition):
     """Merge each loser into its nearest survivor, weighted by attention drawn.
 
@@ -86,9 +86,17 @@ class MassMergeDisposition(Disposition):
 
     batch_rows = True  # per-row keys and offsets, counters per row (parts.base.BATCH_ROWS)
 
-    def __init__(self, n_sink: int = 4, log_weights: bool = True, gate: bool = False, merge_keys: bool = False,
-                 min_sim: float = -1.0, merge_prompt: bool = True, cap: Optional[float] = None,
-                 after_tokens: int = 0):
+    def __init__(
+        self,
+        n_sink: int = 4,
+        log_weights: bool = True,
+        gate: bool = False,
+        merge_keys: bool = False,
+        min_sim: float = -1.0,
+        merge_prompt: bool = True,
+        cap: Optional[float] = None,
+        after_tokens: int = 0,
+    ):
         self.n_sink, self.gate, self.merge_keys, self.min_sim = n_sink, gate, merge_keys, float(min_sim)
         self.log_cap = None if cap is None or not log_weights else math.log(cap)
         self.merge_prompt = merge_prompt
@@ -98,9 +106,16 @@ class MassMergeDisposition(Disposition):
 
     @classmethod
     def from_config(cls, config) -> "MassMergeDisposition":
-        return cls(n_sink=config.n_sink, log_weights=config.merge == "mass", gate=config.merge_gate,
-                   merge_keys=config.merge_keys, min_sim=config.merge_min_sim, merge_prompt=config.merge_prompt,
-                   cap=config.merge_cap, after_tokens=after_tokens(config.merge_after, config.budget))
+        return cls(
+            n_sink=config.n_sink,
+            log_weights=config.merge == "mass",
+            gate=config.merge_gate,
+            merge_keys=config.merge_keys,
+            min_sim=config.merge_min_sim,
+            merge_prompt=config.merge_prompt,
+            cap=config.merge_cap,
+            after_tokens=after_tokens(config.merge_after, config.budget),
+        )
 
     def stats(self):
         return STATS

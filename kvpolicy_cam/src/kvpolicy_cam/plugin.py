@@ -17,7 +17,8 @@ def register_dispositions(register):
 
 def _disposition(config: CamConfig) -> str:
     return {"drop": "drop", "paper": "paper_merge", "mass": "mass_merge", "mass_blend": "mass_merge"}.get(
-        config.merge, "gated_merge")
+        config.merge, "gated_merge"
+    )
 
 
 @hookimpl

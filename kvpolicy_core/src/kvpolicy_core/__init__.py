@@ -1,7 +1,7 @@
 """kvpolicy-core: plugin-based KV-cache eviction policies for MLX and mlx-lm.
 
 Importing this package does not import mlx, so that
-``kvpolicy_core.blas.load_optimized_blas()`` can run first; the names below are
+``kvpolicy_core.runtime.blas.load_optimized_blas()`` can run first; the names below are
 loaded on first access.
 """
 
@@ -9,35 +9,39 @@ from __future__ import annotations
 
 import importlib
 
+from . import _moved
+
+_moved.install()
+
 __version__ = "0.2.0"
 
 _EXPORTS = {
-    "hookimpl": "hookspecs",
-    "hookspec": "hookspecs",
-    "KVCacheConfig": "config",
-    "PolicyConfig": "config",
-    "AttentionPolicyConfig": "attention_config",
-    "parse_config": "config",
+    "hookimpl": "plugin.hookspecs",
+    "hookspec": "plugin.hookspecs",
+    "KVCacheConfig": "config.parse",
+    "PolicyConfig": "config.parse",
+    "AttentionPolicyConfig": "plugin.attention_config",
+    "parse_config": "config.parse",
     "ConfigError": "errors",
     "UnknownMethodError": "errors",
     "PluginError": "errors",
     "ModelError": "errors",
     "KVPolicyError": "errors",
-    "MethodSpec": "registry",
-    "get_registry": "plugins",
-    "register_plugin": "plugins",
-    "reset_registry": "plugins",
-    "PolicyCache": "cache",
-    "Policy": "policy",
-    "build_policy": "policy",
-    "KVCacheBuilder": "builder",
-    "attach": "builder",
-    "detach": "builder",
-    "load_optimized_blas": "blas",
-    "blas_info": "blas",
-    "save_caches": "persistence",
-    "load_caches": "persistence",
-    "CacheFileError": "persistence",
+    "MethodSpec": "plugin.registry",
+    "get_registry": "plugin.discovery",
+    "register_plugin": "plugin.discovery",
+    "reset_registry": "plugin.discovery",
+    "PolicyCache": "cache.policy_cache",
+    "Policy": "config.policy",
+    "build_policy": "config.policy",
+    "KVCacheBuilder": "integration.builder",
+    "attach": "integration.builder",
+    "detach": "integration.builder",
+    "load_optimized_blas": "runtime.blas",
+    "blas_info": "runtime.blas",
+    "save_caches": "integration.persistence",
+    "load_caches": "integration.persistence",
+    "CacheFileError": "integration.persistence",
     "CacheView": "parts.base",
     "MergeUpdate": "parts.base",
     "Scorer": "parts.base",

@@ -29,8 +29,8 @@ def next_survivor(view: CacheView, losers: mx.array, n_sink: int):
 class NeighbourMergeDisposition(Disposition):
     """Plain average of a target and every loser merged into it (keys and values)::
 
-        t(l) = argmin_{j survives, pos_j > pos_l, pos_j >= n_sink} pos_j        (none: l is dropped)
-        x_t' = (x_t + sum_{l -> t} x_l) / (1 + |{l : t(l) = t}|)
+    t(l) = argmin_{j survives, pos_j > pos_l, pos_j >= n_sink} pos_j        (none: l is dropped)
+    x_t' = (x_t + sum_{l -> t} x_l) / (1 + |{l : t(l) = t}|)
     """
 
     def __init__(self, n_sink: int = 4) -> None:

@@ -10,7 +10,7 @@ from kvpolicy_core import CacheView, Scorer, Selector
 class OldestSelector(Selector):
     """The non-sink tokens with the smallest positions lose (window-dead tokens go first: the cache)::
 
-        rank_j = +inf if pos_j < n_sink else pos_j
+    rank_j = +inf if pos_j < n_sink else pos_j
     """
 
     def __init__(self, n_sink: int = 4) -> None:

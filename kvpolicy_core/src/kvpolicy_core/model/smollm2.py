@@ -71,7 +71,6 @@ def ensure_smollm2(dtype: str = "float32", quiet: bool = False) -> Path:
         print(f"kvpolicy: converting {NAME} ({dtype}) into {target} (once) ...", flush=True)
     from .gguf_llama import convert
 
-
     def build(tmp: Path) -> dict:
         convert(src, tmp, dtype=dtype)
         return {"source": f"{DIST} 0.1.2 / {GGUF}", "source_bytes": size, "dtype": dtype, **verify(tmp)}

@@ -75,7 +75,7 @@ def observed_weights(queries: mx.array, keys: mx.array, scale: float, mask) -> m
 def proxy_weights(keys: mx.array, positions: mx.array, new_keys: mx.array, new_positions: mx.array) -> mx.array:
     """Each new key used as a query over the slots before it: [B, H, 1, S, L] float32::
 
-        w_{t,j} = softmax_j( k_t . k_j / sqrt(D) )   over j with pos_j < pos_t (0 elsewhere)
+    w_{t,j} = softmax_j( k_t . k_j / sqrt(D) )   over j with pos_j < pos_t (0 elsewhere)
     """
     D = new_keys.shape[-1]
     q = new_keys.astype(mx.float32)
@@ -86,7 +86,7 @@ def proxy_weights(keys: mx.array, positions: mx.array, new_keys: mx.array, new_p
 
 
 class AttentionScorer(Scorer):
-    """Scores from attention weights; a subclass implements :meth:`combine` (since 0.2.0).
+    """Scores from attention weights; a subclass implements :meth:`combine`.
 
     ``signal="proxy"``: each appended key is the query (no hook needed); ``"observed"``: the
     model's real queries, from the attention hook. ``last_query_only`` restricts both to the
@@ -130,7 +130,7 @@ class AttentionScorer(Scorer):
         """The same update from the weights the model's attention computed (the hook's one pass).
 
         ``weights`` [B, H, G, S, L]: softmax(scale * q k^T + mask) of this step's S queries, any float
-        dtype (:func:`kvpolicy_core.attention_weights.attention_with_weights`). For finite logits in float32
+        dtype (:func:`kvpolicy_core.attention.weights.attention_with_weights`). For finite logits in float32
         this is bit for bit :meth:`on_attention` of the same queries and mask; a query row the model's
         attention made NaN (a NaN or +inf logit) adds nothing (:meth:`on_attention` drops the key instead).
         """

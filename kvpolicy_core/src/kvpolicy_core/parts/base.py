@@ -12,9 +12,8 @@ from typing import Dict, NamedTuple, Optional
 
 import mlx.core as mx
 
-
-#: The ``batch_rows`` contract (since 0.3.0). A part that sets ``batch_rows = True`` is correct on a
-#: view that stacks B independent sequences (a batch's decode step, :mod:`kvpolicy_core.batch_rows`),
+#: The ``batch_rows`` contract. A part that sets ``batch_rows = True`` is correct on a
+#: view that stacks B independent sequences (a batch's decode step, :mod:`kvpolicy_core.cache.batch_rows`),
 #: where ``view.offset`` is an int32 array [B, 1, 1] (each row's tokens seen; it broadcasts against
 #: ``positions``), ``new_positions`` is [B, 1, S], a disposition's ``key`` is [B, 2] (row b's own key)
 #: and its ``stats`` values are [B] arrays (row b's counts): row b's result must be exactly what the
@@ -37,15 +36,15 @@ class CacheView(NamedTuple):
     #: the layer's KV heads over all tensor-parallel ranks (None: this view's H, unsharded)
     heads_total: Optional[int] = None
     #: [B, H, L] float32 per-slot attention log-weights (added to the slot's attention logit), or
-    #: None when the disposition does not use them (``Disposition.uses_log_weights``). Since 0.3.0.
+    #: None when the disposition does not use them (``Disposition.uses_log_weights``).
     log_weights: Optional[mx.array] = None
-    #: the scorer's own state for the current *run* (since 0.3.0): a dict the cache keeps across
+    #: the scorer's own state for the current *run*: a dict the cache keeps across
     #: consecutive prompt chunks (updates of S > 1 tokens) while nothing is evicted between them,
     #: and replaces with an empty one when a run starts (the first chunk, a chunk after an
     #: eviction, every single-token update). None when the cache does not provide one.
     run: Optional[dict] = None
     #: [B, H, L] float32 L2 norm of each slot's key, kept by the cache when the disposition declares
-    #: ``uses_key_norms`` (else None: compute them from ``keys`` if needed). Since 0.3.0.
+    #: ``uses_key_norms`` (else None: compute them from ``keys`` if needed).
     key_norms: Optional[mx.array] = None
 
 
@@ -63,7 +62,7 @@ class MergeUpdate(NamedTuple):
     d_log_weights [B, H, T]        any      added to ``log_weights[targets]``, or None
     =========== ================== ======== =========================================
 
-    ``d_log_weights`` (since 0.3.0) needs a disposition with ``uses_log_weights = True``: the
+    ``d_log_weights`` needs a disposition with ``uses_log_weights = True``: the
     cache then keeps a log-weight ``lw_j`` per slot (0 for every new token) and the model's
     attention uses the logit ``q . k_j * scale + lw_j``, so a slot with ``lw_j = log c`` draws
     the attention of ``c`` copies of itself. Deltas of one target sum (as for every field).
@@ -72,7 +71,7 @@ class MergeUpdate(NamedTuple):
     average of several losers into one target needs the number of losers per target:
     :func:`kvpolicy_core.parts.merge.average_into` builds that update for you.
 
-    ``draws``/``merges`` (0.1.0) are deprecated since 0.2.0: return
+    ``draws``/``merges`` (0.1.0) are deprecated: return
     ``stats={"gate_draws": ..., "merges": ...}`` instead (the cache maps the old fields
     to those counters, with a :class:`DeprecationWarning`).
     """
@@ -107,12 +106,12 @@ class Scorer:
     """
 
     needs_attention: bool = False
-    #: True when a token's score depends on that token alone, never on later tokens or queries
-    #: (since 0.3.0). Only then can the cache drop its newest tokens exactly (``PolicyCache.trim``):
+    #: True when a token's score depends on that token alone, never on later tokens or queries.
+    #: Only then can the cache drop its newest tokens exactly (``PolicyCache.trim``):
     #: with scores accumulated from attention, the survivors' scores would keep the trimmed
     #: tokens' attention. Default False (safe for any scorer).
     trim_exact: bool = False
-    #: True when correct on a view of B stacked independent rows (since 0.3.0; see :data:`BATCH_ROWS`)
+    #: True when correct on a view of B stacked independent rows (see :data:`BATCH_ROWS`)
     batch_rows: bool = False
 
     @classmethod
@@ -131,12 +130,12 @@ class Scorer:
 class Selector:
     """Which ``n_evict`` slots lose when the cache is over budget.
 
-    Implement :meth:`rank` (since 0.2.0): the cache then evicts window-dead slots first and
+    Implement :meth:`rank`: the cache then evicts window-dead slots first and
     the lowest-ranked of the rest. Selectors written for 0.1.0 implement :meth:`select`
     instead; the cache still moves window-dead slots to the front of their choice.
     """
 
-    batch_rows: bool = False  #: see :data:`BATCH_ROWS` (since 0.3.0)
+    batch_rows: bool = False  #: see :data:`BATCH_ROWS`
 
     @classmethod
     def from_config(cls, config) -> "Selector":
@@ -157,7 +156,7 @@ class Selector:
 class Disposition:
     """What happens to the losers before their slots are removed (drop: nothing).
 
-    ``uses_log_weights`` (since 0.3.0): True makes the cache keep per-slot attention
+    ``uses_log_weights``: True makes the cache keep per-slot attention
     log-weights (``view.log_weights``, updated through ``MergeUpdate.d_log_weights``) and add
     them to the attention logits through the attention hook. False (default): no buffer,
     no hook, no cost.
@@ -166,13 +165,13 @@ class Disposition:
     uses_log_weights: bool = False
     #: True makes the cache keep each slot's key norm up to date (``view.key_norms``): for dispositions
     #: that compare keys by cosine every step (CaM), an O(D) update per written slot instead of an
-    #: O(L·D) pass per step. Since 0.3.0.
+    #: O(L·D) pass per step.
     uses_key_norms: bool = False
     #: True: decode steps (one loser per row) run ``dispose`` as one compiled MLX graph
-    #: (:mod:`kvpolicy_core.compiled_parts`); ``view.offset`` is then an int32 scalar array, so use it only
-    #: in MLX arithmetic, and no host syncs (``.item()``) inside ``dispose``. Since 0.3.0.
+    #: (:mod:`kvpolicy_core.cache.compiled`); ``view.offset`` is then an int32 scalar array, so use it only
+    #: in MLX arithmetic, and no host syncs (``.item()``) inside ``dispose``.
     compile_decode: bool = False
-    batch_rows: bool = False  #: see :data:`BATCH_ROWS` (since 0.3.0)
+    batch_rows: bool = False  #: see :data:`BATCH_ROWS`
 
     @classmethod
     def from_config(cls, config) -> "Disposition":
@@ -190,5 +189,5 @@ class Disposition:
         return None
 
     def stats(self) -> Dict[str, str]:
-        """Counters this part reports through ``MergeUpdate.stats``: name -> meaning (since 0.2.0)."""
+        """Counters this part reports through ``MergeUpdate.stats``: name -> meaning."""
         return {}

@@ -6,8 +6,8 @@ import math
 
 import mlx.core as mx
 
-from ..shipped_parts import shipped
 from .base import CacheView, Selector, pick_lowest
+from .shipped import shipped
 
 __all__ = ["LowestScoreSelector", "protected_mask", "pick_lowest"]
 
@@ -31,7 +31,7 @@ class LowestScoreSelector(Selector):
     """
 
     compile_decode = True  # decode steps: rank, argmin and the value checks as one compiled graph
-    # shipped (kvpolicy_core.shipped_parts): a decode step's loser is valid by construction, so the cache skips
+    # shipped (kvpolicy_core.parts.shipped): a decode step's loser is valid by construction, so the cache skips
     # its value checks and host sync: argmin over [0, L) of finite scores (the cache keeps them finite) where
     # sinks and the recent window rank +inf and window-dead slots -inf, and the config leaves an unprotected
     # slot (budget > n_sink + recent, :meth:`leaves_a_loser`), so the loser is in range and a sink only when

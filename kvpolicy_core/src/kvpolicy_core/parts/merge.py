@@ -27,9 +27,16 @@ def per_target_sum(values: mx.array, targets: mx.array, L: int) -> mx.array:
     return mx.zeros((B, H, L), mx.float32).at[bi, hi, targets].add(values.astype(mx.float32))
 
 
-def average_into(view: CacheView, losers: mx.array, targets: mx.array, merge: Optional[mx.array] = None,
-                 weights: Optional[mx.array] = None, keys: bool = False, move_scores: bool = True) -> MergeUpdate:
-    """Average each loser into its target; losers [B, H, E], targets [B, H, E] int32 (since 0.2.0).
+def average_into(
+    view: CacheView,
+    losers: mx.array,
+    targets: mx.array,
+    merge: Optional[mx.array] = None,
+    weights: Optional[mx.array] = None,
+    keys: bool = False,
+    move_scores: bool = True,
+) -> MergeUpdate:
+    """Average each loser into its target; losers [B, H, E], targets [B, H, E] int32.
 
     With weights w_l (default 1) and ``merge`` [B, H, E] bool (default all), every target t becomes::
 

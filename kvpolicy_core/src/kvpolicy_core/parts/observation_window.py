@@ -20,8 +20,8 @@ import math
 import mlx.core as mx
 
 from .attention_scorer import AttentionScorer, finite_weights, observed_weights, proxy_weights
-from ..shipped_parts import shipped
 from .base import CacheView
+from .shipped import shipped
 
 
 def window_rows(mask, S: int, W: int):
@@ -88,7 +88,8 @@ class ObservationWindowScorer(AttentionScorer):
     :func:`pool_by_position`. New tokens enter with 0 and receive their own run's mass.
     The run's state (``view.run``): ``rows`` [B, H, min(W, T), L] the window's attention
     rows summed over G (``W = 0``: their sum, [B, H, 1, L]) and ``base`` [B, H, L] = ``s^0``.
-    A view without a run (None) scores each chunk as a run of its own. ``signal="proxy"`` uses the new keys as the queries (over earlier
+    A view without a run (None) scores each chunk as a run of its own. ``signal="proxy"`` uses the new keys as the
+    queries (over earlier
     positions only, as the cumulative proxy does) and needs no attention hook.
     ``W = 0`` means every row; with ``W = 0, P = 1`` this is exactly
     :class:`~kvpolicy_core.parts.cumulative_attention.CumulativeAttentionScorer`.
@@ -97,7 +98,7 @@ class ObservationWindowScorer(AttentionScorer):
     """
 
     default_signal = "observed"
-    # shipped (kvpolicy_core.shipped_parts): a decode step's scores are valid by construction, finite scores
+    # shipped (kvpolicy_core.parts.shipped): a decode step's scores are valid by construction, finite scores
     # plus the step's weights with NaN as 0 (each in [0, 1]), float32, shaped as the view's
 
     def __init__(self, signal: str = None, window: int = 32, pool: int = 7) -> None:
@@ -110,7 +111,9 @@ class ObservationWindowScorer(AttentionScorer):
 
     @classmethod
     def from_config(cls, config) -> "ObservationWindowScorer":
-        return cls(signal=config.signal, window=getattr(config, "obs_window_rows", 32), pool=getattr(config, "pool_width", 7))
+        return cls(
+            signal=config.signal, window=getattr(config, "obs_window_rows", 32), pool=getattr(config, "pool_width", 7)
+        )
 
     def _rows(self, S: int) -> int:
         return S if self.window == 0 else min(self.window, S)
@@ -132,7 +135,7 @@ class ObservationWindowScorer(AttentionScorer):
             grow = rows.shape[-1] - run["rows"].shape[-1]
             earlier = mx.pad(run["rows"], [(0, 0), (0, 0), (0, 0), (0, grow)])
             base = mx.pad(run["base"], [(0, 0), (0, 0), (0, grow)])
-            rows = earlier + rows if self.window == 0 else mx.concatenate([earlier, rows], axis=2)[:, :, -self.window:]
+            rows = earlier + rows if self.window == 0 else mx.concatenate([earlier, rows], axis=2)[:, :, -self.window :]
         run["rows"], run["base"] = rows, base
         return base + pool_by_position(rows.sum(axis=2), view.positions, self.pool)
 

@@ -1,0 +1,1 @@
+"""Programs: the ``kvpolicy`` command line and the policy-cache HTTP server."""

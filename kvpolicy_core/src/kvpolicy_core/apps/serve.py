@@ -1,0 +1,663 @@
+"""``kvpolicy serve``: mlx-lm's own OpenAI-compatible server, with policy caches on every request.
+
+Nothing here serves HTTP by itself: :func:`main` runs ``mlx_lm.server.main`` (so every mlx-lm
+server option parses and behaves as upstream) with these pieces swapped in:
+
+- :class:`PolicyModelProvider` attaches the method to the model it loads (every cache the
+  server makes, batched or not, is a policy cache) and recomputes whether it can batch;
+- ``RecordingBatchGenerator`` (mlx-lm's ``BatchGenerator``) and :class:`StatsPromptCache`
+  (mlx-lm's ``LRUPromptCache``) record each finished request's cache: tokens seen and kept
+  per layer, KV bytes;
+- :class:`PolicyAPIHandler`, mlx-lm's handler plus ``GET /kvpolicy/stats``; it checks each
+  request before mlx-lm's generation thread sees it (``serve_requests``: headers, body, fields,
+  an empty prompt), so bad input is an HTTP 400;
+- :class:`PolicyResponseGenerator`, mlx-lm's generation loop, restarted when it fails: the
+  requests it held get the error, the server keeps serving (upstream, the thread dies and every
+  later request is refused).
+
+One method per server. mlx-lm builds caches in its generation thread from the model alone
+(``make_prompt_cache(model)``) and keys reusable prompt caches by model, so a per-request
+method cannot be honoured without replacing that loop; a request that asks for one (a
+``kvpolicy`` or ``method`` field) is refused with HTTP 400 instead of being silently ignored.
+
+Prompt-cache reuse is mlx-lm's own: a stored cache is handed out as a deep copy; mlx-lm trims
+a longer one to serve a shorter prompt only if ``is_trimmable()``, which a policy cache answers
+truthfully (:meth:`PolicyCache.is_trimmable`: only while nothing was evicted and its scores
+are per token, so never for H2O/CaM, whose scores carry the attention of the tokens a trim
+would drop). Otherwise a stored cache is reused only as an exact prefix of the new prompt.
+``--prompt-cache FILE`` (:mod:`kvpolicy_core.apps.prompt_file`) pins a compressed document: every request
+whose prompt extends it starts from a copy of its caches, with the file's model and method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import io
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import types
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Any, List, Optional
+
+from .serve_requests import (
+    EMPTY_PROMPT,
+    BadRequest,
+    check_fields,
+    check_logit_bias,
+    check_prompt_shape,
+    content_length,
+    parse_body,
+    read_body,
+)
+
+_RECENT = 64  # finished requests kept for /kvpolicy/stats
+
+
+class StartupError(Exception):
+    """The server cannot start (e.g. its port is in use): one error line, exit status 2."""
+
+
+class GenerationFailed(RuntimeError):
+    """The generation loop failed while it held this request (the request gets it as its error)."""
+
+
+class _TrackedQueue:
+    """A request's response queue as the generation loop sees it: it knows when the request is done
+    (``None`` or an exception put on it), so a failed loop can fail exactly the requests it held."""
+
+    __slots__ = ("queue", "finished")
+
+    def __init__(self, queue) -> None:
+        self.queue = queue
+        self.finished = False
+
+    def put(self, item) -> None:
+        if item is None or isinstance(item, BaseException):
+            self.finished = True
+        self.queue.put(item)
+
+
+def _vocab_size(model, tokenizer) -> Optional[int]:
+    """Rows of the model's logits: its config's ``vocab_size`` (or its text config's), else the tokenizer's size."""
+    args = getattr(model, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        n = source.get("vocab_size") if isinstance(source, dict) else getattr(source, "vocab_size", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    with contextlib.suppress(Exception):
+        return len(tokenizer._tokenizer)
+    return None
+
+
+def load_method(spec: str) -> Any:
+    """``--method`` value -> a validated KVCacheConfig: a config string, JSON, or a .json/.toml file."""
+    from ..config.parse import parse_config
+    from ..errors import ConfigError
+
+    if spec.lower().endswith((".json", ".toml")):
+        from .textfile import read_text_file
+
+        text = read_text_file(spec, "--method")
+        if spec.lower().endswith(".toml"):
+            import tomllib
+
+            try:
+                data = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"--method {spec}: invalid TOML: {exc}") from None
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"--method {spec}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+                ) from None
+        return parse_config(data)
+    return parse_config(spec)
+
+
+def cache_report(caches: List[Any]) -> dict:
+    """One request's cache, summarised: tokens seen, tokens kept per layer, KV bytes kept/full."""
+    from ..cache.policy_cache import PolicyCache
+
+    kept, seen, kept_bytes, full_bytes = [], 0, 0, 0
+    for c in caches:
+        if isinstance(c, PolicyCache):
+            kept.append(c.tokens_kept)
+            seen = max(seen, c.tokens_seen)
+            kept_bytes += c.kept_bytes
+            full_bytes += c.full_seq_bytes
+        else:  # a layer the method leaves to mlx-lm (layers="unbounded")
+            kept.append(int(c.size()))
+            kept_bytes += c.nbytes
+            full_bytes += c.nbytes
+    return {
+        "tokens_seen": seen,
+        "tokens_kept_per_layer": kept,
+        "max_tokens_kept": max(kept, default=0),
+        "kv_bytes_kept": kept_bytes,
+        "kv_bytes_full": full_bytes,
+        "compression_ratio": round(full_bytes / kept_bytes, 4) if kept_bytes else 1.0,
+        "finished_at": time.time(),
+    }
+
+
+class ServerStats:
+    """Thread-safe record of recent finished requests (the generation thread writes, HTTP reads)."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.model_path: Optional[str] = None
+        self.batching = False
+        self.peak_batch = 0  # most sequences decoded together in one step
+        self._lock = threading.Lock()
+        self._recent: deque = deque(maxlen=_RECENT)
+        self._count = 0
+
+    def decoded(self, rows: int) -> None:
+        """One batched decode step over ``rows`` sequences (tracks the largest batch seen)."""
+        if rows > self.peak_batch:
+            self.peak_batch = rows
+
+    def record(self, caches: List[Any]) -> None:
+        report = cache_report(caches)
+        with self._lock:
+            self._count += 1
+            report["request"] = self._count
+            self._recent.append(report)
+
+    def snapshot(self, prompt_cache=None) -> dict:
+        with self._lock:
+            recent = list(self._recent)
+            count = self._count
+        out = {
+            "method": self.config.method,
+            "config": self.config.to_dict(),
+            "budget": self.config.policy.budget,
+            "model": self.model_path,
+            "batching": self.batching,
+            "peak_batch": self.peak_batch,
+            "requests_finished": count,
+            "recent": recent,
+        }
+        if prompt_cache is not None:
+            out["prompt_cache"] = {"sequences": len(prompt_cache), "bytes": prompt_cache.nbytes}
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _server_classes():
+    """The mlx-lm server classes extended for kvpolicy (built once, lazily: importing mlx_lm.server is slow)."""
+    import mlx.core as mx
+    from mlx_lm import server as mls
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+    from ..integration.builder import attach
+
+    class PolicyModelProvider(mls.ModelProvider):
+        """mlx-lm's model provider; every model it loads gets the server's method attached."""
+
+        def __init__(self, cli_args, config, stats: ServerStats, dtype: str = "auto") -> None:
+            super().__init__(cli_args)
+            self.kv_config = config
+            self.stats = stats
+            self.dtype = dtype
+
+        def _load(self, model_path, adapter_path=None, draft_model_path=None):
+            if draft_model_path is not None:
+                raise ValueError(
+                    "--draft-model: speculative decoding rewinds (trims) the cache, which a policy "
+                    "cache cannot do after evictions; serve without a draft model"
+                )
+            super()._load(model_path, adapter_path, draft_model_path)
+            if self.dtype == "auto" and sys.platform.startswith("linux"):
+                self.model.set_dtype(mx.float32)
+            elif self.dtype != "auto":
+                self.model.set_dtype(getattr(mx, self.dtype))
+            attach(self.model, self.kv_config)
+            self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(self.model))
+            self.vocab_size = _vocab_size(self.model, self.tokenizer)
+            self.stats.model_path = str(model_path)
+            # mlx-lm batches only without --kv-bits (ResponseGenerator._is_batchable)
+            self.stats.batching = self.is_batchable and self.cli_args.kv_bits is None
+
+        def loaded_for(self, model, adapter, draft):
+            """(tokenizer, vocab size) of the loaded model if a request for ``model`` gets it, else None.
+
+            Resolves the names as ``load`` does; None when the request names another model (the
+            generation thread loads it) or a name mlx-lm cannot look up.
+            """
+            tokenizer, vocab_size, loaded = self.tokenizer, getattr(self, "vocab_size", None), self.model_key
+            try:
+                key = (
+                    self._model_map.get(model, model),
+                    self._adapter_map.get(model, adapter),
+                    self._draft_model_map.get(draft, draft),
+                )
+            except TypeError:  # an unhashable name
+                return None
+            return (tokenizer, vocab_size) if tokenizer is not None and key == loaded else None
+
+    class StatsPromptCache(LRUPromptCache):
+        """mlx-lm's prompt cache; records the final cache of requests served one at a time.
+
+        mlx-lm's sequential path stores a finished request's cache without a ``cache_type``;
+        the batched path always names one (and also stores prompt segments), so batched
+        requests are recorded by :class:`RecordingBatchGenerator` instead.
+        """
+
+        def __init__(self, stats: ServerStats, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.stats = stats
+            self.pinned: List[tuple] = []  # (model key, document token ids, caches) of --prompt-cache files
+
+        def pin(self, model, tokens: List[int], caches: List[Any]) -> None:
+            """Serve every prompt that extends ``tokens`` from a copy of ``caches`` (never evicted, never changed)."""
+            self.pinned.append((model, list(tokens), caches))
+
+        def fetch_nearest_cache(self, model, tokens):
+            """The stored cache that covers most of ``tokens``: a pinned document's copy, unless the LRU holds a
+            longer prefix (:meth:`_fetch_stored`)."""
+            cache, rest = self._fetch_stored(model, tokens)
+            covered = len(tokens) - len(rest) if cache is not None else 0
+            for key, ids, caches in self.pinned:
+                if key == model and covered < len(ids) < len(tokens) and list(tokens[: len(ids)]) == ids:
+                    return copy.deepcopy(caches), list(tokens[len(ids) :])
+            return cache, rest
+
+        def _fetch_stored(self, model, tokens):
+            """mlx-lm's look-up, but never "all of the prompt is cached, nothing to feed".
+
+            mlx-lm answers an exact match with the stored cache and no tokens left, and its batched
+            path then fails ("empty prompt", killing the generation thread). With trimmable caches
+            that rarely happens (mlx-lm drops a trimmable cache's stored prefixes); policy caches
+            keep theirs (they cannot be trimmed exactly), e.g. the cache mlx-lm stores before a
+            prompt's last token. So an exact match gives back its last token: trimmed off when the
+            cache can be trimmed, else the look-up is repeated for the prompt without it.
+            """
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+            if cache is None or rest or not tokens:
+                return cache, rest
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                return cache, tokens[-1:]
+            cache, rest = self._fetch_stored(model, tokens[:-1])
+            return cache, list(rest) + tokens[-1:]
+
+        def insert_cache(self, model, tokens, prompt_cache, *, cache_type: Optional[str] = None):
+            if cache_type is None:
+                self.stats.record(prompt_cache)
+            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type or "assistant")
+
+    class RecordingBatchGenerator(BatchGenerator):
+        """mlx-lm's BatchGenerator; records each finished sequence's cache for the stats."""
+
+        stats: Optional[ServerStats] = None
+
+        def next(self):
+            prompt_responses, generation_responses = super().next()
+            if self.stats is not None:
+                self.stats.decoded(len(generation_responses))
+                for r in generation_responses:
+                    if r.finish_reason is not None and r.prompt_cache is not None:
+                        self.stats.record(r.prompt_cache)
+            return prompt_responses, generation_responses
+
+    class PolicyResponseGenerator(mls.ResponseGenerator):
+        """mlx-lm's response generator; one request's failure never stops the generation thread.
+
+        mlx-lm runs its whole generation loop (``_generate``) in one thread and lets it die on the
+        first exception, after which every request is refused. Here the loop is restarted instead:
+        the requests it had taken (in the batch, or waiting for it) get the error, requests still
+        queued are served by the new loop. A loop that fails before taking any request (loading
+        the model) stops the server as upstream, rather than failing in a circle.
+        """
+
+        def __init__(self, *args, **kwargs) -> None:
+            self._taken: List[_TrackedQueue] = []  # before super() starts the thread
+            self._requests_taken = 0
+            super().__init__(*args, **kwargs)
+
+        def _run_generate(self):
+            while True:
+                taken_before = self._requests_taken
+                try:
+                    self._generate()
+                    return
+                except Exception as exc:
+                    logging.exception(
+                        f"kvpolicy serve: the generation loop failed ({exc}); "
+                        "its requests get the error, the loop restarts"
+                    )
+                    self._fail_taken(exc)
+                    if self._stop or self._requests_taken == taken_before:
+                        self._generation_failed = True
+                        return
+
+        def _next_request(self, timeout=None):
+            request = super()._next_request(timeout)
+            if request is None:
+                return None
+            tracked = _TrackedQueue(request[0])
+            self._taken = [q for q in self._taken if not q.finished]
+            self._taken.append(tracked)
+            self._requests_taken += 1
+            return (tracked, *request[1:])
+
+        def _fail_taken(self, exc: BaseException) -> None:
+            # a fresh error, not exc: its traceback holds the failed loop's frames (batch, caches)
+            error = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+            for q in self._taken:
+                if not q.finished:
+                    q.put(error)
+            self._taken = []
+
+        def pretokenize(self, tokenizer, request, chat_template_kwargs) -> None:
+            """Tokenize ``request`` in the HTTP thread: BadRequest if it cannot be, or has no tokens.
+
+            The generation thread then takes these tokens (same tokenizer) instead of tokenizing again.
+            """
+            args = types.SimpleNamespace(chat_template_kwargs=chat_template_kwargs)
+            what = "prompt" if request.request_type == "text" else "messages"
+            try:
+                tokenized = mls.ResponseGenerator._tokenize(self, tokenizer, request, args)
+            except Exception as exc:
+                raise BadRequest(f"{what}: cannot be tokenized: {type(exc).__name__}: {exc}") from None
+            if not tokenized[0]:
+                raise BadRequest(EMPTY_PROMPT[request.request_type])
+            request._kvpolicy_tokenized = (tokenizer, tokenized)
+
+        def _tokenize(self, tokenizer, request, args):
+            done = request.__dict__.pop("_kvpolicy_tokenized", None)
+            if done is not None and done[0] is tokenizer:
+                return done[1]
+            tokenized = super()._tokenize(tokenizer, request, args)
+            if not tokenized[0]:  # mlx-lm's batch would fail on it (a request for another model)
+                raise ValueError(EMPTY_PROMPT[request.request_type])
+            return tokenized
+
+    class PolicyAPIHandler(mls.APIHandler):
+        """mlx-lm's request handler plus ``GET /kvpolicy/stats``, checking each request first.
+
+        Before mlx-lm sees a POST: its Content-Length and body are read and parsed here (a bad
+        header, a short, non-UTF-8 or non-JSON body is a 400, not a dropped connection), a
+        per-request method is refused, and fields mlx-lm would fail on in its generation thread
+        are checked. Before generation: the prompt is tokenized (an empty one is a 400). A failure
+        after the response started is answered (500, or an SSE error event) instead of dropped.
+        """
+
+        def do_GET(self):
+            if self.path.split("?")[0].rstrip("/") == "/kvpolicy/stats":
+                rg = self.response_generator
+                body = rg.model_provider.stats.snapshot(getattr(rg, "prompt_cache", None))
+                self._set_completion_headers(200)
+                self.end_headers()
+                self.wfile.write(json.dumps(body).encode())
+                self.wfile.flush()
+                return
+            super().do_GET()
+
+        def do_POST(self):
+            length = self.headers.get("Content-Length")
+            if length is not None:  # without one, mlx-lm answers 411
+                try:
+                    raw = read_body(self.rfile, content_length(length))
+                    body = parse_body(raw)
+                    if isinstance(body, dict):  # mlx-lm refuses any other JSON value
+                        check_fields(body, self.response_generator.model_provider.kv_config.method)
+                except BadRequest as exc:
+                    self._send_error(400, str(exc))
+                    return
+                self.rfile = io.BytesIO(raw)
+            super().do_POST()
+
+        def validate_model_parameters(self) -> None:
+            super().validate_model_parameters()  # mlx-lm's checks; logit_bias keys become ints
+            loaded = self._loaded()
+            if loaded is not None:
+                check_logit_bias(self.logit_bias, loaded[1])
+
+        def handle_completion(self, request, stop_words):
+            try:
+                check_prompt_shape(request)
+                loaded = self._loaded()
+                if loaded is not None and not any(mls._image_parts(request.messages)):
+                    self.response_generator.pretokenize(loaded[0], request, self.chat_template_kwargs)
+            except BadRequest as exc:
+                self._send_error(400, str(exc))
+                return
+            try:
+                super().handle_completion(request, stop_words)
+            except OSError:
+                raise  # the client went away: nothing to answer
+            except Exception as exc:
+                self._send_failure(exc)
+
+        def _loaded(self):
+            return self.response_generator.model_provider.loaded_for(
+                self.requested_model, self.adapter, self.requested_draft_model
+            )
+
+        def _send_error(self, status: int, message: str) -> None:
+            self._set_completion_headers(status)
+            self.end_headers()
+            self.wfile.write(json.dumps({"error": message}).encode())
+            self.wfile.flush()
+
+        def _send_failure(self, exc: Exception) -> None:
+            """A request that failed after its response started (mlx-lm would drop the connection)."""
+            message = (
+                str(exc) if isinstance(exc, GenerationFailed) else f"generation failed: {type(exc).__name__}: {exc}"
+            )
+            logging.error(f"kvpolicy serve: {message}")
+            with contextlib.suppress(OSError):
+                if self.stream:  # headers and maybe some events are out: end the stream with an error event
+                    self.wfile.write(f"data: {json.dumps({'error': message})}\n\n".encode())
+                    self.wfile.flush()
+                else:  # the 200 status line is still buffered: replace it
+                    self._headers_buffer = []
+                    self._send_error(500, message)
+
+    return types.SimpleNamespace(
+        ModelProvider=PolicyModelProvider,
+        PromptCache=StatsPromptCache,
+        APIHandler=PolicyAPIHandler,
+        BatchGenerator=RecordingBatchGenerator,
+        ResponseGenerator=PolicyResponseGenerator,
+    )
+
+
+def run(host: str, port: int, model_provider) -> None:
+    """mlx-lm's ``server.run`` with the kvpolicy prompt cache, generator and handler (one process, rank 0).
+
+    The port is bound before the generation thread starts: a port in use (or a bad ``--host``) is
+    :class:`StartupError`, with no thread left running to keep the process alive.
+    """
+    from http.server import ThreadingHTTPServer
+
+    from mlx_lm import server as mls
+
+    classes = _server_classes()
+    if not 0 <= port <= 65535:  # getaddrinfo would wrap it (70000 -> 4464)
+        raise StartupError(f"--port {port}: not a port number (0 to 65535)")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        server_class = type("HTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+        httpd = server_class(address, None)  # the handler needs the generator, made next
+    except (OSError, OverflowError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise StartupError(f"--host {host} --port {port}: cannot listen there: {reason}") from None
+    prompt_cache = classes.PromptCache(model_provider.stats, model_provider.cli_args.prompt_cache_size)
+    if getattr(model_provider, "document", None):  # --prompt-cache: every question starts from a copy
+        prompt_cache.pin(model_provider.model_key, *model_provider.document)
+    response_generator = classes.ResponseGenerator(model_provider, prompt_cache)
+    fingerprint = mls.get_system_fingerprint()
+    httpd.RequestHandlerClass = lambda *args, **kwargs: classes.APIHandler(
+        response_generator, *args, system_fingerprint=fingerprint, **kwargs
+    )
+    warnings.warn("mlx_lm.server is not recommended for production as it only implements basic security checks.")
+    logging.info(f"Starting httpd at {host} on port {port}...")
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        httpd.server_close()
+        response_generator.stop_and_join()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvpolicy serve",
+        add_help=False,
+        description="mlx-lm's OpenAI-compatible server with a kvpolicy method on every request's cache. "
+        "Every other option is mlx-lm's (mlx_lm.server --help), passed through unchanged.",
+    )
+    p.add_argument(
+        "--method",
+        default=None,
+        help='config string ("cam:budget=256"), JSON, or a .json/.toml file (default: cam, or the '
+        "--prompt-cache file's)",
+    )
+    p.add_argument(
+        "--prompt-cache",
+        metavar="FILE.safetensors",
+        help="a document compressed once by kvpolicy cache-prompt: every request whose prompt extends "
+        "it starts from a copy of its caches (its model and method are the server's)",
+    )
+    p.add_argument("--model", help="local mlx-lm model directory (default: the embedded Gemma 3 270M)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="model dtype (auto: float32 on Linux CPU)",
+    )
+    p.add_argument("-h", "--help", action="store_true")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse kvpolicy's options, validate everything that can fail, then run mlx-lm's server."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, rest = _parser().parse_known_args(argv)
+    if ours.help:
+        _parser().print_help()
+        print("\nmlx-lm server options (passed through):")
+        with _patched_argv(["mlx_lm.server", "--help"]):
+            with contextlib.suppress(SystemExit):
+                from mlx_lm import server as mls
+
+                mls.main()
+        return 0
+    from ..errors import KVPolicyError
+    from ..model.default import ModelUnavailable, resolve_model_path
+
+    try:
+        config = load_method(ours.method or "cam")
+        from ..config.policy import build_policy
+
+        build_policy(config)  # every part of the method is installed and builds from this config
+        if ours.prompt_cache:
+            config, model_path, ours.dtype = _prompt_file_settings(ours, config)
+        else:
+            model_path = resolve_model_path(ours.model)
+    except (KVPolicyError, ModelUnavailable) as exc:
+        print(f"kvpolicy serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    from mlx_lm import server as mls
+
+    classes = _server_classes()
+    stats = ServerStats(config)
+    generator = type("BatchGenerator", (classes.BatchGenerator,), {"stats": stats})
+    failed: List[BaseException] = []
+
+    def provider(cli_args):
+        mp = classes.ModelProvider(cli_args, config, stats, ours.dtype)
+        try:
+            mp.load_default()  # load and attach now: a model the method cannot serve fails at start-up
+            if ours.prompt_cache:  # (document token ids, caches), loaded and checked against the model now
+                from .prompt_file import load_prompt_file
+
+                caches, _, info = load_prompt_file(ours.prompt_cache, mp.model)
+                mp.document = (info["document_ids"], caches)
+        except Exception as exc:
+            failed.append(exc)
+            raise SystemExit(2)
+        return mp
+
+    with (
+        _patched_argv(["kvpolicy serve", *rest, "--model", str(model_path)]),
+        _patched(mls, ModelProvider=provider, run=run, BatchGenerator=generator),
+    ):
+        try:
+            mls.main()
+        except StartupError as exc:
+            print(f"kvpolicy serve: error: {exc}", file=sys.stderr)
+            return 2
+        except SystemExit as exc:
+            if failed:
+                print(f"kvpolicy serve: error: {failed[0]}", file=sys.stderr)
+                return 2
+            return int(exc.code or 0) if isinstance(exc.code, int) else 2
+    # mlx-lm has stopped its HTTP server and joined its generation thread (Ctrl-C). Exit now:
+    # tearing the interpreter down after MLX ran on that thread aborts in C++ ("terminate called").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _prompt_file_settings(ours, config):
+    """(config, model path, dtype) for ``--prompt-cache``: the file's method and model, which ``--method`` and
+    ``--model`` may repeat but not change (a clear error before anything loads)."""
+    from ..config.parse import parse_config
+    from ..errors import KVPolicyError
+    from .prompt_file import file_metadata
+
+    metadata, info = file_metadata(ours.prompt_cache)
+    if info is None or "model" not in metadata:
+        raise KVPolicyError(f"--prompt-cache {ours.prompt_cache}: not a file of kvpolicy cache-prompt")
+    saved = parse_config(info["config"])
+    if ours.method is not None and config != saved:
+        raise KVPolicyError(
+            f"--method {ours.method} is not the method of --prompt-cache {ours.prompt_cache} ({saved.to_string()})"
+        )
+    from ..model.default import resolve_model_path
+
+    if ours.model is not None and resolve_model_path(ours.model).resolve() != Path(metadata["model"]).resolve():
+        raise KVPolicyError(
+            f"--model {ours.model} is not the model of --prompt-cache {ours.prompt_cache} ({metadata['model']})"
+        )
+    dtype = info.get("dtype") if ours.dtype == "auto" and info.get("dtype") else ours.dtype
+    return saved, Path(metadata["model"]), dtype
+
+
+@contextlib.contextmanager
+def _patched_argv(argv: List[str]):
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+@contextlib.contextmanager
+def _patched(module, **names):
+    saved = {k: getattr(module, k) for k in names}
+    for k, v in names.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)

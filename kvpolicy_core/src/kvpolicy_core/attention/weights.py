@@ -1,0 +1,90 @@
+"""Attention computed once, with its weights: the model's output and the observed signal from one pass.
+
+A policy with the observed signal needs the model's attention weights. Calling mlx-lm's fused
+``scaled_dot_product_attention`` and then recomputing ``softmax(q k^T)`` for the scorer costs two
+passes over the keys; :func:`attention_with_weights` computes the weights once and returns both
+the output and the weights. On CPU, MLX's fused attention is itself this composition (its fallback),
+and the output here is bit-identical to it for float32, float16 and bfloat16 (tests/test_attention_once.py);
+the kernel is kept when no policy needs the weights.
+
+Shapes: queries [B, Hq, S, D], keys [B, H, L, D], values [B, H, L, Dv], ``G = Hq / H`` query heads per
+KV head; mask None, ``"causal"``, a bool array (True = attend) or an additive array, broadcastable to
+[B, Hq, S, L] (what mlx-lm passes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import mlx.core as mx
+
+from ..parts.attention_scorer import causal_allowed
+
+
+def attend_once(n_queries: int) -> bool:
+    """Whether one composed pass (output and weights) beats the fused kernel plus the scorer's own pass.
+
+    Measured on CPU (docs/benchmarks.md, "Attention once"): always, for decode and prefill chunks alike,
+    since MLX's CPU kernel is the same composition. On a GPU the fused kernel never materialises the
+    [S, L] weights, so only decode steps (one query row) take the composed pass there (not measured:
+    no GPU in this project's benchmarks).
+    """
+    return n_queries == 1 or mx.default_device() == mx.cpu
+
+
+def grouped_mask(mask: mx.array, H: int, G: int) -> mx.array:
+    """A mask broadcastable to [B, Hq, S, L] as one broadcastable to [B, H, G, S, L] (query heads grouped)."""
+    if mask.ndim < 4:
+        return mask  # [S, L] or [1|Hq?, S, L]: the leading axes broadcast against [B, H, G]
+    if mask.shape[1] == H * G and G > 1:
+        return mask.reshape(mask.shape[0], H, G, mask.shape[2], mask.shape[3])
+    return mask[:, :, None]  # [B, 1|H, 1, S, L]
+
+
+def attention_with_weights(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, compiled: bool = False
+) -> Tuple[mx.array, mx.array]:
+    """The attention output [B, Hq, S, Dv] and its weights [B, H, G, S, L] (queries' dtype)::
+
+        w = softmax(scale * q k^T + mask)      (precise softmax; a bool mask gives -inf where False)
+        out = w v
+
+    exactly MLX's fused attention on CPU, including what a non-finite key does (a NaN or +inf logit
+    makes its query row NaN, as in the model's own attention).
+
+    ``compiled``: a decode step (S = 1, mask None or an array) runs as one compiled graph (the same ops:
+    bit for bit the eager ones, tests/test_attention_once.py; ~20-40 µs less per step at L = 1024, 4 KV
+    heads on CPU). MLX traces it once per shape, so only for shapes that repeat: a policy cache's full
+    buffer (its steady state), not a cache that still grows by one slot per step.
+    """
+    if compiled and queries.shape[2] == 1 and (mask is None or isinstance(mask, mx.array)):
+        if mask is None:
+            return _decode_no_mask(queries, keys, values, scale)
+        return _decode_masked(queries, keys, values, scale, mask)
+    return _attention(queries, keys, values, scale, mask)
+
+
+def _attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask):
+    B, Hq, S, D = queries.shape
+    H, L = keys.shape[1], keys.shape[2]
+    G = Hq // H
+    q = (queries * scale).reshape(B, H, G, S, D)
+    logits = q @ keys[:, :, None].swapaxes(-1, -2)  # [B, H, G, S, L]
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"attention mask must be None, 'causal' or an array (got {mask!r})")
+        mask = causal_allowed(S, L)
+    if mask is not None:
+        mask = grouped_mask(mask, H, G)
+        if mask.dtype == mx.bool_:
+            logits = mx.where(mask, logits, mx.array(-math.inf, dtype=logits.dtype))
+        else:
+            logits = logits + mask.astype(logits.dtype)
+    weights = mx.softmax(logits, axis=-1, precise=True)
+    out = weights @ values[:, :, None]  # [B, H, G, S, Dv]
+    return out.reshape(B, Hq, S, values.shape[-1]), weights
+
+
+_decode_no_mask = mx.compile(lambda q, k, v, scale: _attention(q, k, v, scale, None))
+_decode_masked = mx.compile(_attention)

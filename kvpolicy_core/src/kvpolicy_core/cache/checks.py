@@ -1,0 +1,145 @@
+"""The value checks of part outputs as compiled MLX graphs: one small fused graph per check.
+
+Each function returns flags for :class:`~kvpolicy_core.cache.step.PolicyStep`, which evaluates every
+flag of one eviction in a single host sync. They check plugins' parts (and every part's prompt-chunk
+update); the shipped parts' decode outputs are trusted (:mod:`kvpolicy_core.parts.shipped`), a shipped
+merge's guarded on the device (:meth:`kvpolicy_core.cache.slots.SlotStore.add`), and cost no sync. On CPU
+each MLX op that is not fused (a reduction, a gather) costs ~10-25 µs on this project's machines, so a
+merge update's checks are one summary code with one reduction per array and no gather (:func:`update_checks`); the
+exact per-row rule is decided on the
+host only when that code reports a non-finite delta (:func:`nonfinite_flags`). Sizes enter as input
+arrays, not Python constants: MLX compiles fused CPU kernels with the system C++ compiler once per
+distinct kernel (cached under its temporary directory), so a constant per budget would compile new
+kernels for every budget. Indices are clamped into ``[0, L)`` before any gather here, so a check never
+reads out of bounds whatever it is given.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .slots import LOG_WEIGHT_BOUND
+
+
+def _out_of_range(idx: mx.array, last: mx.array, distinct: bool) -> mx.array:
+    bad = mx.any((idx < 0) | (idx > last))
+    if distinct and idx.shape[-1] > 1:
+        ordered = mx.sort(idx, axis=-1)
+        bad = bad | mx.any(ordered[..., 1:] == ordered[..., :-1])
+    return bad
+
+
+def _rows(x: mx.array, safe: mx.array) -> mx.array:
+    return mx.take_along_axis(x, safe[..., None] if x.ndim == 4 else safe, axis=2)
+
+
+def _loser_flags(
+    idx: mx.array, positions: mx.array, n_sink: mx.array, last: mx.array, dead: Optional[mx.array]
+) -> mx.array:
+    """[2] bool: (an index outside [0, L) or repeated in its row, a sink among the losers that is not window-dead).
+
+    ``n_sink`` and ``last = L - 1`` are int32 scalar arrays (inputs, not constants of the compiled kernels).
+    """
+    safe = mx.clip(idx, 0, last)
+    sink = _rows(positions, safe) < n_sink
+    if dead is not None:
+        sink = sink & ~_rows(dead, safe)
+    return mx.stack([_out_of_range(idx, last, True), mx.any(sink)])
+
+
+def _target_flags(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.array, mx.array]]) -> mx.array:
+    """[1 + len(pairs)] bool: (a target outside [0, L), then per (delta, base) a non-finite delta for a finite row)."""
+    safe = mx.clip(targets, 0, last)
+    flags = [_out_of_range(targets, last, False)]
+    for delta, base in pairs:
+        flags.append(mx.any(~mx.isfinite(delta) & mx.isfinite(_rows(base, safe))))
+    return mx.stack(flags)
+
+
+_compiled_losers = mx.compile(lambda idx, positions, n_sink, last: _loser_flags(idx, positions, n_sink, last, None))
+_compiled_losers_dead = mx.compile(_loser_flags)
+
+
+def scalar(x: int) -> mx.array:
+    return mx.array(x, dtype=mx.int32)
+
+
+def loser_flags(idx: mx.array, positions: mx.array, n_sink: int, dead: Optional[mx.array]) -> mx.array:
+    """Flags of :func:`_loser_flags` (compiled); ``n_sink`` enters as an array (no retrace per value)."""
+    n, last = scalar(n_sink), scalar(positions.shape[-1] - 1)
+    if dead is None:
+        return _compiled_losers(idx, positions, n, last)
+    return _compiled_losers_dead(idx, positions, n, last, dead)
+
+
+#: bits of an update's check summary (:func:`update_checks`)
+TARGET_OUT_OF_RANGE = 4  # some target outside [0, L)
+NONFINITE = 2  # some delta element is NaN or inf: broken only where its target row is finite (re-checked on the host)
+
+
+def update_checks(
+    targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.array, mx.array]], d_log_weights: Optional[mx.array]
+):
+    """A MergeUpdate's value checks as one summary, traceable (the compiled decode path runs them in the
+    disposition's graph): one reduction per array, no gather.
+
+    ``pairs``: (delta, base) for d_keys, d_values, d_scores as present (each delta is checked in its buffer's
+    dtype, as it will be added; the bases' rows are read only by :func:`nonfinite_flags`, on the rare path).
+    Returns (code [1] int32, the log-weight deltas made finite:
+    NaN as 0, clipped to +-``LOG_WEIGHT_BOUND``, or None), where::
+
+        code = 4 [some target outside [0, last]] + max over deltas d (and the finite log-weight deltas) of
+               (2 if d has a NaN or inf element, else 1 if d has a nonzero element, else 0)
+
+    ``code == 0``: the update changes nothing; ``code & 2``: some delta is non-finite, a broken rule only
+    where its target row is finite, which :func:`nonfinite_flags` decides exactly.
+    """
+    code = mx.any((targets < 0) | (targets > last)).astype(mx.int32) * TARGET_OUT_OF_RANGE
+    lw = None
+    if d_log_weights is not None:
+        lw = mx.clip(mx.nan_to_num(d_log_weights.astype(mx.float32), nan=0.0), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+    level = mx.array(0, dtype=mx.int32)
+    for d in [_as_written(d, base) for d, base in pairs] + ([lw] if lw is not None else []):
+        if d.size == 0:
+            continue
+        level = mx.maximum(level, mx.max(mx.where(mx.isfinite(d), (d != 0).astype(mx.int32), NONFINITE)))
+    return (code + level).reshape(1), lw
+
+
+def _as_written(delta: mx.array, base: mx.array) -> mx.array:
+    """The delta in its buffer's dtype, as :meth:`~kvpolicy_core.cache.slots.SlotStore.add` adds it: a value finite in
+    the delta's dtype but not in the buffer's (1e6 into float16) is a non-finite delta."""
+    return delta if delta.dtype == base.dtype else delta.astype(base.dtype)
+
+
+def nonfinite_flags(targets: mx.array, last: int, pairs: Sequence[Tuple[mx.array, mx.array]]) -> List[bool]:
+    """Per (delta, base) of ``pairs``: whether the delta, in the buffer's dtype, has a NaN or inf where its target
+    row of ``base`` is finite (the broken rule; a non-finite delta on a non-finite element is allowed). Host-side,
+    on the rare path where :func:`update_checks` reported a non-finite delta; targets are clamped before the gather."""
+    flags = _target_flags(targets, scalar(last), [(_as_written(d, b), b) for d, b in pairs])[1:]
+    mx.eval(flags)
+    return [bool(f) for f in flags.tolist()]
+
+
+_compiled_updates = {}
+
+
+def checked_update(
+    targets: mx.array, L: int, pairs: List[Tuple[mx.array, mx.array]], d_log_weights: Optional[mx.array]
+):
+    """:func:`update_checks` compiled (once per set of present deltas): (code [1] int32, finite log-weight
+    deltas or None); sizes enter as arrays."""
+    key = (len(pairs), d_log_weights is not None)
+    fn = _compiled_updates.get(key)
+    if fn is None:
+
+        def flat(targets, last, *xs):
+            n = 2 * len(pairs)
+            lw = xs[n] if key[1] else None
+            return update_checks(targets, last, list(zip(xs[0:n:2], xs[1:n:2])), lw)
+
+        fn = _compiled_updates[key] = mx.compile(flat)
+    extra = [d_log_weights] if d_log_weights is not None else []
+    return fn(targets, scalar(L - 1), *[x for pair in pairs for x in pair], *extra)

@@ -1,0 +1,239 @@
+"""Decode steps of parts as compiled MLX graphs (``compile_decode``): a selector's choice with its
+value checks, a disposition's update, and (a trusted selector with drop: H2O) the choice with the new
+token's write, in one call.
+
+On CPU each MLX op has a fixed cost of ~5-10 µs, and a merge step is ~40 small ops over [B, H, L]
+arrays; :func:`mx.compile` fuses them (CaM's mass merge at L = 1024: ~600 µs eager, ~200 µs compiled,
+docs/benchmarks.md). Only decode steps (one loser per row) are compiled: their shapes stay fixed once
+the budget is reached, so the graph is traced once per (shape, layout) and reused by every layer.
+The offset enters the graph as an int32 scalar array (a Python int would be a constant and retrace
+every step), so a compiled disposition must use ``view.offset`` only in MLX arithmetic.
+
+The results are the part's own, field for field: the selector's losers (with the value flags of
+:func:`kvpolicy_core.cache.checks.loser_flags` computed in the same graph), the disposition's
+:class:`~kvpolicy_core.parts.base.MergeUpdate`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from ..parts.base import CacheView, MergeUpdate
+from .slots import token_written
+
+_FIELDS = ("targets", "d_keys", "d_values", "d_scores", "draws", "merges", "d_log_weights")
+_OPTIONAL_VIEW = ("dead", "log_weights", "key_norms")
+_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class _PartRef:
+    """Holds its part weakly where it can: the wrappers live in ``_cache``, a WeakKeyDictionary keyed by the
+    part, and a value that held its key strongly would keep every policy's part and traces alive forever."""
+
+    def _hold(self, part) -> None:
+        try:
+            ref = weakref.ref(part)
+        except TypeError:  # not weak-referenceable: such a part is not cached (a wrapper per call)
+            ref = lambda part=part: part  # noqa: E731
+        self._ref = ref
+
+    @property
+    def part(self):
+        return self._ref()
+
+
+def _per_part(part, key, make: Callable):
+    """The wrapper ``key`` of ``part`` in ``_cache``, made by ``make()`` on first use (shared by every layer's
+    cache using the part); a part that is not weak-referenceable gets a new wrapper per call."""
+    try:
+        per = _cache.setdefault(part, {})
+    except TypeError:
+        return make()
+    if key not in per:
+        per[key] = make()
+    return per[key]
+
+
+def wants_compile(part, n_evict: int) -> bool:
+    """Decode steps of a part that declares ``compile_decode = True``."""
+    return n_evict == 1 and bool(getattr(part, "compile_decode", False))
+
+
+def _view(arrays, layout) -> CacheView:
+    keys, values, positions, scores, offset, *optional = arrays
+    head_offset, heads_total, n_new, present = layout
+    extra = dict(zip([f for f, p in zip(_OPTIONAL_VIEW, present) if p], optional))
+    return CacheView(
+        keys,
+        values,
+        positions,
+        scores,
+        offset,
+        n_new,
+        extra.get("dead"),
+        head_offset,
+        heads_total,
+        extra.get("log_weights"),
+        key_norms=extra.get("key_norms"),
+    )
+
+
+def _layout(view: CacheView):
+    present = tuple(getattr(view, f) is not None for f in _OPTIONAL_VIEW)
+    arrays = [view.keys, view.values, view.positions, view.scores, mx.array(view.offset, dtype=mx.int32)]
+    arrays += [getattr(view, f) for f, p in zip(_OPTIONAL_VIEW, present) if p]
+    return (view.head_offset, view.heads_total, view.n_new, present), arrays
+
+
+class _CompiledSelect(_PartRef):
+    """A ranked selector's decode choice and its value flags, one trace per view layout."""
+
+    def __init__(self, selector, n_sink: int, with_flags: bool = True) -> None:
+        self._hold(selector)
+        self.n_sink, self.with_flags = n_sink, with_flags
+        self._fns: Dict[Tuple, Callable] = {}
+
+    def __call__(self, view: CacheView, n_evict: int):
+        from .checks import _loser_flags, scalar
+
+        layout, arrays = _layout(view)
+        fn = self._fns.get(layout)
+        if fn is None:
+
+            def fn(n_sink, last, *arrays):
+                v = _view(arrays, layout)
+                losers = self.part.select(v, n_evict)
+                if not isinstance(losers, mx.array) or losers.ndim != 3 or not mx.issubdtype(losers.dtype, mx.integer):
+                    raise TypeError("not an integer [B, H, E] array")  # the eager call reports what it is
+                losers = losers.astype(mx.int32)
+                if not self.with_flags:
+                    return losers, None
+                return losers, _loser_flags(losers, v.positions, n_sink, last, v.dead)
+
+            fn = self._fns[layout] = mx.compile(fn)
+        return fn(scalar(self.n_sink), scalar(view.scores.shape[-1] - 1), *arrays)
+
+
+def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
+    """``f(view, n_evict) -> (losers int32, flags)``: the compiled choice of a ranked ``selector``
+    (``with_flags=False``: no checks computed, flags None)."""
+    return _per_part(selector, ("select", n_sink, with_flags), lambda: _CompiledSelect(selector, n_sink, with_flags))
+
+
+class _CompiledEvictWrite(_PartRef):
+    """A trusted selector's decode choice and the new token's write into the loser's slot, one compiled call
+    (H2O's whole decode eviction: drop needs no update). ``f(keys, values, buffers, offset, head_shard, dead)``
+    -> (keys, values, positions, scores) with the new token [B, H, 1, D(v)] at the loser's slot, position
+    ``offset``, score 0 (exactly :meth:`kvpolicy_core.cache.slots.SlotStore.write_into` after the selector's choice).
+    ``buffers``: (keys, values, positions, scores) of a full slot store; ``head_shard``: (head_offset,
+    heads_total); ``dead``: the window-dead slots [B, H, L] bool, or None. One trace per (head_shard, dead given).
+    """
+
+    def __init__(self, selector) -> None:
+        self._hold(selector)
+        self._fns: Dict[Tuple, Callable] = {}
+
+    def __call__(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        buffers,
+        offset: int,
+        head_shard: Tuple[int, int],
+        dead: Optional[mx.array] = None,
+    ):
+        key = (head_shard, dead is None)
+        fn = self._fns.get(key)
+        if fn is None:
+
+            def fn(keys, values, K, V, P, S, off, *dead):
+                view = CacheView(K, V, P, S, off, 0, dead[0] if dead else None, *head_shard)
+                losers = self.part.select(view, 1).astype(mx.int32)
+                return token_written((K, V, P, S), losers, keys, values, off)
+
+            fn = self._fns[key] = mx.compile(fn)
+        return fn(keys, values, *buffers, mx.array(offset, dtype=mx.int32), *(() if dead is None else (dead,)))
+
+
+def compiled_evict_write(selector) -> Callable:
+    """The compiled decode eviction + write of a trusted ranked ``selector`` with a drop disposition."""
+    return _per_part(selector, "evict_write", lambda: _CompiledEvictWrite(selector))
+
+
+class _Compiled(_PartRef):
+    """One disposition's compiled ``dispose``, one trace per view layout (which optional fields are set).
+
+    With ``checks``, the update's value checks (:func:`kvpolicy_core.cache.checks.update_checks`) are traced
+    into the same graph, so a decode step's merge is one compiled call; the call returns them next to the
+    update. Without (a shipped disposition, :mod:`kvpolicy_core.parts.shipped`), the graph is the update alone.
+    """
+
+    def __init__(self, disposition, checks: bool = True) -> None:
+        self._hold(disposition)
+        self.checks = checks
+        self._fns: Dict[Tuple, Tuple[Callable, List]] = {}
+
+    def _build(self, layout: Tuple) -> Tuple[Callable, List]:
+        from .checks import update_checks
+
+        spec: List = []  # filled while tracing: which fields are set, the stats' names, the checks' outputs
+
+        def fn(losers, key, last, *arrays):
+            view = _view(arrays, layout)
+            u = self.part.dispose(view, losers, key)
+            if not isinstance(u, MergeUpdate) or (u.stats is not None and not isinstance(u.stats, dict)):
+                spec[:] = [("raw", u)]
+                return [mx.array(0)]
+            fields = [f for f in _FIELDS if getattr(u, f) is not None]
+            stats = [
+                (k, v.astype(mx.int32).reshape(()) if v.size == 1 and v.dtype != mx.complex64 else v)
+                for k, v in (u.stats or {}).items()
+                if isinstance(v, mx.array)
+            ]  # counters as int32 scalars
+            targets = u.targets.astype(mx.int32) if mx.issubdtype(u.targets.dtype, mx.integer) else u.targets
+            pairs = [
+                (getattr(u, f), base)
+                for f, base in (("d_keys", view.keys), ("d_values", view.values), ("d_scores", view.scores))
+                if getattr(u, f) is not None
+            ]
+            checks = list(update_checks(targets, last, pairs, u.d_log_weights)) if self.checks else []
+            spec[:] = [
+                (
+                    "update",
+                    fields,
+                    [k for k, _ in stats],
+                    {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)},
+                    u.stats is None,
+                    len(checks) > 1 and checks[1] is not None,
+                )
+            ]
+            return [getattr(u, f) for f in fields] + [v for _, v in stats] + [c for c in checks if c is not None]
+
+        return mx.compile(fn), spec
+
+    def __call__(self, view: CacheView, losers: mx.array, key: mx.array):
+        """(the MergeUpdate or None, its in-graph checks (check code, finite d_log_weights) or None)."""
+        from .checks import scalar
+
+        layout, arrays = _layout(view)
+        if layout not in self._fns:
+            self._fns[layout] = self._build(layout)
+        fn, spec = self._fns[layout]
+        out = fn(losers, key, scalar(view.scores.shape[-1] - 1), *arrays)
+        if spec[0][0] == "raw":  # not a MergeUpdate: the eager call gives the part's own result to check
+            return self.part.dispose(view, losers, key), None
+        _, fields, stat_names, constants, no_stats, has_lw = spec[0]
+        update = dict(zip(fields, out[: len(fields)]))
+        n = len(fields) + len(stat_names)
+        stats: Optional[dict] = None if no_stats else {**constants, **dict(zip(stat_names, out[len(fields) : n]))}
+        checks = (out[n], out[n + 1] if has_lw else None) if self.checks else None
+        return MergeUpdate(**update, stats=stats), checks
+
+
+def compiled(disposition, checks: bool = True) -> Callable:
+    """The compiled ``dispose`` of ``disposition``, with its update's checks unless ``checks=False`` (shared by
+    every layer's cache)."""
+    return _per_part(disposition, ("dispose", checks), lambda: _Compiled(disposition, checks))

@@ -1,0 +1,404 @@
+"""The per-layer policy cache: runs any scorer/selector/disposition under mlx-lm's cache contract.
+
+Three units do the work: the slot store (:mod:`.slots`: buffers, positions, in-place write,
+compaction), the policy step (:mod:`.policy_step`: score, select, dispose, checked) and
+persistence/diagnostics (:mod:`.cache_state`, :mod:`.cache_diagnostics`). This class is
+the loop that ties them to mlx-lm. ``update_and_fetch(k, v)`` with S new tokens:
+
+1. *Settle*: if the previous call left ``n > budget`` slots, ``E = n - budget`` losers are
+   chosen (window-dead slots first, then the selector's, from the scores accumulated so far),
+   the disposition updates survivors, and the losers are removed. Decode (``S == 1``,
+   ``E == 1``) writes the new token straight into the loser's slot; otherwise survivors
+   are compacted in temporal order.
+2. *Append* the S new tokens (positions ``offset .. offset+S-1``, score 0).
+3. *Score*: ``scorer.on_append`` (and, for observed signals, from the attention hook: the
+   model's own attention weights through :meth:`PolicyCache.attend`, computed once with the
+   output, or ``on_attention`` before mlx-lm's kernel for scorers without ``on_attention_weights``).
+4. Return everything this step attends to: ``min(n, budget) + S`` slots.
+
+``offset`` is the number of tokens seen: mlx-lm rotates queries with it, so RoPE stays
+exact after evictions without any re-rotation.
+
+*Runs.* Consecutive prompt chunks (updates of ``S > 1`` tokens) with no eviction between them
+form one run; the scorer gets a dict (``CacheView.run``) that the cache carries across the
+run's chunks, so a scorer can score the run as one chunk (the observation window does: a
+prompt fed as 3 + 54 tokens, e.g. after mlx-lm's server reused a stored prefix, is scored
+as the 57 tokens in one chunk). An eviction, a single-token update and ``trim`` end the run; the
+next chunk starts a new one with an empty dict. A saved ``state`` carries the run in progress.
+
+*Attention hook.* A cache that needs it (observed signal, log-weights, sliding window) holds the
+install (``attention_hook``) and restores it with its state (:mod:`.cache_state`); a step that needs
+the hook is refused, before anything changes, when the install was removed or a restored cache has none.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from ..attention.bias import with_log_weights
+from ..attention.weights import attend_once, attention_with_weights
+from ..attention.window import outside_window, window_mask
+from ..config.policy import Policy, build_policy
+from ..errors import KVPolicyError, ModelError
+from ..parts.attention_scorer import causal_allowed
+from ..runtime.sharding import check_head_shard
+from . import interop
+from .batch import BatchPolicyCache
+from .diagnostics import CacheDiagnostics
+from .slots import FIELDS, SlotStore
+from .state import CacheState
+from .step import PolicyStep
+
+
+def _slot(name: str) -> property:
+    return property(lambda self: getattr(self._slots, name), lambda self, v: setattr(self._slots, name, v))
+
+
+class PolicyCache(CacheState, CacheDiagnostics):
+    """An mlx-lm compatible KV cache holding at most ``budget`` tokens under a policy.
+
+    Args:
+        policy: a :class:`~kvpolicy_core.config.policy.Policy`, or any config form (parsed once here).
+        layer: the layer index (decorrelates random draws between layers).
+        window: the sliding window of the layer, or None for global attention. Tokens
+            outside the window of every future query are evicted first and masked out.
+        head_shard: ``(rank, size)`` of the tensor-parallel group that splits this layer's KV
+            heads evenly (mlx-lm's ``model.shard``): this cache holds global heads
+            ``rank * H .. rank * H + H - 1`` of ``size * H``; ``(0, 1)`` when unsharded.
+            Random draws are keyed by global head, so they do not depend on the split.
+    """
+
+    step = 256
+    keys, values, positions, scores, n = (_slot(f) for f in FIELDS)
+    kvpolicy_attention = "single"  #: the attention hook calls :meth:`attend` for this cache
+
+    def __init__(
+        self, policy, layer: int = 0, window: Optional[int] = None, head_shard: Tuple[int, int] = (0, 1)
+    ) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be None or an int >= 1 (got {window!r})")
+        self.head_shard = check_head_shard(head_shard)
+        self.policy: Policy = policy if isinstance(policy, Policy) else build_policy(policy)
+        self.budget, self.layer, self.window = self.policy.budget, layer, window
+        #: the disposition keeps per-slot attention log-weights (added to the logits by the hook)
+        self.uses_log_weights = bool(getattr(self.policy.disposition, "uses_log_weights", False))
+        self._slots = SlotStore(
+            self.step,
+            track_log_weights=self.uses_log_weights,
+            track_key_norms=bool(getattr(self.policy.disposition, "uses_key_norms", False)),
+        )
+        self._step = PolicyStep(self.policy, layer)
+        self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
+        self.offset = 0  # tokens seen = absolute position of the next token
+        self._attended, self._last_S, self._updates = True, 0, 0
+        self._run: dict = {}  # the scorer's state for the current run of prompt chunks (CacheView.run)
+        self._run_open = False  # the last update was a chunk (S > 1) and nothing was evicted since
+        self.attention_hook = None  # the attention hook install this cache keeps alive, if it needs one
+        self._hook_missing = None  # why a restored cache has no hook it needs (it refuses its next update)
+        #: some log-weight may be nonzero (a checked update changed one, a shipped disposition evicted at a decode
+        #: step: whether it merged is decided on the device, or restored state carries them); until then the
+        #: attention needs no bias (all zero: the same attention bit for bit) and skips building it
+        self._lw_used = False
+        #: the scorer takes the model's attention weights (``on_attention_weights``): one pass gives both
+        scorer = self.policy.scorer
+        self._weights_once = scorer.needs_attention and getattr(scorer, "on_attention_weights", None) is not None
+        #: every step needs the attention hook (observed signal or log-weights; a window only past its length)
+        self._hooked_always = bool(scorer.needs_attention) or self.uses_log_weights
+
+    # ------------------------------------------------------------------ mlx-lm contract
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """keys [B, H, S, D], values [B, H, S, Dv] -> all keys/values this step attends to."""
+        self._slots.check_input(keys, values, self.layer)
+        self._last_S = keys.shape[2]
+        self._check_observation()
+        S = keys.shape[2]
+        saved = self._save()
+        try:
+            over = self.n - self.budget
+            self._run = dict(self._run) if (self._run_open and S > 1 and over <= 0) else {}
+            self._run_open = S > 1
+            if over == 1 and S == 1:
+                self._evict_into(keys, values)
+            else:
+                if over > 0:
+                    self._slots.compact(self._evict(over))
+                self._slots.append(keys, values, self.offset, self.budget)
+            self.offset += S
+            if self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
+                new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
+                self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
+            self._attended = False
+        except BaseException:
+            self._restore(saved)
+            raise
+        self._bound_graph()
+        return self._slots.valid()
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        """The mask for N new tokens attending to ``min(n, budget) + N`` slots.
+
+        Global layers need only causality among the new tokens (every retained token is in
+        the past). Sliding-window masks depend on each layer's retained positions, so the
+        attention hook rebuilds them per layer (:meth:`before_attention`).
+        """
+        if N == 1 and not return_array:
+            return None
+        if return_array or window_size is not None:
+            return causal_allowed(N, min(self.n, self.budget) + N)
+        return "causal"
+
+    def is_trimmable(self) -> bool:
+        """Whether :meth:`trim` is exact: nothing was ever evicted and the scorer's scores are
+        per token (``Scorer.trim_exact``; not so for attention-accumulating scorers such as
+        H2O's and CaM's, whose survivors' scores keep the attention of the trimmed tokens).
+
+        mlx-lm asks this before it trims: its prompt cache then reuses an untrimmable cache only
+        as a prefix, and speculative decoding refuses the cache up front.
+        """
+        return (
+            self.n == self.offset and self.n <= self.budget and bool(getattr(self.policy.scorer, "trim_exact", False))
+        )
+
+    def trim(self, n: int) -> int:
+        """Drop the newest ``min(n, tokens)`` tokens, exactly: slots, positions and scores are those
+        of a cache that never saw them (the run of prompt chunks ends). Returns the number dropped.
+
+        Raises :class:`~kvpolicy_core.errors.KVPolicyError` (nothing changed) when the cache is not
+        :meth:`is_trimmable` and ``n > 0``, rather than leaving stale scores behind.
+        """
+        if n < 0:
+            raise ValueError(f"layer {self.layer}: trim(n) needs n >= 0 (got {n})")
+        n = min(self.n, n)
+        if n == 0:
+            return 0
+        if not self.is_trimmable():
+            why = (
+                "it has evicted tokens, which cannot come back"
+                if self.n != self.offset or self.n > self.budget
+                else f"its scorer ({self.policy.owners['scorer']}) accumulates attention, so the survivors' "
+                "scores would keep the trimmed tokens' attention"
+            )
+            raise KVPolicyError(
+                f"layer {self.layer}: cannot trim this policy cache: {why}; check is_trimmable() "
+                "first, or rebuild the cache from the shorter prompt"
+            )
+        self.n -= n
+        self.offset -= n
+        self._run, self._run_open = {}, False
+        self.scores = self.scores[..., : self.n]
+        if self._slots.log_weights is not None:
+            self._slots.log_weights = self._slots.log_weights[..., : self.n]
+        return n
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PolicyCache":
+        """mlx-lm's ``kv_bits`` hook (it calls this on each cache that has it): a policy cache is not
+        quantized, so this warns (once per cache) that ``kv_bits`` is ignored and returns the cache itself."""
+        if not getattr(self, "_warned_kv_bits", False):
+            self._warned_kv_bits = True
+            warnings.warn(
+                f"layer {self.layer}: kv_bits={bits} is ignored: kvpolicy's PolicyCache keeps keys and "
+                "values unquantized (the policy bounds the cache to its budget instead)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return self
+
+    def size(self) -> int:
+        return self.tokens_kept
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batching entry point: single-sequence caches -> one BatchPolicyCache (copies)."""
+        return BatchPolicyCache.merge(caches)
+
+    def retained(self):
+        """(keys, values, positions, scores) of the retained tokens in temporal order."""
+        self.settle()
+        return None if self.keys is None else self._slots.in_temporal_order()
+
+    def retained_log_weights(self) -> Optional[mx.array]:
+        """Attention log-weights [B, H, n] of the retained tokens in :meth:`retained`'s order, or None."""
+        self.settle()
+        if self._slots.log_weights is None:
+            return None
+        order = mx.argsort(self.positions[..., : self.n], axis=-1)
+        return mx.take_along_axis(self._slots.log_weights, order, axis=-1)
+
+    def settle(self) -> None:
+        """Apply a pending eviction now (after a step), so exactly ``budget`` tokens remain."""
+        if self.n > self.budget:
+            saved = self._save()
+            try:
+                self._slots.compact(self._evict(self.n - self.budget))
+            except BaseException:
+                self._restore(saved)
+                raise
+
+    @property
+    def log_weights(self) -> Optional[mx.array]:
+        """Per-slot attention log-weights [B, H, n] float32 (slot order), or None when not used."""
+        return self._slots.log_weights
+
+    # ------------------------------------------------------------------ attention hook
+    def before_attention(self, queries: mx.array, scale: float, mask):
+        """Called by the attention hook with the real queries [B, Hq, S, D]; returns the mask to use.
+
+        Sliding-window layers get a mask built from this layer's own positions:
+        query at position p may attend to key at position q iff ``p - W < q <= p``.
+        A policy with log-weights gets them added to the logits (:func:`.attention_bias.with_log_weights`).
+        """
+        mask = self._attention_mask(queries, mask)
+        if self.policy.scorer.needs_attention:
+            run = dict(self._run)  # adopted only if the scorer succeeds
+            self.scores = self._step.on_attention(self._view(queries.shape[2], run), queries, scale, mask)
+            self._run = run
+            self._bound_graph()
+        self._attended = True
+        return mask
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, fused):
+        """The attention hook's entry: the attention output [B, Hq, S, Dv] of this step.
+
+        ``fused(queries, keys, values, cache, scale, mask)`` is mlx-lm's attention. A scorer that can
+        take the model's weights (``on_attention_weights``: the shipped observed scorers) gets them from
+        the one pass that computes the output (:func:`.attention_weights.attention_with_weights`, on CPU
+        bit-identical to the fused kernel) where that is faster (:func:`.attention_weights.attend_once`);
+        otherwise this is :meth:`before_attention` then ``fused``.
+        """
+        if not (self._weights_once and attend_once(queries.shape[2])):
+            return fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
+        mask = self._attention_mask(queries, mask)
+        out, weights = attention_with_weights(
+            queries, keys, values, scale, mask, compiled=self.n == self._slots.keys.shape[2]
+        )
+        run = dict(self._run)  # adopted only if the scorer succeeds (as in before_attention)
+        self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)
+        self._run = run
+        self._bound_graph()
+        self._attended = True
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _attention_mask(self, queries: mx.array, mask):
+        """The mask this layer's attention uses: its own sliding window, plus the slots' log-weights."""
+        if self.window is not None and self.offset > self.window:
+            mask = window_mask(self.positions[..., : self.n], self.offset, self._last_S, self.window, queries.shape[1])
+        if self.uses_log_weights and self._lw_used:
+            mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
+        return mask
+
+    def _view(self, n_new: int, run: Optional[dict] = None):
+        return self._slots.view(self.offset, n_new, self._window_dead() if n_new == 0 else None, self.head_shard, run)
+
+    def _window_dead(self) -> Optional[mx.array]:
+        """bool [B, H, n]: slots outside the sliding window of every future query, or None (no window yet)."""
+        if self.window is None or self.offset <= self.window:
+            return None
+        pos = self.positions
+        return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
+
+    def _evict(self, n_evict: int, new_token: Optional[Tuple[mx.array, mx.array]] = None) -> mx.array:
+        """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors.
+
+        ``new_token``: decode's (keys, values) [B, H, 1, D(v)], written into the loser's slot here (with a
+        one-target update in the same compiled call, :meth:`SlotStore.add_and_write`)."""
+        view = self._view(0)
+        self._run, self._run_open = {}, False  # an eviction ends the run
+        losers, pending = self._step.losers(view, n_evict)
+        update, counts = self._step.dispose(view, losers, self.offset, pending)
+        if update is not None:
+            self._lw_used = self._lw_used or update.d_log_weights is not None
+        if counts:
+            zero = mx.array(0, dtype=mx.int32)
+            self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
+        if (
+            new_token is not None
+            and update is not None
+            and update.targets.shape[-1] == 1
+            and self.n == self._slots.keys.shape[2]
+        ):
+            self._slots.add_and_write(update, losers, *new_token, self.offset)
+            return losers
+        if update is not None:
+            self._slots.add(update)
+        if new_token is not None:
+            self._slots.write_into(losers, *new_token, self.offset)
+        return losers
+
+    def _evict_into(self, keys: mx.array, values: mx.array) -> None:
+        """Decode: evict one slot per row and write the new token [B, H, 1, D] into it (one compiled call
+        for H2O's drop, :meth:`PolicyStep.evict_and_write`; else select, dispose, write)."""
+        sl = self._slots
+        if self._step.fuses_drop and sl.log_weights is None and sl.key_norms is None and self.n == sl.keys.shape[2]:
+            H, (rank, size) = sl.keys.shape[1], self.head_shard
+            done = self._step.evict_and_write(
+                keys,
+                values,
+                (sl.keys, sl.values, sl.positions, sl.scores),
+                self.offset,
+                (rank * H, size * H),
+                self._window_dead(),
+            )
+            if done is not None:
+                self._run, self._run_open = {}, False  # an eviction ends the run
+                sl.replace(*done)
+                return
+        self._evict(1, (keys, values))
+
+    def _check_observation(self) -> None:
+        """Refuse (before anything changes) a step that needs the attention hook when the hook cannot run: the
+        install this cache holds was removed, a restored cache has none, or the last step did not call it."""
+        windowed = self.window is not None and self.offset > self.window
+        hook = self.attention_hook
+        if hook is not None and not hook.active:
+            self._step.check_hook((hook,), windowed or self._hooked_always)
+        if self._hook_missing is not None and not self._attended:
+            raise ModelError(
+                f"layer {self.layer}: this cache needs kvpolicy's attention hook, but {self._hook_missing}"
+            )
+        self._step.check_observed(windowed, self._attended or self.offset == 0)
+
+    def _save(self) -> tuple:
+        """A snapshot for :meth:`_restore`: all-or-nothing, if a part (or anything) raises, the cache is left
+        exactly as before. Every update is functional (MLX arrays are values), so references are a complete
+        snapshot."""
+        return (
+            self._slots.snapshot(),
+            self.offset,
+            self._counters,
+            self._attended,
+            self._run,
+            self._run_open,
+            self._lw_used,
+        )
+
+    def _restore(self, saved: tuple) -> None:
+        self._slots.restore(saved[0])
+        self.offset, self._counters, self._attended, self._run, self._run_open, self._lw_used = saved[1:]
+
+    def _bound_graph(self) -> None:
+        """Keep the lazy graph of scores and counters bounded over long runs.
+
+        Over budget, the next eviction (hence the model's output) depends on the scores, so they
+        are evaluated with the output; below it, asynchronously. Counters: every 256 updates.
+        Key norms (kept for CaM's cosine search): after every chunk, asynchronously; ``state``, which
+        mlx-lm evaluates after each prefill chunk, does not hold them, and their lazy graph would keep
+        every earlier chunk's keys alive (memory growing by a chunk's keys per chunk of a long prompt).
+        """
+        self._updates += 1
+        if self.n <= self.budget:
+            mx.async_eval(self.scores)
+        if self._last_S > 1 and self._slots.key_norms is not None:
+            mx.async_eval(self._slots.key_norms)
+        if self._updates % 256 == 0 and self._counters:
+            mx.async_eval(list(self._counters.values()))
+
+
+BatchPolicyCache.row_class = PolicyCache
+interop.register_with_mlx_lm(PolicyCache)

@@ -1,0 +1,102 @@
+"""The one check of a restored policy cache: its slots against its meta, before anything runs on them.
+
+Every restore route (the ``state`` setter, hence ``from_state``, mlx-lm's ``load_prompt_cache`` and
+:func:`~kvpolicy_core.integration.persistence.load_caches`; unpickling) ends in :func:`check_restored`, so a
+file or state that is self-consistent but wrong (positions of another length, integer keys, a
+position beyond the offset, repeated positions, more tokens than the budget) is refused when it is
+restored, with the field named, instead of failing or running silently wrong at a later step.
+
+Layout checked (``SlotStore``): ``keys`` [B, H, cap, D] and ``values`` [B, H, cap, Dv] of a floating
+dtype, ``positions`` [B, H, cap] int32, ``scores`` [B, H, n] float32, ``log_weights`` [B, H, n] float32
+when tracked; ``0 <= n <= cap``; each row's positions ``[:n]`` distinct and in ``[0, offset)``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..errors import KVPolicyError
+from .slots import LOG_WEIGHT_BOUND
+
+_INT32_MAX = 2**31 - 1
+
+
+def _dtype(x: mx.array) -> str:
+    return str(x.dtype).removeprefix("mlx.core.")
+
+
+def check_restored(slots, offset: int, budget: int, *, settled: bool, where: str) -> None:
+    """Raise :class:`KVPolicyError` naming the field unless ``slots`` is a valid store for ``offset`` tokens seen.
+
+    ``settled``: the state comes from ``state`` (mlx-lm's protocol), which is settled to the budget, so it holds
+    at most ``budget`` tokens; a file of :func:`~kvpolicy_core.integration.persistence.save_caches` may hold a pending
+    eviction (more). One host sync for the value checks (restoring is not on the decode path).
+    """
+    k, v, p, s, n, lw = slots.keys, slots.values, slots.positions, slots.scores, slots.n, slots.log_weights
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise KVPolicyError(f"{where}: the number of tokens held must be an int >= 0 (got {n!r})")
+    if k is None:
+        given = [name for name, x in (("values", v), ("positions", p), ("scores", s)) if x is not None]
+        if given or n:
+            raise KVPolicyError(f"{where}: keys are missing but {', '.join(given) or 'tokens'} are given")
+        return
+    for name, x in (("keys", k), ("values", v), ("positions", p), ("scores", s)) + (
+        (("log_weights", lw),) if lw is not None else ()
+    ):
+        if not isinstance(x, mx.array):
+            raise KVPolicyError(f"{where}: {name} must be an mlx array (got {type(x).__name__})")
+    if k.ndim != 4 or v.ndim != 4:
+        raise KVPolicyError(
+            f"{where}: keys and values must be [B, H, L, D] (got keys {tuple(k.shape)}, values {tuple(v.shape)})"
+        )
+    B, H, cap = k.shape[:3]
+    if tuple(v.shape[:3]) != (B, H, cap):
+        raise KVPolicyError(
+            f"{where}: values {tuple(v.shape)} do not match keys {tuple(k.shape)} in batch, heads or length"
+        )
+    for name, x in (("keys", k), ("values", v)):
+        if not mx.issubdtype(x.dtype, mx.floating):
+            raise KVPolicyError(f"{where}: {name} must have a floating dtype (got {_dtype(x)})")
+    if tuple(p.shape) != (B, H, cap) or p.dtype != mx.int32:
+        raise KVPolicyError(
+            f"{where}: positions must be int32 [B, H, L] = {[B, H, cap]} like the keys "
+            f"(got {_dtype(p)} {list(p.shape)})"
+        )
+    if n > cap:
+        raise KVPolicyError(f"{where}: {n} tokens held, but the buffers have {cap} slots")
+    for name, x in (("scores", s),) + ((("log_weights", lw),) if lw is not None else ()):
+        if tuple(x.shape) != (B, H, n) or x.dtype != mx.float32:
+            raise KVPolicyError(
+                f"{where}: {name} must be float32 [B, H, n] = {[B, H, n]} (got {_dtype(x)} {list(x.shape)})"
+            )
+    if offset < n:
+        raise KVPolicyError(
+            f"{where}: offset {offset} is below the {n} tokens held; offset counts every token "
+            "seen, so it is at least the tokens held"
+        )
+    if settled and n > budget:
+        raise KVPolicyError(
+            f"{where}: holds {n} tokens, more than this cache's budget {budget} (a state is "
+            "settled to the budget of the cache that made it)"
+        )
+    if n == 0:
+        return
+    pos = p[..., :n]
+    ordered = mx.sort(pos, axis=-1)
+    flags = [
+        mx.any(pos < 0),
+        mx.any(pos > min(offset - 1, _INT32_MAX)),
+        mx.any(ordered[..., 1:] == ordered[..., :-1]) if n > 1 else mx.array(False),
+    ]
+    if lw is not None:
+        flags.append(mx.any(~(mx.abs(lw) <= LOG_WEIGHT_BOUND)))
+    below, beyond, repeated, *bad_lw = mx.stack(flags).tolist()
+    if below or beyond:
+        raise KVPolicyError(
+            f"{where}: positions must be in [0, offset) = [0, {offset}) (a position is "
+            f"{'negative' if below else 'at or beyond the offset'})"
+        )
+    if repeated:
+        raise KVPolicyError(f"{where}: positions repeat within a row; each held token has its own position")
+    if bad_lw and bad_lw[0]:
+        raise KVPolicyError(f"{where}: log_weights must be finite with |log-weight| <= {LOG_WEIGHT_BOUND}")

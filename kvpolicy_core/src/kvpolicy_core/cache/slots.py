@@ -1,0 +1,446 @@
+"""The slot store of one layer: preallocated K/V buffers, positions and scores, and their edits.
+
+Layout: ``keys`` [B, H, cap, D], ``values`` [B, H, cap, Dv], ``positions`` [B, H, cap] int32
+(absolute position of each slot), ``scores`` [B, H, n] float32 and, only when the policy uses
+them (``track_log_weights``), attention ``log_weights`` [B, H, n] float32 (0 for a new token);
+the first ``n`` slots are valid. Only when the disposition asks for them (``track_key_norms``):
+``key_norms`` [B, H, cap] float32, the L2 norm of each slot's key, kept in step with every edit of the
+keys (O(D) per written slot instead of an O(L·D) pass per step), recomputed once from the keys after
+they are assigned from outside (a restore, a state load). Slots are not in temporal order after an in-place decode
+write; :meth:`compact`
+restores temporal order. Every edit is functional (MLX arrays are values), so a tuple of
+references (:meth:`snapshot`) is a complete, cheap snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from ..parts.base import CacheView, MergeUpdate
+
+_INT_MAX = 2**31 - 1
+FIELDS = ("keys", "values", "positions", "scores", "n")
+SNAPSHOT = FIELDS + ("log_weights",)
+#: |log-weight| bound: exp(64) ~ 6e27 copies of a slot, far above any count, and finite in float16
+#: logits (a non-finite or larger value from a disposition is clipped, NaN adds 0)
+LOG_WEIGHT_BOUND = 64.0
+
+
+def key_norm(keys: mx.array) -> mx.array:
+    """keys [B, H, S, D] -> float32 [B, H, S]: ``||k||_2`` of each key."""
+    k = keys.astype(mx.float32)
+    return mx.sqrt((k * k).sum(axis=-1))
+
+
+def token_written(buffers, slots: mx.array, keys: mx.array, values: mx.array, offset: mx.array):
+    """(keys, values, positions, scores) buffers with a new token [B, H, 1, D(v)] at ``slots`` [B, H, 1]: its key
+    and value, position ``offset`` (int32 scalar array) and score 0 (traceable: the fused decode eviction uses it)."""
+    K, V, P, S = buffers
+    idx = slots[..., None]  # [B, H, 1, 1]
+    return (
+        mx.put_along_axis(K, idx, keys, axis=2),
+        mx.put_along_axis(V, idx, values, axis=2),
+        mx.put_along_axis(P, slots, offset, axis=2),
+        mx.put_along_axis(S, slots, mx.array(0.0, dtype=mx.float32), axis=2),
+    )
+
+
+def _nothing(like: mx.array) -> mx.array:
+    """-0.0 shaped like ``like``: ``x + (-0.0)`` is ``x`` for every x (-0.0 and NaN included), where ``x + 0.0``
+    turns -0.0 into 0.0. Computed, not a literal: a -0.0 constant in a compiled graph is emitted as 0.0."""
+    return -mx.zeros_like(like)
+
+
+def _kept(delta: mx.array, buffer: mx.array, targets: mx.array) -> mx.array:
+    """``delta`` [B, H, T(, D)] in ``buffer``'s dtype, with -0.0 (adds nothing) where it is NaN or inf but the
+    buffer's element at its target (``targets`` [B, H, T] into buffer [B, H, L(, D)]) is finite."""
+    d = delta if delta.dtype == buffer.dtype else delta.astype(buffer.dtype)
+    rows = mx.take_along_axis(buffer, targets[..., None] if buffer.ndim == 4 else targets, axis=2)
+    return mx.where(mx.isfinite(d) | ~mx.isfinite(rows), d, _nothing(d))
+
+
+#: the fields a decode merge-and-write reads and writes, in the order the compiled call takes them
+_DECODE_FIELDS = ("_keys", "values", "positions", "scores", "log_weights", "key_norms")
+_UPDATE_FIELDS = ("d_keys", "d_values", "d_scores", "d_log_weights")
+_merge_writes: dict = {}
+
+
+def _merge_write(fields: Tuple[str, ...], changed: Tuple[bool, ...]):
+    """The compiled :meth:`SlotStore.add` then :meth:`SlotStore.write_into` for the store ``fields`` that are set
+    and the update fields ``changed``, one trace per (fields, changed) (MLX retraces on a new shape or dtype)."""
+    key = (fields, changed)
+    if key not in _merge_writes:
+
+        def fn(targets, slots, keys, values, offset, *arrays):
+            store = SlotStore(track_log_weights="log_weights" in fields, track_key_norms="key_norms" in fields)
+            for f, x in zip(fields, arrays):  # _keys first: the keys setter would reset key_norms
+                setattr(store, f, x)
+            deltas = dict(zip([f for f, c in zip(_UPDATE_FIELDS, changed) if c], arrays[len(fields) :]))
+            store.add(
+                MergeUpdate(
+                    targets,
+                    deltas.get("d_keys"),
+                    deltas.get("d_values"),
+                    deltas.get("d_scores"),
+                    None,
+                    d_log_weights=deltas.get("d_log_weights"),
+                )
+            )
+            store.write_into(slots, keys, values, offset)
+            return [getattr(store, f) for f in fields]
+
+        _merge_writes[key] = mx.compile(fn)
+    return _merge_writes[key]
+
+
+class SlotStore:
+    """Buffers of one layer's retained tokens; knows nothing about policies."""
+
+    def __init__(self, step: int = 256, track_log_weights: bool = False, track_key_norms: bool = False) -> None:
+        self.step = step
+        self.track_log_weights, self.track_key_norms = track_log_weights, track_key_norms
+        self.keys = self.values = self.positions = self.scores = self.log_weights = None
+        self.n = 0
+
+    #: (keys.shape, values.shape, keys.dtype, values.dtype) of the last input that passed check_input against
+    #: the buffers: the same again passes without the field-by-field checks while the values buffer keeps its
+    #: dtype and width (reset when keys are assigned from outside)
+    _accepted = None
+
+    def __getstate__(self) -> dict:
+        """Copies (``copy.deepcopy`` of a cache row) leave out the accepted input (MLX dtypes do not copy)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_accepted"}
+
+    @property
+    def keys(self) -> Optional[mx.array]:
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: Optional[mx.array]) -> None:
+        """Keys assigned from outside the store's edits: their norms are recomputed when next needed, and the
+        next input is checked field by field against the new buffers."""
+        self._keys, self.key_norms, self._accepted = value, None, None
+
+    def _norms(self) -> Optional[mx.array]:
+        """``key_norms`` [B, H, cap] when tracked (computed from the keys if unknown), else None."""
+        if not self.track_key_norms or self._keys is None:
+            return None
+        if self.key_norms is None:
+            self.key_norms = key_norm(self._keys)
+        return self.key_norms
+
+    def snapshot(self) -> Tuple:
+        return tuple(getattr(self, f) for f in SNAPSHOT)
+
+    def restore(self, snap: Tuple) -> None:
+        """Restore a :meth:`snapshot`; a 5-field (keys .. n) tuple gets all-zero log-weights when tracked."""
+        for f, v in zip(SNAPSHOT, snap):
+            setattr(self, f, v)
+        if len(snap) < len(SNAPSHOT):
+            self.log_weights = None
+            if self.track_log_weights and self.scores is not None:
+                self.log_weights = mx.zeros(self.scores.shape, mx.float32)
+
+    def check_input(self, keys: mx.array, values: mx.array, layer: int) -> None:
+        """Raise ValueError unless keys/values [B, H, S, D(v)] fit these buffers (same B, H, D, Dv, dtype).
+
+        Only ``mx.array`` of a floating dtype is accepted (TypeError otherwise): mlx-lm always passes
+        those, and a numpy array or integer keys would be silently converted or rounded.
+        """
+        if (
+            self._accepted is not None
+            and type(keys) is mx.array
+            and type(values) is mx.array
+            and (keys.shape, values.shape, keys.dtype, values.dtype) == self._accepted
+            and self.values.dtype == values.dtype
+            and self.values.shape[3] == values.shape[3]
+        ):
+            return  # the shapes and dtypes of the last accepted input (decode's steady state), values unchanged
+        known = (
+            self.keys is not None
+            and isinstance(keys, mx.array)
+            and isinstance(values, mx.array)
+            and keys.dtype == self.keys.dtype
+            and values.dtype == self.values.dtype
+        )  # floating, checked before
+        for name, x in () if known else (("keys", keys), ("values", values)):
+            if not isinstance(x, mx.array):
+                raise TypeError(
+                    f"layer {layer}: {name} must be an mlx.core.array (got {type(x).__module__}."
+                    f"{type(x).__name__}); convert with mx.array(...)"
+                )
+            if not mx.issubdtype(x.dtype, mx.floating):
+                raise TypeError(
+                    f"layer {layer}: {name} must have a floating dtype (float32, float16 or bfloat16; "
+                    f"got {str(x.dtype).removeprefix('mlx.core.')})"
+                )
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                f"layer {layer}: keys and values must be [B, H, S, D] with equal B, H, S "
+                f"(got keys {tuple(keys.shape)}, values {tuple(values.shape)})"
+            )
+        if keys.shape[2] == 0:
+            raise ValueError(f"layer {layer}: update_and_fetch needs at least one new token (got S=0)")
+        if keys.shape[3] < 1 or values.shape[3] < 1:
+            raise ValueError(
+                f"layer {layer}: keys and values need a head dim of at least 1 (got keys "
+                f"{tuple(keys.shape)}, values {tuple(values.shape)})"
+            )
+        if self.keys is None:
+            return
+        if (
+            keys.dtype == self.keys.dtype
+            and values.dtype == self.values.dtype
+            and keys.shape[:2] == self.keys.shape[:2]
+            and keys.shape[3] == self.keys.shape[3]
+            and values.shape[3] == self.values.shape[3]
+        ):
+            self._accepted = (keys.shape, values.shape, keys.dtype, values.dtype)
+            return  # the common case, decided without building the error's tuples
+        have = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
+        got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+        if have != got:
+            raise ValueError(
+                f"layer {layer}: (batch, kv_heads, key_dim, value_dim) changed from {have} to {got}; "
+                "a cache serves one batch with fixed heads and head dims: build fresh caches"
+            )
+        if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
+            name, have, got = (
+                ("keys", self.keys.dtype, keys.dtype)
+                if keys.dtype != self.keys.dtype
+                else ("values", self.values.dtype, values.dtype)
+            )
+            raise ValueError(
+                f"layer {layer}: {name} dtype changed from {have} to {got}; "
+                "a cache keeps the dtype it was first given: build fresh caches"
+            )
+
+    def view(
+        self,
+        offset: int,
+        n_new: int,
+        dead: Optional[mx.array],
+        head_shard: Tuple[int, int] = (0, 1),
+        run: Optional[dict] = None,
+    ) -> CacheView:
+        """The parts' view of the n valid slots; ``head_shard`` = (rank, size) of a tensor-parallel
+        split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``;
+        ``run``: the scorer's dict for the current run of prompt chunks (``CacheView.run``)."""
+        n, keys, (rank, size) = self.n, self._keys, head_shard
+        H = keys.shape[1]
+        norms = self._norms()
+        if n == keys.shape[2]:  # the buffer is full (decode's steady state): no slice nodes
+            return CacheView(
+                keys,
+                self.values,
+                self.positions,
+                self.scores,
+                offset,
+                n_new,
+                dead,
+                rank * H,
+                size * H,
+                self.log_weights,
+                run,
+                norms,
+            )
+        return CacheView(
+            keys[..., :n, :],
+            self.values[..., :n, :],
+            self.positions[..., :n],
+            self.scores,
+            offset,
+            n_new,
+            dead,
+            rank * H,
+            size * H,
+            self.log_weights,
+            run,
+            None if norms is None else norms[..., :n],
+        )
+
+    def valid(self) -> Tuple[mx.array, mx.array]:
+        """(keys, values) of the n valid slots (the buffers themselves when full)."""
+        if self.n == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[..., : self.n, :], self.values[..., : self.n, :]
+
+    def append(self, keys: mx.array, values: mx.array, offset: int, budget: int) -> None:
+        """Write S new tokens (positions ``offset .. offset+S-1``, score 0) after the n valid slots.
+
+        Capacity grows in multiples of ``step`` up to ``budget + 1`` (decode's steady state),
+        or exactly to ``n + S`` for a larger chunk.
+        """
+        B, H, S, D = keys.shape
+        need = self.n + S
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if need > cap:
+            new_cap = min(-(-need // self.step) * self.step, budget + 1) if need <= budget + 1 else need
+            grow = new_cap - self.n
+            k_new = mx.zeros((B, H, grow, D), keys.dtype)
+            v_new = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            p_new = mx.zeros((B, H, grow), mx.int32)
+            if self.keys is None:
+                self.keys, self.values, self.positions = k_new, v_new, p_new
+                self.scores = mx.zeros((B, H, 0), mx.float32)
+            else:
+                n = self.n
+                if self.key_norms is not None:
+                    self.key_norms = mx.concatenate(
+                        [self.key_norms[..., :n], mx.zeros((B, H, grow), mx.float32)], axis=2
+                    )
+                self._keys = mx.concatenate([self.keys[..., :n, :], k_new], axis=2)
+                self.values = mx.concatenate([self.values[..., :n, :], v_new], axis=2)
+                self.positions = mx.concatenate([self.positions[..., :n], p_new], axis=2)
+        n = self.n
+        at = mx.array([0, 0, n, 0])
+        if self.key_norms is not None:
+            self.key_norms = mx.slice_update(self.key_norms, key_norm(keys), at[:3], axes=(0, 1, 2))
+        self._keys = mx.slice_update(self.keys, keys, at, axes=(0, 1, 2, 3))
+        self.values = mx.slice_update(self.values, values, at, axes=(0, 1, 2, 3))
+        new_pos = mx.broadcast_to(mx.arange(offset, offset + S, dtype=mx.int32), (B, H, S))
+        self.positions = mx.slice_update(self.positions, new_pos, at[:3], axes=(0, 1, 2))
+        self.scores = mx.concatenate([self.scores[..., :n], mx.zeros((B, H, S), mx.float32)], axis=2)
+        if self.track_log_weights:
+            lw = mx.zeros((B, H, 0), mx.float32) if self.log_weights is None else self.log_weights[..., :n]
+            self.log_weights = mx.concatenate([lw, mx.zeros((B, H, S), mx.float32)], axis=2)
+        self.n = need
+
+    def write_into(self, slots: mx.array, keys: mx.array, values: mx.array, offset: int) -> None:
+        """Decode: the new token [B, H, 1, D] (position ``offset``, score 0) takes the slots [B, H, 1]."""
+        if self.key_norms is not None:
+            self.key_norms = mx.put_along_axis(self.key_norms, slots, key_norm(keys), axis=2)
+        self._keys, self.values, self.positions, self.scores = token_written(
+            (self._keys, self.values, self.positions, self.scores),
+            slots,
+            keys,
+            values,
+            mx.array(offset, dtype=mx.int32),
+        )
+        if self.log_weights is not None:
+            self.log_weights = mx.put_along_axis(self.log_weights, slots, mx.array(0.0, dtype=mx.float32), axis=2)
+
+    def add_and_write(self, u: MergeUpdate, slots: mx.array, keys: mx.array, values: mx.array, offset: int) -> None:
+        """Decode with a merge: :meth:`add` then :meth:`write_into`, the same ops as one compiled call (one target
+        and one slot [B, H, 1] per row; their ~25 scatters and elementwise ops cost ~10 µs each when eager)."""
+        fields = tuple(f for f in _DECODE_FIELDS if getattr(self, f) is not None)
+        changed = tuple(getattr(u, f) is not None for f in _UPDATE_FIELDS)
+        arrays = [getattr(self, f) for f in fields] + [getattr(u, f) for f, c in zip(_UPDATE_FIELDS, changed) if c]
+        try:
+            out = _merge_write(fields, changed)(
+                u.targets, slots, keys, values, mx.array(offset, dtype=mx.int32), *arrays
+            )
+        except Exception:  # not traceable here (nothing written yet): the same two calls, eager
+            self.add(u)
+            self.write_into(slots, keys, values, offset)
+            return
+        for f, x in zip(fields, out):
+            setattr(self, f, x)
+
+    def replace(self, keys: mx.array, values: mx.array, positions: mx.array, scores: mx.array) -> None:
+        """Take buffers a fused decode step wrote (same shapes; no log-weights or key norms tracked)."""
+        self._keys, self.values, self.positions, self.scores = keys, values, positions, scores
+
+    def compact(self, losers: mx.array) -> None:
+        """Remove the slots ``losers`` [B, H, E]; survivors move, in temporal order, to [0, n - E)."""
+        n, keep_n = self.n, self.n - losers.shape[-1]
+        pos = self.positions[..., :n]
+        gone = mx.put_along_axis(mx.zeros(pos.shape, mx.bool_), losers, mx.array(True), axis=2)
+        order = mx.argsort(mx.where(gone, _INT_MAX, pos), axis=-1)[..., :keep_n]
+        take = lambda x: mx.take_along_axis(x[..., :n, :], order[..., None], axis=2)  # noqa: E731
+        if self.key_norms is not None:
+            self.key_norms = mx.take_along_axis(self.key_norms[..., :n], order, axis=-1)
+        self._keys, self.values = take(self.keys), take(self.values)
+        self.positions = mx.take_along_axis(pos, order, axis=-1)
+        self.scores = mx.take_along_axis(self.scores, order, axis=-1)
+        if self.log_weights is not None:
+            self.log_weights = mx.take_along_axis(self.log_weights, order, axis=-1)
+        self.n = keep_n
+
+    def add(self, u: MergeUpdate) -> None:
+        """Scatter-add a disposition's deltas at ``u.targets`` [B, H, T] (duplicate targets sum; a None delta
+        leaves its field as it is), guarded on the device, with no host read:
+
+        - a delta element that is NaN or inf in its buffer's dtype where the buffer's target element is finite
+          is not added (that element keeps its value; a non-finite element may take any delta);
+        - log-weight deltas are added with NaN as 0, and the sums clipped to +-``LOG_WEIGHT_BOUND``;
+        - an update whose every delta is then 0 (no loser merged) leaves every buffer, key norms and
+          log-weights included, bit for bit as it was.
+
+        The value checks refuse a plugin's update that breaks the first rule before it gets here (the guard
+        is then the identity); a shipped disposition's decode update comes here unchecked
+        (:mod:`kvpolicy_core.parts.shipped`), and these guards are what protects the cache from it.
+        """
+        B, H = self.keys.shape[:2]
+        bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
+        t = u.targets.astype(mx.int32)
+        d_values, d_keys, d_scores = (
+            None if d is None else _kept(d, buf, t)
+            for d, buf in ((u.d_values, self.values), (u.d_keys, self._keys), (u.d_scores, self.scores))
+        )
+        d_lw = getattr(u, "d_log_weights", None)
+        if d_lw is not None:
+            if self.log_weights is None:
+                raise ValueError("MergeUpdate.d_log_weights needs a disposition with uses_log_weights = True")
+            d_lw = mx.clip(mx.nan_to_num(d_lw.astype(mx.float32), nan=0.0), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+        present = [d for d in (d_values, d_keys, d_scores, d_lw) if d is not None]
+        changes = mx.array(False)
+        for d in present:
+            changes = changes | mx.any(d != 0)
+        d_values, d_keys, d_scores = (
+            None if d is None else mx.where(changes, d, _nothing(d)) for d in (d_values, d_keys, d_scores)
+        )
+        if d_values is not None:
+            self.values = self.values.at[bi, hi, t].add(d_values)
+        if d_keys is not None and t.shape[-1] == 1 and self.key_norms is not None:
+            # one target per row (decode): the merged row and its norm come from the old row, so the new
+            # keys have one consumer (the next write) and MLX can update the buffer in place (reading the new
+            # keys back for the norm forced a [B, H, L, D] copy every step); whether it does depends on what
+            # else holds the old buffer when the graph runs: a probe saw some float16 steps still copy
+            row = mx.take_along_axis(self._keys, t[..., None], axis=2) + d_keys
+            self._keys = mx.put_along_axis(self._keys, t[..., None], row, axis=2)
+            norms = mx.where(changes, key_norm(row), mx.take_along_axis(self.key_norms, t, axis=2))
+            self.key_norms = mx.put_along_axis(self.key_norms, t, norms, axis=2)
+        elif d_keys is not None:
+            self._keys = self.keys.at[bi, hi, t].add(d_keys)
+            if self.key_norms is not None:  # the changed rows only (duplicate targets write the same norm)
+                norms = mx.where(
+                    changes,
+                    key_norm(mx.take_along_axis(self._keys, t[..., None], axis=2)),
+                    mx.take_along_axis(self.key_norms, t, axis=2),
+                )
+                self.key_norms = mx.put_along_axis(self.key_norms, t, norms, axis=2)
+        if d_scores is not None:
+            # finite as PolicyStep.scores keeps them (a sum can overflow to inf)
+            self.scores = mx.nan_to_num(self.scores.at[bi, hi, t].add(d_scores), nan=0.0)
+        if d_lw is not None:
+            lw = mx.clip(self.log_weights.at[bi, hi, t].add(d_lw), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+            self.log_weights = mx.where(changes, lw, self.log_weights)
+
+    def in_temporal_order(self):
+        """(keys, values, positions, scores) of the n valid slots sorted by position."""
+        n = self.n
+        order = mx.argsort(self.positions[..., :n], axis=-1)
+        take = lambda x: mx.take_along_axis(x, order[..., None], axis=2)  # noqa: E731
+        return (
+            take(self.keys[..., :n, :]),
+            take(self.values[..., :n, :]),
+            mx.take_along_axis(self.positions[..., :n], order, axis=-1),
+            mx.take_along_axis(self.scores, order, axis=-1),
+        )
+
+    def bytes_per_token(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H, _, D = self.keys.shape
+        return B * H * (D * self.keys.itemsize + self.values.shape[-1] * self.values.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        lw = 0 if self.log_weights is None else self.log_weights.nbytes
+        kn = 0 if self.key_norms is None else self.key_norms.nbytes
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + self.scores.nbytes + lw + kn

@@ -1,0 +1,431 @@
+"""The policy step of one layer: call the parts, check what they return, evict window-dead slots first.
+
+The parts are plain objects shared by every layer (:class:`~kvpolicy_core.config.policy.Policy`);
+everything per layer (the layer index in error messages, the PRNG key of each eviction)
+is added here. A part that raises, or returns the wrong shape, becomes a
+:class:`~kvpolicy_core.errors.PluginError` naming the part and its plugin.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from ..config.policy import Policy, step_key, step_keys
+from ..errors import KVPolicyError, ModelError, PluginError
+from ..parts.base import CacheView, Disposition, MergeUpdate, Scorer, Selector, pick_lowest
+from ..parts.shipped import is_shipped
+from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, loser_flags, nonfinite_flags
+from .compiled import compiled, compiled_evict_write, compiled_select, wants_compile
+
+Counters = Dict[str, mx.array]
+_INT32_MAX = 2**31 - 1
+
+
+def wrong_output(owner: str, what: str, x, expected: Tuple[int, ...]) -> PluginError:
+    """The error for a part output ``x`` that is not an mx.array of shape ``expected``: a numpy array or a
+    list of the right shape is named as such (its shape alone would read like the expected one)."""
+    if not isinstance(x, mx.array):
+        kind = type(x).__name__ if type(x).__module__ == "builtins" else f"{type(x).__module__}.{type(x).__name__}"
+        return PluginError(
+            f"{owner} returned {what} as a {kind}, not an mx.array: it must return an mx.array of "
+            f"shape {tuple(expected)} (convert with mx.array(...))"
+        )
+    return PluginError(f"{owner} returned {what} of shape {tuple(x.shape)}, expected {tuple(expected)}")
+
+
+def valid_by_construction(part) -> bool:
+    """Whether ``part``'s decode outputs are trusted without value checks (and their host sync): its class is
+    exactly one the shipped packages registered (:mod:`kvpolicy_core.parts.shipped`; a subclass, a copy or any
+    other plugin part is checked)."""
+    return is_shipped(part)
+
+
+def dead_first(dead: mx.array, chosen: mx.array, n_evict: int) -> mx.array:
+    """Losers [B, H, E]: the window-dead slots (dead [B, H, L]) first, then the selector's ``chosen``."""
+    picked = mx.put_along_axis(mx.zeros(dead.shape, mx.float32), chosen, mx.array(1.0), axis=2)
+    ranked = mx.where(dead, -1.0, mx.where(picked > 0, 0.0, math.inf))
+    return pick_lowest(ranked, n_evict)
+
+
+class PolicyStep:
+    """Score, select and dispose for one layer, with the checks at the part boundary."""
+
+    def __init__(self, policy: Policy, layer: int) -> None:
+        self.policy, self.layer = policy, layer
+        sel = type(policy.selector)
+        # selectors on the 0.2.0 form rank; Selector.select then puts window-dead slots first
+        self.ranked_selection = getattr(sel, "select", None) is Selector.select
+        self._warned = False
+        #: the first score updates are evaluated on the spot, so that a scorer whose output only fails when
+        #: MLX evaluates it (e.g. a gather with float indices) is caught inside the transaction (prefill and
+        #: the first decode steps, where a sync costs nothing noticeable); later steps add no host sync
+        self.eager_checks = 4
+        #: (selector, disposition) may run compiled on decode steps; False after a compiled call failed
+        self._compiled_ok = [True, True]
+        #: decode evictions may run as one compiled call (:meth:`evict_and_write`): core's selector with drop
+        #: which parts' decode outputs are valid by construction (decided once: the parts do not change)
+        self.trusted = {
+            kind: valid_by_construction(getattr(policy, kind)) for kind in ("scorer", "selector", "disposition")
+        }
+        #: whether the scorer's on_append can change the scores: not for the base class's (it returns them as
+        #: they are), nor for core's own scorers with an observed signal (they score from the attention hook)
+        scorer = policy.scorer
+        self.appends = not (
+            type(scorer).on_append is Scorer.on_append
+            or (self.trusted["scorer"] and getattr(scorer, "signal", "proxy") != "proxy")
+        )
+        self.fuses_drop = (
+            type(policy.disposition).dispose is Disposition.dispose
+            and self.ranked_selection
+            and wants_compile(policy.selector, 1)
+            and self.trusted["selector"]
+        )
+
+    def counter_names(self) -> Dict[str, str]:
+        """Counters the parts declare through ``stats()`` (name -> meaning)."""
+        names: Dict[str, str] = {}
+        for part in (self.policy.scorer, self.policy.selector, self.policy.disposition):
+            stats = getattr(part, "stats", None)
+            if callable(stats):
+                names.update(stats())
+        return names
+
+    def check_observed(self, windowed: bool, attended: bool) -> None:
+        """The previous step must have passed through the attention hook if this layer needs it."""
+        observed = self.policy.scorer.needs_attention
+        log_weights = bool(getattr(self.policy.disposition, "uses_log_weights", False))
+        if (observed or log_weights or windowed) and not attended:
+            why = "observed signal" if observed else "attention log-weights" if log_weights else "sliding-window mask"
+            raise ModelError(
+                f"layer {self.layer}: this cache needs kvpolicy's attention hook ({why}), "
+                "but the model's attention did not call it; build caches with "
+                "KVCacheBuilder.for_model(model, config) or kvpolicy_core.attach(model, config)"
+            )
+
+    def check_hook(self, hooks, needed: bool) -> None:
+        """The attention-hook installs a cache holds (``hooks``) must be live when this step ``needed`` the hook."""
+        if needed and any(not h.active for h in hooks):
+            raise ModelError(
+                f"layer {self.layer}: this cache needs kvpolicy's attention hook, but the install it "
+                "holds was removed (AttentionHook.remove); build caches with "
+                "KVCacheBuilder.for_model(model, config) again"
+            )
+
+    def call(self, kind: str, fn, *args):
+        try:
+            return fn(*args)
+        except KVPolicyError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"layer {self.layer}: {self.policy.owners[kind]} raised {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def scores(self, scores, shape: Tuple[int, int, int], current: Optional[mx.array] = None) -> mx.array:
+        """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0 and +-inf as the largest finite
+        float32, so that no score can tie with the +-inf a selector's rank uses for protection.
+        ``current``: the view's scores (already checked); returned as they are when the scorer returned them."""
+        if current is not None and scores is current:
+            return scores
+        if not isinstance(scores, mx.array) or tuple(scores.shape) != tuple(shape):
+            raise wrong_output(f"layer {self.layer}: {self.policy.owners['scorer']}", "scores", scores, shape)
+        scores = mx.nan_to_num(scores if scores.dtype == mx.float32 else scores.astype(mx.float32), nan=0.0)
+        if self.eager_checks > 0:
+            self.eager_checks -= 1
+            self.evaluated("scorer", "scores", scores)
+        return scores
+
+    def evaluated(self, kind: str, what: str, *arrays) -> None:
+        """Evaluate ``arrays`` now; an error MLX raises only at evaluation becomes a PluginError naming the part."""
+        try:
+            mx.eval(*arrays)
+        except Exception as exc:
+            raise PluginError(
+                f"layer {self.layer}: {self.policy.owners[kind]} returned {what} that MLX cannot "
+                f"evaluate: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def on_append(self, view: CacheView, keys: mx.array, new_positions: mx.array) -> mx.array:
+        return self.scores(
+            self.call("scorer", self.policy.scorer.on_append, view, keys, new_positions), view.scores.shape, view.scores
+        )
+
+    def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:
+        return self.scores(
+            self.call("scorer", self.policy.scorer.on_attention, view, queries, scale, mask), view.scores.shape
+        )
+
+    def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
+        scores = self.call("scorer", self.policy.scorer.on_attention_weights, view, weights)
+        if (
+            weights.shape[3] == 1
+            and self.trusted["scorer"]
+            and isinstance(scores, mx.array)
+            and scores.dtype == mx.float32
+            and scores.shape == view.scores.shape
+        ):
+            return scores  # core's decode accumulation: finite scores + finite weights, nothing to sanitise
+        return self.scores(scores, view.scores.shape)
+
+    def _index_meta(self, kind: str, what: str, idx, shape: Tuple[int, ...]) -> mx.array:
+        """Metadata checks of slot indices a part returned (an integer mx.array of ``shape``); int32 indices."""
+        owner = f"layer {self.layer}: {self.policy.owners[kind]}"
+        if not isinstance(idx, mx.array) or tuple(idx.shape) != tuple(shape):
+            raise wrong_output(owner, what, idx, shape)
+        if not mx.issubdtype(idx.dtype, mx.integer):
+            dtype = str(idx.dtype).removeprefix("mlx.core.")
+            raise PluginError(f"{owner} returned {what} of dtype {dtype}, expected an integer dtype")
+        if idx.dtype in (mx.int64, mx.uint32, mx.uint64):  # saturate first: a plain cast would wrap 2**32 + 1 to 1
+            idx = mx.minimum(idx, _INT32_MAX)
+            if idx.dtype == mx.int64:
+                idx = mx.maximum(idx, -1)
+        return idx if idx.dtype == mx.int32 else idx.astype(mx.int32)
+
+    def _raise_broken(self, pending) -> List[list]:
+        """Evaluate every pending value check of this eviction in one host sync; raise the first broken rule.
+
+        ``pending``: (kind, flags mx.array, messages) per part, in the order the parts ran; ``messages`` a list
+        (flag i true: ``messages[i]`` is broken) or a callable taking the flags' values and returning the broken
+        rule's message or None (the disposition's check code, :meth:`_checked_update`). Returns the values.
+        """
+        flags = [f for _, f, _ in pending]
+        if not flags:
+            return []
+        try:
+            mx.eval(*flags)
+        except Exception:  # an error MLX raises only at evaluation: name the part whose output it is
+            for kind, f, _ in pending:
+                self.evaluated(kind, "output", f)
+            raise
+        values = [f.tolist() for f in flags]  # evaluated: read back without another graph op
+        for (kind, _, messages), got in zip(pending, values):
+            broken = messages(got) if callable(messages) else next((m for m, bad in zip(messages, got) if bad), None)
+            if broken:
+                raise PluginError(broken)
+        return values
+
+    def losers(self, view: CacheView, n_evict: int):
+        """Losers [B, H, n_evict] int32 (window-dead slots first, then the selector's choice) and the
+        pending value checks to pass to :meth:`dispose`, which evaluates them before anything is written.
+
+        Checked: every index in [0, L) and distinct per (batch, head), and no loser a sink (position
+        < n_sink) unless it is window-dead (the contract of ``n_sink``). Until then the returned losers
+        are clamped into [0, L), so the disposition's gathers stay in bounds whatever the selector returned.
+        """
+        L = view.scores.shape[-1]
+        n_sink = getattr(self.policy.config.policy, "n_sink", 0)
+        selector, losers, flags = self.policy.selector, None, None
+        # core's own selector at decode: valid by construction (window-dead slots first, then the lowest
+        # unprotected score), so no checks and no host sync
+        trusted = n_evict == 1 and self.trusted["selector"] and selector.leaves_a_loser(L)
+        if self.ranked_selection and wants_compile(selector, n_evict) and self._compiled_ok[0]:
+            try:  # the choice (and its value flags unless trusted) in one compiled graph
+                losers, flags = compiled_select(selector, n_sink, with_flags=not trusted)(view, n_evict)
+            except Exception:  # not compilable (or a part error): the eager call below decides
+                self._compiled_ok[0] = False
+        if losers is None:
+            losers = self.call("selector", selector.select, view, n_evict)
+        losers = self._index_meta("selector", "losers", losers, (*view.scores.shape[:2], n_evict))
+        if trusted:
+            return losers, []
+        if flags is None:
+            flags = loser_flags(losers, view.positions, n_sink, view.dead)
+        owner = f"layer {self.layer}: {self.policy.owners['selector']}"
+        pending = [
+            (
+                "selector",
+                flags,
+                [
+                    f"{owner} returned losers outside the cache: each must be in [0, L) and distinct per (batch, head), "  # noqa: E501
+                    f"with L = {L}",
+                    f"{owner} returned losers that include a sink (position < n_sink = {n_sink}); sinks are never evicted",  # noqa: E501
+                ],
+            )
+        ]
+        if not self.ranked_selection:  # a select() of the part's own: clamp until checked
+            losers = mx.clip(losers, 0, L - 1)
+            if view.dead is not None:
+                losers = dead_first(view.dead, losers, n_evict)
+        return losers, pending
+
+    def evict_and_write(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        buffers,
+        offset: int,
+        head_shard: Tuple[int, int],
+        dead: Optional[mx.array] = None,
+    ):
+        """A decode eviction that drops its loser, fused with the new token's write: the new (keys, values,
+        positions, scores) from one compiled call, or None where this does not apply (then :meth:`losers`,
+        :meth:`dispose` and ``SlotStore.write_into`` do the same step in three calls).
+
+        ``buffers``: (keys, values, positions, scores) of a full slot store with no per-slot log-weights or key
+        norms; ``head_shard``: the view's (head_offset, heads_total); ``dead``: the view's window-dead slots or
+        None. Applies to core's selector, whose choice is valid by construction (no checks to read), with the
+        drop disposition (no update, no counters); the result is the three-call step's, array for array.
+        """
+        if not (self.fuses_drop and self._compiled_ok[0] and self.policy.selector.leaves_a_loser(buffers[3].shape[-1])):
+            return None
+        try:
+            return compiled_evict_write(self.policy.selector)(keys, values, buffers, offset, head_shard, dead)
+        except Exception:  # not compilable: the three-call step decides (and reports a part's error)
+            self._compiled_ok[0] = False
+            return None
+
+    def dispose(self, view: CacheView, losers: mx.array, offset, pending=()) -> Tuple[Optional[MergeUpdate], Counters]:
+        """The disposition's update for the survivors (or None) and the counters it reports.
+
+        ``pending``: the value checks of :meth:`losers`; they and the update's are evaluated in one host
+        sync here, before the cache writes anything (a selector's broken rule is reported first).
+        ``offset``: the cache's tokens seen (one key, counters summed), or a list of B per-row
+        offsets for a view of B stacked rows (:mod:`.batch_rows`: keys [B, 2], counters [B]).
+        """
+        rows = len(offset) if isinstance(offset, (list, tuple)) else None
+        disposition = self.policy.disposition
+        if type(disposition).dispose is Disposition.dispose:  # drop (H2O): no update, no key to draw
+            self._raise_broken(pending)
+            return None, {}
+        seed = self.policy.config.seed
+        key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
+        pending = list(pending)
+        # a shipped disposition's decode update (one loser per row): no value checks to read, its guards run on
+        # the device as the store adds it (SlotStore.add); a prompt chunk's update is checked like a plugin's
+        trusted = self.trusted["disposition"] and losers.shape[-1] == 1
+        try:
+            update, in_graph, done = None, None, False
+            if wants_compile(disposition, losers.shape[-1]) and self._compiled_ok[1]:
+                try:
+                    update, in_graph = compiled(disposition, checks=not trusted)(view, losers, key)
+                    done = True
+                except Exception:  # not compilable (or a part error): the eager call below decides
+                    self._compiled_ok[1] = False
+            if not done:
+                update = self.call("disposition", disposition.dispose, view, losers, key)
+            if update is not None:
+                update, checks = self._checked_update(view, update, in_graph, check_values=not trusted)
+                if checks is not None:
+                    pending.append(checks)
+        except PluginError:
+            if pending:
+                self._raise_broken(pending[:1])  # the selector's outputs were wrong first
+            raise
+        values = self._raise_broken(pending)
+        if update is None:
+            return None, {}
+        counts = self._counts(update.stats, rows)
+        if update.draws is not None or update.merges is not None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"{self.policy.owners['disposition']}: MergeUpdate.draws/merges are deprecated since "
+                    "kvpolicy 0.2.0; return MergeUpdate(..., stats={'gate_draws': ..., 'merges': ...})",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+            for name, value in self._counts({"gate_draws": update.draws, "merges": update.merges}).items():
+                counts.setdefault(name, value)
+        if trusted:  # an update that changes nothing writes nothing (decided on the device, SlotStore.add)
+            return update, counts
+        # the update's check code (the last pending check) is 0: every delta is 0 (e.g. no loser merged), nothing
+        # to write (the counters still count)
+        return (None if values[-1][0] == 0 else update), counts
+
+    def _counts(self, stats, rows: Optional[int] = None) -> Counters:
+        """A disposition's counters as int32 scalars (summed over a batch), or per row ``[rows]``.
+
+        Each an int or a numeric mx.array; per row (stacked rows), an array of ``rows`` elements.
+        """
+        owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
+        if stats is None:
+            return {}
+        if not isinstance(stats, dict):
+            raise PluginError(f"{owner} returned stats of type {type(stats).__name__}, expected a dict name -> count")
+        out: Counters = {}
+        for name, value in stats.items():
+            if value is None:
+                continue
+            ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+                isinstance(value, mx.array) and value.dtype != mx.complex64
+            )
+            if rows is not None and not (isinstance(value, mx.array) and value.size == rows):
+                raise PluginError(
+                    f"{owner} returned counter {name!r} of shape {getattr(value, 'shape', ())} for "
+                    f"{rows} stacked rows; a batch_rows disposition counts per row ([B])"
+                )
+            if not ok:
+                raise PluginError(
+                    f"{owner} returned counter {name!r} = {value!r} of type {type(value).__name__}; "
+                    "expected an int or a numeric mx.array"
+                )
+            if rows is None and isinstance(value, mx.array) and value.dtype == mx.int32 and value.ndim == 0:
+                out[str(name)] = value  # already what the counters hold: no conversion ops
+                continue
+            value = mx.array(value).astype(mx.int32)
+            out[str(name)] = value.reshape(rows) if rows is not None else value.sum()
+        return out
+
+    def _checked_update(self, view: CacheView, u, in_graph=None, check_values: bool = True):
+        """A disposition's MergeUpdate with its metadata checked (deltas shaped like their rows, real dtypes) and
+        its pending value check (targets in range, finite deltas for finite rows), whose code also says whether the
+        update changes anything (:func:`~kvpolicy_core.cache.checks.update_checks`).
+
+        ``in_graph``: (check code, finite d_log_weights) when the compiled decode path already traced
+        :func:`~kvpolicy_core.cache.checks.update_checks` into the disposition's graph; else computed here.
+        ``check_values=False`` (a trusted update): the metadata checks only, and None for the pending check.
+        """
+        owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
+        if not isinstance(u, MergeUpdate):
+            raise PluginError(f"{owner} returned {type(u).__name__}, expected a MergeUpdate or None")
+        B, H, L = view.scores.shape
+        T = getattr(u.targets, "shape", (0, 0, 0))[-1] if getattr(u.targets, "ndim", 0) == 3 else -1
+        for name, x, row in (
+            ("d_keys", u.d_keys, (view.keys.shape[-1],)),
+            ("d_values", u.d_values, (view.values.shape[-1],)),
+            ("d_scores", u.d_scores, ()),
+            ("d_log_weights", u.d_log_weights, ()),
+        ):
+            if x is not None and (not isinstance(x, mx.array) or tuple(x.shape) != (B, H, T, *row)):
+                raise wrong_output(owner, name, x, (B, H, max(T, 0), *row))
+        if u.d_log_weights is not None and view.log_weights is None:
+            raise PluginError(
+                f"{owner} returned d_log_weights, but its uses_log_weights is False (the cache keeps no log-weights)"
+            )
+        if u.stats is not None and not isinstance(u.stats, dict):
+            raise PluginError(f"{owner} returned stats of type {type(u.stats).__name__}, expected a dict")
+        deltas = [
+            (name, x)
+            for name, x in (("d_keys", u.d_keys), ("d_values", u.d_values), ("d_scores", u.d_scores))
+            if x is not None
+        ]
+        for name, x in deltas:
+            if not (mx.issubdtype(x.dtype, mx.floating) or mx.issubdtype(x.dtype, mx.integer)):
+                raise PluginError(f"{owner} returned {name} of dtype {x.dtype}, expected a real dtype")
+        bases = {"d_keys": view.keys, "d_values": view.values, "d_scores": view.scores}
+        targets = self._index_meta("disposition", "merge targets", u.targets, (B, H, max(T, 0)))
+        if not check_values:
+            return u._replace(targets=targets), None
+        pairs = [(x, bases[name]) for name, x in deltas]
+        if in_graph is None:
+            in_graph = checked_update(targets, L, pairs, u.d_log_weights)
+        code, lw = in_graph
+        names = [name for name, _ in deltas]
+
+        def broken(got) -> Optional[str]:  # the code's value -> the first broken rule, or None
+            if got[0] & TARGET_OUT_OF_RANGE:
+                return f"{owner} returned merge targets outside the cache: each must be in [0, L), with L = {L}"
+            if got[0] & NONFINITE:  # rare: decide exactly, per delta, whether a finite target row gets it
+                for name, bad in zip(names, nonfinite_flags(targets, L - 1, pairs)):
+                    if bad:
+                        return (
+                            f"{owner} returned {name} with non-finite values (NaN or inf) for finite survivors; "
+                            "deltas must be finite"
+                        )
+            return None
+
+        return u._replace(targets=targets, d_log_weights=lw), ("disposition", code, broken)

@@ -1,0 +1,73 @@
+"""A method resolved once into plain part objects (no pluggy on the per-token path)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+
+from ..errors import PluginError
+from ..plugin.discovery import get_registry
+from .parse import KVCacheConfig, parse_config
+
+
+class Policy(NamedTuple):
+    """A method's parts, built from one config; shared by every layer's cache."""
+
+    config: KVCacheConfig
+    scorer: Any
+    selector: Any
+    disposition: Any
+    owners: dict  #: part kind -> "name (plugin)" for error messages
+
+    @property
+    def budget(self) -> int:
+        return self.config.policy.budget
+
+
+def build_policy(config: Any) -> Policy:
+    """Resolve ``config``'s method through the registry and instantiate its parts."""
+    config = parse_config(config)
+    registry = get_registry()
+    spec = registry.method(config.method)
+    parts, owners = {}, {}
+    for kind, name in spec.part_names(config.policy).items():
+        table = registry.parts[kind + "s"]
+        if name not in table:
+            raise PluginError(
+                f"method {config.method!r} needs {kind} {name!r}, which no installed plugin registers "
+                f"(known {kind}s: {', '.join(sorted(table)) or 'none'})"
+            )
+        entry = table[name]
+        owners[kind] = f"{kind} {name!r} of plugin {entry.plugin!r}"
+        try:
+            parts[kind] = entry.obj.from_config(config.policy)
+        except Exception as exc:
+            raise PluginError(f"{owners[kind]} failed to build from the config: {type(exc).__name__}: {exc}") from exc
+    return Policy(config, parts["scorer"], parts["selector"], parts["disposition"], owners)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _step_hash(seed: int, layer: int, step: int) -> int:
+    return _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ layer) ^ step)
+
+
+def step_key(seed: int, layer: int, step: int) -> mx.array:
+    """The PRNG key of one eviction: a pure function of (seed, layer, step)."""
+    return mx.random.key(_step_hash(seed, layer, step))
+
+
+def step_keys(seed: int, layer: int, steps) -> mx.array:
+    """[B, 2] uint32: row b's key is ``step_key(seed, layer, steps[b])`` (``mx.random.key(h)`` is
+    ``[h >> 32, h & 0xFFFFFFFF]``), built as one array for a batch of rows."""
+    hs = [_step_hash(seed, layer, s) for s in steps]
+    return mx.array([[h >> 32, h & 0xFFFFFFFF] for h in hs], dtype=mx.uint32)

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity with a bounded cache, paired comparisons, and the retrieval tasks."""

@@ -1,0 +1,158 @@
+"""``kvpolicy eval --task ruler``: the long-context suite from the command line (options and the run).
+
+This module imports no mlx (the parser is built first); the run imports :mod:`.ruler_runner`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, List, Sequence
+
+from .ruler import CHATS, DEFAULT_PRESET, NOISE, PRESETS, TASKS
+
+DEFAULT_RATIOS = "4,8"
+DEFAULT_LENGTH = 4096
+#: the chat format each known model answers best with at 4k (measured: docs/long-context.md)
+MODEL_CHAT = {"smollm2": "none"}
+
+
+def add_ruler_arguments(parser) -> None:
+    """The options of ``--task ruler`` (with --lengths, --seeds, --haystack, --prefill-step of retrieval)."""
+    g = parser.add_argument_group(
+        "long-context suite (--task ruler; also uses --lengths, default 4096, --seeds, "
+        "--haystack, default pydoc and noise, --prefill-step, default 2048)"
+    )
+    g.add_argument("--ruler-tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
+    g.add_argument(
+        "--protocol",
+        default="query-agnostic,question-in-prompt",
+        help="comma-separated: query-agnostic (context compressed before the question), "
+        "question-in-prompt (default both)",
+    )
+    g.add_argument(
+        "--ratio",
+        default=DEFAULT_RATIOS,
+        help="compression ratios: each bounded method gets budget = length / ratio (default 4,8); --budget overrides",
+    )
+    g.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        choices=sorted(PRESETS),
+        help="task settings: calibrated (default: what 135M-270M models can do) or ruler (RULER's)",
+    )
+    g.add_argument(
+        "--chat",
+        default="auto",
+        choices=["auto", *CHATS],
+        help="prompt format: none (plain text), chatml, gemma; auto: the model's measured best",
+    )
+    g.add_argument("--export-jsonl", metavar="FILE", help="write the generated contexts (token ids) to FILE and stop")
+    g.add_argument("--from-jsonl", metavar="FILE", help="run the contexts of FILE instead of generating them")
+
+
+def _ints(text: str, name: str, cast=int) -> List:
+    try:
+        values = [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name}: expected comma-separated numbers (got {text!r})") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"--{name}: expected positive numbers (got {text!r})")
+    return values
+
+
+def specs_for(specs: Sequence[Any], budgets: Sequence[int], with_budget: Callable) -> List[Any]:
+    """``full`` first, then every bounded spec at every budget (duplicates dropped)."""
+    from ..perplexity import parse_spec, spec_label
+
+    out: List[Any] = ["full"]
+    for spec in specs:
+        if parse_spec(spec)[0] == "full":
+            continue
+        for b in budgets:
+            item = with_budget(spec, b)
+            if spec_label(item) not in [spec_label(s) for s in out]:
+                out.append(item)
+    return out
+
+
+def cli_run(args, specs: Sequence[Any], with_budget: Callable, load_model) -> int:
+    """Generate (or read) the contexts, run every method in each protocol, print the table, write JSON."""
+    import json
+    from pathlib import Path
+
+    from . import ruler
+
+    tasks = [t.strip() for t in args.ruler_tasks.split(",") if t.strip()]
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"--ruler-tasks: unknown task {t!r}; choose from {', '.join(TASKS)}")
+    protocols = [p.strip() for p in args.protocol.split(",") if p.strip()]
+    for p in protocols:
+        if p not in ("query-agnostic", "question-in-prompt"):
+            raise ValueError(f"--protocol: unknown protocol {p!r}; choose query-agnostic, question-in-prompt")
+    lengths = _ints(args.lengths, "lengths") if args.lengths else [DEFAULT_LENGTH]
+    ratios = _ints(args.ratio, "ratio", float)
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1 (got {args.seeds})")
+    step = (args.prefill_step or [2048])[0]
+    if step < 1:
+        raise ValueError(f"--prefill-step must be >= 1 (got {step})")
+    model, tokenizer, path = load_model(args.model, args.dtype)
+    chat = MODEL_CHAT.get(args.model or "", "none") if args.chat == "auto" else args.chat
+    if args.from_jsonl:
+        contexts = ruler.read_jsonl(args.from_jsonl)
+    else:
+        contexts = ruler.build_suite(
+            tokenizer,
+            tasks,
+            lengths,
+            args.haystack or ["pydoc", NOISE],
+            range(args.seeds),
+            model=Path(path).name,
+            chat=chat,
+            preset=args.preset,
+        )
+    if args.export_jsonl:
+        ruler.write_jsonl(args.export_jsonl, contexts)
+        print(f"wrote {len(contexts)} contexts to {args.export_jsonl}", file=sys.stderr)
+        return 0
+    from .ruler_runner import format_table, run_suite, summarize
+
+    def log(r):
+        if not args.no_progress:
+            print(
+                f"{r['protocol']} {r['method']} {r['id']} q{r['question']}: {r['score']:.2f} "
+                f"({r['output'].strip()[:60]!r}, answers {r['answers']})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    rows = []
+    for length in sorted({c.length for c in contexts}):
+        budgets = args.budget or [max(8, int(length / r)) for r in ratios]
+        runs = specs_for(specs, budgets, with_budget)
+        rows += run_suite(model, tokenizer, [c for c in contexts if c.length == length], runs, protocols, step, log=log)
+    summary = summarize(rows)
+    shown = [t for t in TASKS if any(r["task"] == t for r in rows)]
+    print(f"model: {path} | chat: {chat} | preset: {args.preset} | prefill step: {step}")
+    print(format_table(summary, shown))
+    if args.json:
+        payload = json.dumps(
+            {
+                "model": str(path),
+                "chat": chat,
+                "preset": args.preset,
+                "prefill_step": step,
+                "protocols": protocols,
+                "summary": summary,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        if args.json == "-":
+            print(payload)
+        else:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(payload)
+            print(f"wrote {args.json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,181 @@
+"""Building one policy cache per layer for an mlx-lm model, and attaching them to it."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
+
+from ..attention import hook as attention
+from ..cache.policy_cache import PolicyCache
+from ..config.parse import KVCacheConfig, parse_config
+from ..config.policy import build_policy
+from ..errors import ConfigError, ModelError
+from ..runtime.sharding import shard_layout
+
+_ORIGINAL = "_kvpolicy_original_make_cache"
+_HOOK = "_kvpolicy_attention_hook"
+_OWN = "_kvpolicy_own_make_cache"
+
+
+def native_caches(model) -> List[Any]:
+    """The caches the model would make by itself (before any kvpolicy attach)."""
+    make = model.__dict__.get(_ORIGINAL) or getattr(model, "make_cache", None)
+    return list(make()) if make is not None else [KVCache() for _ in _layers(model)]
+
+
+def _layers(model):
+    try:
+        layers = model.layers
+    except AttributeError:
+        raise ModelError(
+            f"{type(model).__name__} has no `layers`; kvpolicy needs an mlx-lm model whose layers each "
+            "take one KV cache"
+        ) from None
+    return layers
+
+
+#: Native cache types kvpolicy refuses, with the reason (a policy cache would be wrong for them).
+REFUSED = {
+    ArraysCache: "a recurrent/linear-attention state (hybrid model), not a KV cache of tokens",
+    CacheList: "a list of sub-caches (hybrid layer), not one KV cache of tokens",
+    ChunkedKVCache: "chunked attention (llama4): each chunk attends only within itself, which a policy cache cannot mask",  # noqa: E501
+}
+
+
+def check_supported(model, natives: List[Any], layers) -> None:
+    """Raise :class:`ModelError` naming the reason when ``model``'s caches cannot be policy caches."""
+    name = type(model).__name__
+    args = getattr(model, "args", None)
+    if getattr(args, "kv_lora_rank", None):
+        raise ModelError(
+            f"{name}: multi-head latent attention (kv_lora_rank={args.kv_lora_rank}, e.g. deepseek_v3, kimi) "
+            "caches compressed latents, not per-head keys; kvpolicy's scores and merges need per-head keys"
+        )
+    if len(natives) != len(layers):
+        raise ModelError(
+            f"{name}: the model makes {len(natives)} caches for {len(layers)} layers (layers share KV caches, "
+            "e.g. gemma3n); kvpolicy needs one cache per layer"
+        )
+    for i, native in enumerate(natives):
+        for cls, why in REFUSED.items():
+            if isinstance(native, cls):
+                raise ModelError(f"{name}: layer {i} uses {cls.__name__}: {why}; kvpolicy cannot replace it")
+        if type(native) not in (KVCache, RotatingKVCache):
+            raise ModelError(
+                f"{name}: layer {i} uses {type(native).__name__}, which kvpolicy cannot replace "
+                "(supported: mlx-lm KVCache and RotatingKVCache)"
+            )
+
+
+def needs_hook(caches: List[Any]) -> bool:
+    """The attention hook is needed for an observed signal, attention log-weights or a sliding window."""
+    return any(isinstance(c, PolicyCache) and c.needs_hook for c in caches)
+
+
+def model_head_dim(model) -> int | None:
+    """The attention head dim from the model's args (head_dim, or hidden_size / heads)."""
+    args = getattr(model, "args", None)
+    if args is None:
+        return None
+    hd = getattr(args, "head_dim", None)
+    if hd:
+        return int(hd)
+    hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
+    return hidden // heads if hidden and heads else None
+
+
+def model_kv_shapes(model) -> List[Optional[Tuple[int, int, int]]]:
+    """(kv heads, key dim, value dim) of each layer's cache, one entry per cache the model makes (None where a
+    layer's cache holds no keys, or for every layer when the model cannot run a one-token step).
+
+    Read from the shapes of a one-token forward pass through the model's own caches that is never evaluated
+    (MLX knows shapes without computing), so it is exact for every family (per-layer heads, tensor-parallel
+    ranks) and costs only building the graph.
+    """
+    caches = native_caches(model)
+    try:
+        model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    except Exception:
+        return [None] * len(caches)
+    shapes = []
+    for c in caches:
+        k, v = getattr(c, "keys", None), getattr(c, "values", None)
+        ok = isinstance(k, mx.array) and isinstance(v, mx.array) and k.ndim == 4 and v.ndim == 4
+        shapes.append((k.shape[1], k.shape[3], v.shape[3]) if ok else None)
+    return shapes
+
+
+class KVCacheBuilder:
+    """The specification's entry point: ``KVCacheBuilder.for_model(model, config)``."""
+
+    @staticmethod
+    def for_model(model, config: Any) -> List[Any]:
+        """One cache per layer: a :class:`PolicyCache` where the policy applies, else the native one.
+
+        ``config.layers == "all"`` replaces every layer's cache, a sliding-window layer's
+        ``RotatingKVCache(W)`` by a policy cache with ``window=W``; ``"unbounded"`` only
+        replaces layers whose native cache is an unbounded ``KVCache``. Installs the
+        attention hook on the model (idempotent) only where it is needed: an observed
+        signal or a sliding-window layer. Models kvpolicy cannot serve correctly (latent
+        attention, shared-KV layers, hybrid or chunked caches) raise :class:`ModelError`.
+        On a model split by mlx-lm's ``sharded_load`` each cache gets its global layer index
+        and KV-head slice (:mod:`kvpolicy_core.runtime.sharding`).
+        """
+        config = parse_config(config)
+        layers = _layers(model)
+        hd = model_head_dim(model)
+        if config.head_dim is not None and hd is not None and config.head_dim != hd:
+            raise ConfigError(f"head_dim: the config says {config.head_dim} but the model's head_dim is {hd}")
+        natives = native_caches(model)
+        check_supported(model, natives, layers)
+        policy = build_policy(config)
+        layout = shard_layout(model)
+        caches = []
+        for i, native in enumerate(natives):
+            if type(native) is RotatingKVCache and config.layers == "unbounded":
+                caches.append(native)
+            else:
+                window = native.max_size if type(native) is RotatingKVCache else None
+                # the model's global layer index (a pipeline rank holds layers from layer_offset on)
+                caches.append(
+                    PolicyCache(policy, layer=layout.layer_offset + i, window=window, head_shard=layout.tensor)
+                )
+        if needs_hook(caches):  # the caches hold the install: it ends when the last of them is gone
+            hook = attention.install(model)
+            for c in caches:
+                if isinstance(c, PolicyCache):
+                    c.attention_hook = hook
+        return caches
+
+
+def attach(model, config: Any):
+    """Make ``mlx_lm.generate``/``stream_generate`` use fresh policy caches for every generation.
+
+    Returns the validated config. Undo with :func:`detach`.
+    """
+    config: KVCacheConfig = parse_config(config)
+    caches = KVCacheBuilder.for_model(model, config)  # validate now
+    hook = model.__dict__.get(_HOOK)
+    if needs_hook(caches) and (hook is None or not hook.active):  # keep the hook while attached
+        object.__setattr__(model, _HOOK, attention.install(model))
+    if model.__dict__.get(_ORIGINAL) is None:
+        original = getattr(model, "make_cache", None)
+        object.__setattr__(model, _ORIGINAL, original or (lambda: [KVCache() for _ in _layers(model)]))
+        if "make_cache" in model.__dict__:  # the user's own, set on the instance: detach puts it back
+            object.__setattr__(model, _OWN, model.__dict__["make_cache"])
+    object.__setattr__(model, "make_cache", lambda *_a, **_k: KVCacheBuilder.for_model(model, config))
+    return config
+
+
+def detach(model) -> None:
+    """Undo :func:`attach` and release its attention hook (caches that need the hook keep it alive)."""
+    d = model.__dict__
+    if d.pop(_ORIGINAL, None) is not None:
+        d.pop("make_cache", None)
+        if _OWN in d:
+            object.__setattr__(model, "make_cache", d.pop(_OWN))
+    hook = d.pop(_HOOK, None)
+    if hook is not None:
+        hook.remove()

@@ -1,0 +1,53 @@
+"""The parts every method may share, and the ``random`` method, registered by kvpolicy-core itself."""
+
+from typing import Optional
+
+from pydantic import Field
+
+from ..parts.cumulative_attention import CumulativeAttentionScorer
+from ..parts.drop import DropDisposition
+from ..parts.lowest_score import LowestScoreSelector
+from ..parts.observation_window import ObservationWindowScorer
+from ..parts.random_score import RandomScorer
+from .hookspecs import hookimpl
+from .policy_config import PolicyConfig
+from .registry import MethodSpec
+
+
+class RandomConfig(PolicyConfig):
+    """``method="random"``: evict uniformly at random among unprotected tokens (a floor to beat)."""
+
+    recent: Optional[int] = Field(0, ge=0, description="Most recent tokens protected (default 0).")
+    salt: int = Field(0, description="Changes the random draw; same salt, same evictions.")
+
+
+@hookimpl
+def register_scorers(register):
+    register("cumulative_attention", CumulativeAttentionScorer)
+    register("random", RandomScorer)
+    register("observation_window", ObservationWindowScorer)
+
+
+@hookimpl
+def register_selectors(register):
+    register("lowest_score", LowestScoreSelector)
+
+
+@hookimpl
+def register_dispositions(register):
+    register("drop", DropDisposition)
+
+
+@hookimpl
+def register_methods(register):
+    register(
+        MethodSpec(
+            "random",
+            RandomConfig,
+            "random",
+            "lowest_score",
+            "drop",
+            description="Random eviction among unprotected tokens: the floor any policy must beat.",
+            ignores=("signal",),
+        )
+    )

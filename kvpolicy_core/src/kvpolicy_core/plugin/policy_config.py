@@ -1,0 +1,140 @@
+"""The fields every budgeted eviction method shares, and how validation errors are worded.
+
+A method's config class subclasses :class:`PolicyConfig`; this module imports nothing of
+kvpolicy but its errors, so plugins, the registry and the config API can all build on it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..errors import ConfigError
+
+#: Fields of :class:`~kvpolicy_core.config.parse.KVCacheConfig` itself, shared by every method.
+COMMON_FIELDS = ("method", "head_dim", "seed", "layers")
+
+
+class PolicyConfig(BaseModel):
+    """Fields shared by every budgeted eviction method.
+
+    ``recent=None`` (the default) protects ``budget // 2`` of the most recent tokens (the
+    official H2O's half heavy hitters, half recent split); chosen from a measurement on the
+    default model, ``benchmarks/recent_window.py`` (docs/methods/h2o.md).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    budget: int = Field(512, ge=1, description="Maximum tokens kept per layer, sinks included.")
+    n_sink: int = Field(4, ge=0, description="First absolute positions that are never evicted.")
+    recent: Optional[int] = Field(
+        None, ge=0, description="Most recent tokens protected from eviction (None: budget // 2)."
+    )
+    signal: Literal["proxy", "observed"] = Field(
+        "proxy",
+        description="Score signal: 'proxy' uses each new key as the query; 'observed' the model's real queries.",
+    )
+
+    @property
+    def recent_tokens(self) -> int:
+        """The protected recent window actually used: ``recent``, or ``budget // 2`` capped at
+        ``budget - n_sink - 1`` so that a token stays evictable."""
+        if self.recent is None:
+            return max(0, min(self.budget // 2, self.budget - self.n_sink - 1))
+        return self.recent
+
+    @model_validator(mode="after")
+    def _leave_room_to_evict(self):
+        if self.budget <= self.n_sink + self.recent_tokens:
+            raise ValueError(
+                f"budget must be greater than n_sink + recent so that some token can be evicted; "
+                f"got budget={self.budget}, n_sink={self.n_sink}, recent={self.recent_tokens}"
+            )
+        return self
+
+
+def format_errors(exc: ValidationError, prefix: str, written: Optional[Mapping[str, str]] = None) -> str:
+    """pydantic's errors as one line; ``written`` maps field names to the key the user wrote."""
+    parts = []
+    written = written or {}
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) if err["loc"] else ""
+        if loc in written:
+            loc, field = loc, written[loc]
+        else:
+            field = f"{prefix}{loc}" if loc else prefix.rstrip("_.") or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] in ("extra_forbidden",):
+            parts.append(f"{field}: unknown field")
+            continue
+        shown = err.get("input")
+        if err["type"] in ("int_parsing", "float_parsing") and isinstance(shown, str) and _foreign_digits(shown):
+            msg += "; numbers are written in the ASCII digits 0-9"
+        parts.append(f"{field}: {msg} (got {shown!r})" if err["type"] != "value_error" else f"{field}: {msg}")
+    return "; ".join(parts)
+
+
+def _foreign_digits(text: str) -> bool:
+    """Whether ``text`` has digits of another script than ASCII (``１６``, ``٣``), which Python's int() reads."""
+    return any(not c.isascii() and c.isnumeric() for c in text)
+
+
+#: Integer fields hold at most a signed 64-bit value (MLX and JSON round trips need it).
+INT_RANGE = (-(2**63), 2**63 - 1)
+
+
+def _int_field(annotation) -> bool:
+    """Whether a field's annotation is int or Optional[int] (and not bool)."""
+    args = getattr(annotation, "__args__", None)
+    return annotation is int or (args is not None and int in args and bool not in args)
+
+
+def reject_bad_ints(config_class, data: Mapping[str, Any], where: str) -> None:
+    """Integer fields: a bool is not an integer (pydantic would take True as 1) and the value must fit
+    in 64 bits. ``data`` is keyed by the names the user wrote (aliases included)."""
+    ints = set()
+    for name, field in config_class.model_fields.items():
+        if _int_field(field.annotation):
+            ints.add(name)
+            alias = field.validation_alias
+            ints.update(a for a in getattr(alias, "choices", [alias]) if isinstance(a, str))
+    for key, value in data.items():
+        if key not in ints:
+            continue
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}{key}: must be an integer, not a bool (got {value!r})")
+        if isinstance(value, int) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
+            raise ConfigError(
+                f"{where}{key}: must be an integer in [{INT_RANGE[0]}, {INT_RANGE[1]}] "
+                f"(got a {value.bit_length()}-bit number)"
+            )
+
+
+def canonical_names(config_class) -> dict:
+    """Every accepted name of a policy config class's fields (aliases included) -> the field's name."""
+    out = {}
+    for name, field in config_class.model_fields.items():
+        out[name] = name
+        alias = field.validation_alias
+        out.update({a: name for a in getattr(alias, "choices", [alias]) if isinstance(a, str)})
+    return out
+
+
+def reject_non_finite(data: Mapping[str, Any], where: str) -> None:
+    for key, value in data.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}{key}: must be a finite number (got {value!r})")
+
+
+def policy_field_names(config_class) -> set:
+    """Field names of a policy config class, with their validation aliases."""
+    names = set(config_class.model_fields)
+    for field in config_class.model_fields.values():
+        alias = field.validation_alias
+        if isinstance(alias, str):
+            names.add(alias)
+        elif alias is not None:
+            names.update(a for a in getattr(alias, "choices", []) if isinstance(a, str))
+    return names

@@ -1,0 +1,181 @@
+"""A conformance suite for kvpolicy methods: run it against your method with one pytest line.
+
+Subclass :class:`PolicyConformance` in your plugin's tests and name your method::
+
+    from kvpolicy_core.testing.conformance import PolicyConformance
+
+    class TestMyPolicy(PolicyConformance):
+        method = "mypolicy:budget=16,n_sink=2"
+
+pytest then runs every check below against it: budget held, sinks kept, shapes across
+batch and heads, chunked prefill, determinism with a seed, ``state`` round trip, the
+mlx-lm contract on a tiny random-weight model, and clear errors for invalid configs.
+``run_conformance(method)`` runs the same checks from a plain function.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache.policy_cache import PolicyCache
+from ..config.parse import parse_config
+from ..errors import ConfigError
+from ..integration.builder import KVCacheBuilder, detach
+from .tiny_models import VOCAB, tiny_llama
+
+__all__ = ["PolicyConformance", "run_conformance", "tiny_llama", "random_kv", "feed", "with_fields", "CHUNK_PATTERNS"]
+
+#: Update sizes per call: decode, prefill then decode, several chunks, a chunk larger than the budget.
+CHUNK_PATTERNS: Tuple[Tuple[int, ...], ...] = ((1,) * 40, (24,) + (1,) * 16, (7, 7, 1, 1, 20, 4), (3, 37))
+
+
+def random_kv(B: int = 2, H: int = 3, S: int = 40, D: int = 16, seed: int = 0, dtype=mx.float32):
+    """Random keys and values [B, H, S, D]."""
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    return (mx.random.normal((B, H, S, D), key=k1).astype(dtype), mx.random.normal((B, H, S, D), key=k2).astype(dtype))
+
+
+def feed(cache: PolicyCache, keys: mx.array, values: mx.array, chunks: Iterable[int], queries=None, scale=None):
+    """Feed K/V [B, H, T, D] through ``cache`` in chunks, calling the attention hook like a model would.
+
+    Returns the shapes of what each call returned. ``queries`` [B, Hq, T, D] defaults to the keys,
+    ``scale`` to ``D ** -0.5``; the mask is None for one token and "causal" for a chunk.
+    """
+    queries = keys if queries is None else queries
+    scale = keys.shape[-1] ** -0.5 if scale is None else scale
+    shapes, t = [], 0
+    for S in chunks:
+        k, v = cache.update_and_fetch(keys[:, :, t : t + S], values[:, :, t : t + S])
+        cache.before_attention(queries[:, :, t : t + S], scale, None if S == 1 else "causal")
+        shapes.append(tuple(k.shape))
+        t += S
+    return shapes
+
+
+def with_fields(method: str, fields: str) -> str:
+    """Append ``fields`` to a config string that may already have some."""
+    return f"{method}{',' if ':' in method else ':'}{fields}"
+
+
+class PolicyConformance:
+    """Checks every kvpolicy method must pass. Set ``method`` to a config string."""
+
+    method: str = ""
+
+    # -- helpers -------------------------------------------------------------------------------
+    def config(self):
+        cfg = parse_config(self.method)
+        return cfg, cfg.policy.budget, cfg.policy.n_sink
+
+    def cache(self, **fields) -> PolicyCache:
+        extra = ",".join(f"{k}={v}" for k, v in fields.items())
+        return PolicyCache(with_fields(self.method, extra) if extra else self.method)
+
+    # -- checks --------------------------------------------------------------------------------
+    def test_budget_held_and_sinks_kept(self):
+        _, budget, n_sink = self.config()
+        for chunks in CHUNK_PATTERNS:
+            total = sum(chunks)
+            keys, values = random_kv(S=total, seed=len(chunks))
+            cache = self.cache()
+            t = 0
+            for S in chunks:
+                (shape,) = feed(cache, keys[:, :, t : t + S], values[:, :, t : t + S], (S,), scale=0.25)
+                assert shape[2] == min(t, budget) + S, "update_and_fetch must return retained + new"
+                t += S
+                assert cache.tokens_kept == min(t, budget) and cache.offset == t
+            pos = np.array(cache.retained()[2])
+            assert pos.shape[-1] == min(total, budget)
+            assert (np.diff(pos, axis=-1) > 0).all(), "retained positions must be distinct"
+            assert (pos[..., : min(n_sink, total)] == np.arange(min(n_sink, total))).all(), "sinks must be kept"
+
+    def test_shapes_across_batch_heads_and_dims(self):
+        _, budget, _ = self.config()
+        for B, H, D in ((1, 1, 8), (3, 2, 16), (2, 4, 32)):
+            keys, values = random_kv(B=B, H=H, S=budget + 9, D=D, seed=B * 10 + H)
+            cache = self.cache()
+            shapes = feed(cache, keys, values, (budget // 2, budget // 2 + 3, 1, 1, 1, 1, 1, 1))
+            assert shapes[-1] == (B, H, budget + 1, D)
+            k, v, pos, scores = cache.state[:4]
+            assert k.shape == (B, H, budget, D) and v.shape == (B, H, budget, D)
+            assert pos.shape == scores.shape == (B, H, budget)
+
+    def test_deterministic_with_a_seed(self):
+        keys, values = random_kv(S=60, seed=7)
+        runs = []
+        for _ in range(2):
+            cache = self.cache(seed=11)
+            feed(cache, keys, values, (20,) + (1,) * 40)
+            runs.append([np.array(x) for x in cache.state[:4]])
+        for a, b in zip(*runs):
+            np.testing.assert_array_equal(a, b)
+
+    def test_state_round_trip_continues_identically(self):
+        keys, values = random_kv(S=60, seed=3)
+        a = self.cache(seed=5)
+        feed(a, keys[:, :, :40], values[:, :, :40], (30,) + (1,) * 10)
+        b = PolicyCache.from_state(a.state, a.meta_state)
+        assert b.offset == a.offset and b.tokens_kept == a.tokens_kept
+        for cache in (a, b):
+            feed(cache, keys[:, :, 40:], values[:, :, 40:], (1,) * 20)
+        for x, y in zip(a.state[:4], b.state[:4]):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+
+    def test_mlx_lm_contract_on_a_tiny_model(self):
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import KVCache
+
+        _, budget, _ = self.config()
+        model = tiny_llama(seed=1)
+        try:
+            tokens = mx.random.randint(0, VOCAB, (1, budget + 20), key=mx.random.key(0))
+            # with a budget above the length, logits equal mlx-lm's plain cache exactly
+            big = KVCacheBuilder.for_model(model, parse_config(self.method, budget=4 * budget + 64))
+            logits = []
+            for caches in (big, [KVCache() for _ in model.layers]):
+                out = [model(tokens[:, :10], cache=caches)] + [
+                    model(tokens[:, t : t + 1], cache=caches) for t in range(10, 16)
+                ]
+                logits.append(mx.concatenate(out, axis=1))
+            assert mx.array_equal(logits[0], logits[1]), "budget > length must reproduce plain-cache logits"
+            # generation with small prefill steps stays within budget and yields tokens
+            caches = KVCacheBuilder.for_model(model, self.method)
+            out = [
+                t
+                for (t, _), _ in zip(
+                    generate_step(tokens[0], model, prompt_cache=caches, prefill_step_size=7), range(8)
+                )
+            ]
+            assert len(out) == 8
+            for c in caches:
+                assert c.tokens_kept == budget and c.offset >= tokens.shape[1] + 8
+        finally:
+            detach(model)
+
+    def test_invalid_configs_are_clear_errors(self):
+        cfg, budget, n_sink = self.config()
+        base = cfg.method
+        for bad, needle in (
+            (f"{base}:budget=0", "budget"),
+            (f"{base}:n_sink=-1", "n_sink"),
+            (f"{base}:budget={n_sink + 1},n_sink={n_sink},recent=1", "budget must be greater than n_sink + recent"),
+            (f"{base}:no_such_field=1", "unknown field"),
+        ):
+            try:
+                parse_config(bad)
+            except ConfigError as exc:
+                assert needle in str(exc), (bad, str(exc))
+            else:  # pragma: no cover - a failing plugin
+                raise AssertionError(f"{bad!r} was accepted")
+
+
+def run_conformance(method: str) -> List[str]:
+    """Run every check of :class:`PolicyConformance` against ``method``; returns the names run."""
+    suite = type("Suite", (PolicyConformance,), {"method": method})()
+    names = [n for n in dir(PolicyConformance) if n.startswith("test_")]
+    for name in names:
+        getattr(suite, name)()
+    return names

@@ -29,6 +29,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
         ("paired.py", "paired_smoke.json"),
         ("merge_batching.py", "merge_batching_smoke.json"),
         ("op_cost.py", "op_cost_smoke.json"),
+        ("long_context.py", "long_context_smoke.json"),
         ("paper_merge_growth.py", "paper_merge_growth_smoke.json"),
         ("validation_cost.py", "validation_cost_smoke.json"),
     ],

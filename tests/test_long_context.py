@@ -120,8 +120,9 @@ def test_jsonl_round_trip_and_a_bad_line_names_its_field(tok, tmp_path):
 SPECS = ("full", "rotating:budget=48", "h2o:budget=48,n_sink=2", "cam:budget=48,n_sink=2")
 
 
-def _suite(tok):
-    return build_suite(tok, ["niah_multikey", "vt"], [640], ["noise"], [0], params=SMALL)
+def _suite(tok, questions=2):
+    params = {**SMALL, "niah_multikey": TaskParams(keys=3, questions=questions, digits=4)}
+    return build_suite(tok, ["niah_multikey", "vt"], [640], ["noise"], [0], params=params)
 
 
 def test_both_protocols_answer_every_question_for_every_method(tiny):
@@ -149,7 +150,7 @@ def test_each_question_sees_only_the_compressed_context(tiny):
     from kvpolicy_core.eval.tasks.ruler_runner import run_context
 
     model, tok = tiny
-    ctx = _suite(tok)[0]
+    ctx = _suite(tok, questions=3)[0]
     assert len(ctx.questions) == 3
     backwards = dataclasses.replace(ctx, questions=ctx.questions[::-1])
     for spec in SPECS:
@@ -173,7 +174,7 @@ def test_shared_first_chunk_is_each_methods_own_prefill(tiny):
     from kvpolicy_core.eval.tasks.ruler_runner import run_suite
 
     model, tok = tiny
-    suite = _suite(tok)[:1]
+    suite = _suite(tok)[1:]  # vt: one question
     shared = run_suite(model, tok, suite, SPECS, prefill_step=128, early_stop=False)
     own = run_suite(model, tok, suite, SPECS, prefill_step=128, share_first_chunk=False, early_stop=False)
     assert [(r["method"], r["protocol"], r["output"]) for r in shared] == [
@@ -249,3 +250,47 @@ def test_cli_ruler_table_json_and_jsonl(capsys, tiny_model_dir, tmp_path):
     assert {r["protocol"] for r in data["rows"]} == {"query-agnostic"}
     code = main(base + ["--ruler-tasks", "niah_single,qa"])
     assert code == 2 and "--ruler-tasks" in capsys.readouterr().err
+
+
+def test_calibrated_prompts_lead_into_the_statements_words(tok):
+    """The calibrated answer prefix ends where the asked statement's value begins; vt's chain reads forward."""
+    ctx = build_context(tok, "niah_multikey", 900, "noise", 0)  # the calibrated preset
+    text = tok.decode(ctx.context_ids)
+    for q in ctx.questions:
+        prefix = tok.decode(q.question_ids).rsplit("\n", 1)[-1].split("<pad>")[-1]
+        assert prefix.startswith("One of the special magic numbers for ") and f"{prefix} {q.answers[0]}." in text
+    vt = build_context(tok, "vt", 900, "noise", 0)
+    a, b, c = vt.questions[0].answers
+    assert f"VAR {a} is assigned to VAR {b}. " in tok.decode(vt.context_ids)
+    assert tok.decode(vt.questions[0].question_ids).endswith("is assigned to VAR")
+    assert ruler.preset_params("calibrated", "niah_multivalue", "smollm2-135m-float32").values == 4
+    assert ruler.preset_params("calibrated", "niah_multivalue", "gemma3-270m-float32").values == 2
+    assert ruler.preset_params("ruler", "niah_multivalue", "smollm2-135m-float32").answer == "ruler"
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_first_chunk_then_the_rest_is_the_whole_context_prefill(tiny, gemma_model, replayed, family):
+    """The shared first chunk plus the rest, chunked as generate_step chunks it, leaves a policy cache holding
+    exactly what prefilling the whole context through generate_step leaves (same tokens kept, same keys)."""
+    import numpy as np
+
+    from kvpolicy_core.eval.perplexity import make_caches
+    from kvpolicy_core.eval.tasks.ruler_runner import first_chunk_caches, prefill, record_first_chunk, shared_prefix
+
+    model, tok = tiny
+    if family == "gemma":  # sliding-window layers (window 8) next to global ones
+        model = gemma_model
+    ctx = _suite(tok)[1]
+    n = shared_prefix(ctx, 128)
+    assert n == 128
+    record = record_first_chunk(model, ctx, 128) if replayed else None
+    for spec in ("h2o:budget=48,n_sink=2", "cam:budget=48,n_sink=2"):
+        whole = make_caches(model, spec)
+        prefill(model, whole, ctx.context_ids, 128)
+        split = first_chunk_caches(model, spec, ctx, 128, record)
+        prefill(model, split, ctx.context_ids[n:], 128)
+        for a, b in zip(whole, split):
+            (ka, _, pa, _), (kb, _, pb, _) = a.retained(), b.retained()
+            assert np.array_equal(np.array(pa), np.array(pb)), spec
+            np.testing.assert_allclose(np.array(ka), np.array(kb), atol=1e-5)

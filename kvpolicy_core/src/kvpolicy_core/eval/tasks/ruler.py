@@ -242,6 +242,8 @@ class TaskParams:
     few_shot: bool = True  #: vt, cwe: a small solved example before the context (as RULER)
     statement: str = "One of the special magic numbers for {key} is: {value}."  #: niah statement
     margin: int = 8  #: max_new_tokens = tokens of the answers + margin
+    answer: str = "ruler"  #: niah answer prefix: "ruler" (RULER's) or "echo" (the statement's words)
+    chain: str = "ruler"  #: vt statements: "ruler" ("VAR B = VAR A.") or "forward" ("VAR A is assigned to VAR B.")
 
     def __post_init__(self):
         for name in (
@@ -262,12 +264,19 @@ class TaskParams:
             raise ValueError(f"TaskParams.hops: must be an integer >= 0 (got {self.hops!r})")
         if not 1 <= self.digits <= 18:
             raise ValueError(f"TaskParams.digits: must be in 1..18 (got {self.digits})")
+        if self.chain not in ("ruler", "forward"):
+            raise ValueError(f"TaskParams.chain: must be 'ruler' or 'forward' (got {self.chain!r})")
+        if self.answer not in ("ruler", "echo"):
+            raise ValueError(f"TaskParams.answer: must be 'ruler' or 'echo' (got {self.answer!r})")
         if "{key}" not in self.statement or "{value}" not in self.statement:
             raise ValueError(f"TaskParams.statement: needs {{key}} and {{value}} (got {self.statement!r})")
 
 
-#: ``ruler``: RULER's own complexity (4 keys, 4 values, 4 queries, 7 digits, 4 hops, 10 common words).
-#: ``calibrated``: settings a 135M-270M model can do with the full cache at 4k tokens (docs/long-context.md).
+#: ``ruler``: RULER's own complexity (4 keys, 4 values, 4 queries, 7 digits, 4 hops, 10 common words) and
+#: answer prefixes. ``calibrated``: what a 135M-270M model does with the full cache at 4k tokens (measured,
+#: docs/long-context.md): the answer prefix repeats the statement's words up to the value ("echo": a small
+#: model copies what follows a match), forward chains for vt, 3 common words; :data:`MODEL_PRESETS` has
+#: the per-model exceptions.
 PRESETS: Dict[str, Dict[str, TaskParams]] = {
     "ruler": {
         "niah_single": TaskParams(),
@@ -278,14 +287,32 @@ PRESETS: Dict[str, Dict[str, TaskParams]] = {
         "cwe": TaskParams(common=10, common_freq=30, uncommon_freq=3),
     },
     "calibrated": {
-        "niah_single": TaskParams(),
-        "niah_multikey": TaskParams(keys=4, questions=4),
-        "niah_multivalue": TaskParams(values=4),
-        "niah_multiquery": TaskParams(keys=4, queries=2, questions=2),
-        "vt": TaskParams(hops=4, chains=1, digits=5),
-        "cwe": TaskParams(common=10, common_freq=30, uncommon_freq=3),
+        "niah_single": TaskParams(answer="echo"),
+        "niah_multikey": TaskParams(keys=4, questions=2, answer="echo"),
+        "niah_multivalue": TaskParams(values=2, answer="echo"),
+        "niah_multiquery": TaskParams(keys=4, queries=2, questions=2, answer="echo"),
+        "vt": TaskParams(hops=2, chains=1, digits=5, few_shot=False, chain="forward"),
+        "cwe": TaskParams(common=3, common_freq=30, uncommon_freq=1, few_shot=False),
     },
 }
+#: per-model exceptions to ``calibrated`` (keyed by the start of the model directory's name): SmolLM2-Instruct
+#: lists several values after RULER's plural answer prefix, Gemma 3 270M (a base model) does not
+MODEL_PRESETS: Dict[str, Dict[str, TaskParams]] = {
+    "smollm2": {"niah_multivalue": TaskParams(values=4)},
+}
+
+
+def preset_params(preset: str, task: str, model: str = "") -> TaskParams:
+    """The parameters of ``task`` in ``preset`` for ``model`` (a model directory name, e.g. smollm2-135m-float32)."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)} (got {preset!r})")
+    if preset == "calibrated":
+        for family, tasks in MODEL_PRESETS.items():
+            if model.lower().startswith(family) and task in tasks:
+                return tasks[task]
+    return PRESETS[preset][task]
+
+
 DEFAULT_PRESET = "calibrated"
 
 
@@ -421,7 +448,10 @@ def _join(names: Sequence[str]) -> str:
 
 
 def _niah_prompts(p: TaskParams, task: str):
-    """(instruction, [(question, answer prefix, answers)] builder) for the niah tasks."""
+    """(instruction, question builder) of the niah tasks; the builder maps the asked keys to
+    (question, answer prefix). ``answer="ruler"``: RULER's answer prefix ("The special magic number for
+    {query} mentioned in the provided text is"); ``"echo"``: the statement's own words up to the value,
+    for the first asked key ("One of the special magic numbers for {key} is:")."""
     many = task in ("niah_multivalue", "niah_multiquery") and (p.values * p.queries > 1)
     noun = "numbers" if many else "number"
     head = (
@@ -429,16 +459,17 @@ def _niah_prompts(p: TaskParams, task: str):
         "I will quiz you about the numbers afterwards.\n"
     )
 
-    def question(query: str) -> Tuple[str, str]:
+    def question(keys: Sequence[str]) -> Tuple[str, str]:
+        query = _join(keys)
         if many:
-            return (
-                f"What are all the special magic {noun} for {query} mentioned in the provided text?",
-                f"The special magic {noun} for {query} mentioned in the provided text are",
-            )
-        return (
-            f"What is the special magic {noun} for {query} mentioned in the provided text?",
-            f"The special magic {noun} for {query} mentioned in the provided text is",
-        )
+            q = f"What are all the special magic {noun} for {query} mentioned in the provided text?"
+            prefix = f"The special magic {noun} for {query} mentioned in the provided text are"
+        else:
+            q = f"What is the special magic {noun} for {query} mentioned in the provided text?"
+            prefix = f"The special magic {noun} for {query} mentioned in the provided text is"
+        if p.answer == "echo":
+            prefix = p.statement.split("{value}")[0].format(key=keys[0]).rstrip()
+        return q, prefix
 
     return head, question
 
@@ -476,11 +507,9 @@ def build_context(
         raise ValueError(f"task must be one of {', '.join(TASKS)} (got {task!r})")
     if chat not in CHATS:
         raise ValueError(f"chat must be one of {', '.join(CHATS)} (got {chat!r})")
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {', '.join(PRESETS)} (got {preset!r})")
     if isinstance(length, bool) or not isinstance(length, int) or length < 64:
         raise ValueError(f"length must be an integer >= 64 tokens (got {length!r})")
-    p = params or PRESETS[preset][task]
+    p = params or preset_params(preset, task, model)
     if task == "cwe":
         haystack = WORDLIST
     rng = random.Random(f"ruler:{task}:{haystack}:{length}:{seed}")
@@ -509,11 +538,11 @@ def build_context(
             asked = rng.sample(keys, p.queries * p.questions)
             for j in range(p.questions):
                 ks = asked[j * p.queries : (j + 1) * p.queries]
-                qa.append((*question(_join(ks)), [v for k in ks for v in values[k]]))
+                qa.append((*question(ks), [v for k in ks for v in values[k]], _said(p, ks, values)))
         else:
             n_q = p.questions if task == "niah_multikey" else 1
             for k in rng.sample(keys, min(n_q, len(keys))):
-                qa.append((*question(k), values[k]))
+                qa.append((*question([k]), values[k], _said(p, [k], values)))
         head_ids += enc(head)
     elif task == "vt":
         head = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
@@ -525,16 +554,19 @@ def build_context(
         for c in range(p.chains):
             chain = names[c * (p.hops + 1) : (c + 1) * (p.hops + 1)]
             value = _number(rng, p.digits, used)
-            lines = [f"VAR {chain[0]} = {value}."] + [f"VAR {chain[j + 1]} = VAR {chain[j]}." for j in range(p.hops)]
+            lines = _chain_lines(p, chain, value)
             groups.append([enc(" " + s) for s in lines])
-            qa.append(
-                (
-                    f"Question: Find all variables that are assigned the value {value} in the text above.",
+            question = f"Question: Find all variables that are assigned the value {value} in the text above."
+            if p.chain == "forward":  # the answer retraces the statements: each hop copies what follows its match
+                prefix = f"Answer: The value {value} is assigned to VAR"
+                said = chain[0] + ". " + " ".join(lines[1:])
+            else:
+                prefix = (
                     f"Answer: According to the chain(s) of variable assignment in the text above, {p.hops + 1} "
-                    f"variables are assigned the value {value}, they are:",
-                    chain,
+                    f"variables are assigned the value {value}, they are:"
                 )
-            )
+                said = " ".join(chain)
+            qa.append((question, prefix, chain, said))
         order = list(range(p.chains))
         rng.shuffle(order)
         qa = [qa[i] for i in order[: p.questions]]
@@ -578,11 +610,21 @@ def build_context(
     return ctx
 
 
+def _said(p: TaskParams, keys: Sequence[str], values: Dict[str, List[str]]) -> str:
+    """The text a right answer takes, which sizes ``max_new_tokens``: the values, comma-separated; with the
+    ``echo`` prefix and several values, the first value and then each further one in its statement's words."""
+    vals = [(k, v) for k in keys for v in values[k]]
+    if p.answer != "echo" or len(vals) == 1:
+        return ", ".join(v for _, v in vals)
+    return vals[0][1] + ". " + " ".join(p.statement.format(key=k, value=v) for k, v in vals[1:])
+
+
 def _questions(tokenizer, fmt: ChatFormat, qa, margin: int) -> List[Question]:
+    """``qa``: (question, answer prefix, answers, the text of a right answer) per question."""
     out = []
-    for question, prefix, answers in qa:
+    for question, prefix, answers, said in qa:
         ids = _encode(tokenizer, question + fmt.turn_end + prefix)
-        n = len(_encode(tokenizer, " " + ", ".join(answers))) + margin
+        n = len(_encode(tokenizer, " " + said)) + margin
         out.append(Question(question, ids, list(answers), n))
     return out
 
@@ -596,11 +638,20 @@ def _var_names(rng: random.Random, n: int, k: int = 5) -> List[str]:
     return names
 
 
+def _chain_lines(p: TaskParams, chain: Sequence[str], value: str) -> List[str]:
+    """One chain's statements: RULER's "VAR B = VAR A." or, ``chain="forward"``, "VAR A is assigned to VAR B."."""
+    if p.chain == "forward":
+        return [f"The value {value} is assigned to VAR {chain[0]}."] + [
+            f"VAR {chain[j]} is assigned to VAR {chain[j + 1]}." for j in range(len(chain) - 1)
+        ]
+    return [f"VAR {chain[0]} = {value}."] + [f"VAR {chain[j + 1]} = VAR {chain[j]}." for j in range(len(chain) - 1)]
+
+
 def _vt_example(rng: random.Random, p: TaskParams) -> str:
     """A short solved variable-tracking example (RULER puts one before the task)."""
     names = _var_names(rng, p.hops + 1, k=3)
     value = str(rng.randrange(10 ** (p.digits - 1), 10**p.digits))
-    lines = [f"VAR {names[0]} = {value}."] + [f"VAR {names[j + 1]} = VAR {names[j]}." for j in range(p.hops)]
+    lines = _chain_lines(p, names, value)
     noise = list(NOISE_SENTENCES)
     body = []
     for line in lines:
@@ -665,7 +716,8 @@ def _build_cwe(tokenizer, length, seed, p: TaskParams, model, chat, head_ids) ->
 
     def draw(n_unc: int):
         items, common = _cwe_list(random.Random(f"cwe-list:{length}:{seed}:{n_unc}"), n_unc, p)
-        qs = _questions(tokenizer, fmt, [(qa[0][0], qa[0][1], common)], p.margin)
+        said = " ".join(f"{i + 1}. {w}" for i, w in enumerate(common))
+        qs = _questions(tokenizer, fmt, [(qa[0][0], qa[0][1], common, said)], p.margin)
         body = [enc(f" {i + 1}. {w}") for i, w in enumerate(items)]
         total = len(head_ids) + sum(map(len, body)) + len(tail) + len(qs[0].question_ids) + qs[0].max_new_tokens
         return total, body, qs

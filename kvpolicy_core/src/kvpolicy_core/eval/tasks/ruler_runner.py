@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ...cache.policy_cache import PolicyCache
-from ..perplexity import kv_bytes, make_caches, spec_label
+from ..perplexity import kv_bytes, make_caches, parse_spec, spec_label
 from .needle import needle_kept, record_prefill, replay_prefill, replayable
 from .ruler import Context, score
 
@@ -114,6 +114,16 @@ def first_chunk_caches(model, spec: Any, ctx: Context, prefill_step: int, record
     return caches
 
 
+def method_label(spec: Any) -> str:
+    """The spec's label with its budget always written (a config string leaves out a default budget)."""
+    kind, value = parse_spec(spec)
+    label = spec_label(spec)
+    budget = getattr(getattr(value, "policy", None), "budget", None) if kind == "policy" else None
+    if budget is not None and "budget=" not in label:
+        label += f"{',' if ':' in label else ':'}budget={budget}"
+    return label
+
+
 def _statement_positions(ctx: Context) -> List[int]:
     return [p for a, b in ctx.spans for p in range(a, b)]
 
@@ -139,7 +149,7 @@ def run_context(
     start = time.perf_counter()
     base = first_chunk_caches(model, spec, ctx, prefill_step, record)
     base_seconds = time.perf_counter() - start
-    label = spec_label(spec)
+    label = method_label(spec)
     rows: List[Dict[str, Any]] = []
 
     def row(protocol, i, got, caches, seconds, extra):

@@ -1,0 +1,331 @@
+"""Long-context suite: RULER-style tasks at 4k+ tokens, both protocols, every method next to the full cache.
+
+    python benchmarks/long_context.py --size quick                   # minutes on 2 CPU cores
+    python benchmarks/long_context.py --size headline                # the 4k table of one model (~1 h)
+    python benchmarks/long_context.py --size headline --model smollm2
+    python benchmarks/long_context.py --lengths 8192 --tasks niah_single,niah_multikey --tag 8k
+    python benchmarks/long_context.py --size headline --export-jsonl benchmarks/results/long_context_4k.jsonl
+    python benchmarks/long_context.py --smoke                        # tiny random model (the test suite)
+
+Sizes (measured on 2 shared x86 cores, docs/long-context.md):
+
+- ``smoke``: a tiny random-weight model; seconds. Checks that the program runs, not any number.
+- ``quick``: 4k tokens, noise haystack, niah_single + niah_multikey, full and h2o at 4x,
+  query-agnostic only; a few minutes.
+- ``headline``: 4k tokens, pydoc and noise haystacks, all six tasks, one context each, full /
+  StreamingLLM (mlx-lm's RotatingKVCache) / H2O / CaM at 4x and 8x, both protocols.
+
+Methods are names from METHODS or config strings; each bounded method gets budget = length / ratio.
+On each task the full cache runs first; where it scores below --min-full (60) the other methods are
+skipped and the task is flagged (--no-skip-flagged runs them anyway).
+Writes long_context_<tag>.json (config, every answer, scores per task per haystack and pooled, the
+full cache's score next to every method, flagged tasks) and long_context_<tag>.png under
+benchmarks/results/, the JSON after every context (a long run can be read while it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+from _common import RESULTS, write_json
+
+from kvpolicy_core.eval.tasks import ruler
+from kvpolicy_core.eval.tasks.ruler_runner import PROTOCOLS, format_table, record_first_chunk, run_context, summarize
+
+METHODS = {"full": "full", "streamingllm": "rotating", "h2o": "h2o", "cam": "cam"}
+ORDER = {"full": 0, "rotating": 1, "h2o": 2, "cam": 3}  # table rows
+SIZES = {
+    "quick": dict(
+        lengths="4096",
+        tasks="niah_single,niah_multikey",
+        haystacks="noise",
+        methods="full,h2o",
+        ratios="4",
+        protocols="query-agnostic",
+        seeds=1,
+    ),
+    "headline": dict(
+        lengths="4096",
+        tasks=",".join(ruler.TASKS),
+        haystacks="pydoc,noise",
+        methods="full,streamingllm,h2o,cam",
+        ratios="4,8",
+        protocols=",".join(PROTOCOLS),
+        seeds=1,
+    ),
+    "smoke": dict(
+        lengths="640",
+        tasks="niah_multikey,vt",
+        haystacks="noise",
+        methods="full,streamingllm,h2o,cam",
+        ratios="8",
+        protocols=",".join(PROTOCOLS),
+        seeds=1,
+    ),
+}
+SMOKE_PARAMS = {
+    "niah_multikey": ruler.TaskParams(keys=3, questions=3, digits=4),
+    "vt": ruler.TaskParams(hops=2, digits=4, few_shot=False),
+}
+#: the prompt format each model scores best with at 4k with the full cache (calibration in docs/long-context.md)
+MODEL_CHAT = {"gemma3": "none", "smollm2": "none"}
+
+
+def spec_for(name: str, budget: int) -> str:
+    base = METHODS.get(name, name)
+    if base == "full":
+        return "full"
+    if base == "rotating":
+        return f"rotating:budget={budget}"
+    return f"{base}{',' if ':' in base else ':'}budget={budget}"
+
+
+def load(model: str, smoke: bool):
+    import mlx.core as mx
+    import mlx_lm
+
+    if smoke:
+        import tempfile
+
+        from kvpolicy_core.model.tiny import write_model_dir
+
+        path = write_model_dir(Path(tempfile.mkdtemp(prefix="long-context-tiny-")), "llama", layers=2)
+        m, tok = mlx_lm.load(str(path))
+        return m, tok, "tiny random llama"
+    from kvpolicy_core.model.resolve import resolve_model_path
+
+    path = resolve_model_path(None if model == "gemma3" else model)
+    m, tok = mlx_lm.load(str(path))
+    m.set_dtype(mx.float32)
+    return m, tok, str(path)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(SIZES), help="a preset of the options below (explicit options win)")
+    p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
+    p.add_argument("--lengths")
+    p.add_argument("--tasks")
+    p.add_argument("--haystacks", help="comma list: pydoc, stdlib, noise, or a text file")
+    p.add_argument("--methods", help="names from: " + ", ".join(METHODS) + "; or config strings (';'-separated)")
+    p.add_argument("--ratios", help="compression ratios, comma list (budget = length / ratio)")
+    p.add_argument("--protocols", help=", ".join(PROTOCOLS))
+    p.add_argument("--seeds", type=int, help="contexts per (task, haystack, length)")
+    p.add_argument("--preset", default=ruler.DEFAULT_PRESET, choices=sorted(ruler.PRESETS))
+    p.add_argument("--chat", choices=sorted(ruler.CHATS), help="prompt format (default: the model's, MODEL_CHAT)")
+    p.add_argument("--prefill-step", type=int, default=2048)
+    p.add_argument(
+        "--skip-flagged",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run only the full cache on a task it scores below --min-full on (default: on)",
+    )
+    p.add_argument("--min-full", type=float, default=60.0)
+    p.add_argument("--export-jsonl", help="also write the contexts (token ids) to this JSONL file")
+    p.add_argument("--tag", default="")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--report", nargs="+", metavar="JSON", help="print the markdown table of result files and stop")
+    args = p.parse_args()
+    if args.report:
+        for f in args.report:
+            data = json.loads(Path(f).read_text())
+            print(f"{Path(f).name}: {data['config']['model']}, {data['seconds']:.0f} s\n")
+            print(markdown(data["rows"]) + "\n")
+        return
+    size = "smoke" if args.smoke else (args.size or "quick")
+    for k, v in SIZES[size].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.smoke:  # a random model scores 0 everywhere: run every method anyway
+        args.prefill_step, args.skip_flagged = 128, False
+    out = Path(args.out)
+    model, tok, path = load(args.model, args.smoke)
+    chat = args.chat or MODEL_CHAT.get(args.model, "none")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    tasks = args.tasks.split(",")
+    names = [m.strip() for m in args.methods.split(";" if ";" in args.methods else ",")]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    protocols = args.protocols.split(",")
+    contexts = ruler.build_suite(
+        tok,
+        tasks,
+        lengths,
+        args.haystacks.split(","),
+        range(args.seeds),
+        model=Path(path).name,
+        chat=chat,
+        preset=args.preset,
+        params=SMOKE_PARAMS if args.smoke else None,
+    )
+    if args.export_jsonl:
+        ruler.write_jsonl(args.export_jsonl, contexts)
+        print(f"wrote {args.export_jsonl} ({len(contexts)} contexts)")
+    model_tag = "tiny" if args.smoke else Path(args.model).name.split("-")[0]
+    if args.smoke:
+        tag = "long_context_smoke"
+    else:
+        tag = f"long_context_{args.tag}" if args.tag else f"long_context_{size}_{model_tag}"
+    config = {
+        "size": size,
+        "model": path,
+        "chat": chat,
+        "preset": args.preset,
+        "lengths": lengths,
+        "tasks": tasks,
+        "haystacks": args.haystacks.split(","),
+        "methods": names,
+        "ratios": ratios,
+        "protocols": protocols,
+        "seeds": args.seeds,
+        "prefill_step": args.prefill_step,
+        "params": {t: vars(ruler.preset_params(args.preset, t, Path(path).name)) for t in tasks},
+    }
+    rows = []
+    start = time.perf_counter()
+
+    def log(r):
+        rows.append(r)
+        print(
+            f"{r['protocol']:18} {r['method']:22} {r['id']:28} q{r['question']} {r['score']:.2f} "
+            f"{r['output'].strip()[:48]!r:50} {r['seconds']}s",
+            flush=True,
+        )
+
+    flagged = []
+    for key in dict.fromkeys((c.task, c.length) for c in contexts):  # one task and length at a time
+        group = [c for c in contexts if (c.task, c.length) == key]
+        records = {c.id: record_first_chunk(model, c, args.prefill_step) for c in group}
+        bounded = []
+        for n in names:
+            for ratio in ratios:
+                s = spec_for(n, max(8, int(key[1] / ratio)))
+                if s not in bounded + ["full"]:
+                    bounded.append(s)
+        done = len(rows)
+        for ctx in group:  # the full cache first: it decides whether the task is worth the other methods
+            run_context(model, tok, ctx, "full", protocols, args.prefill_step, records[ctx.id], log=log)
+        full = [r["score"] for r in rows[done:]]
+        if args.skip_flagged and 100 * sum(full) / len(full) < args.min_full:
+            flagged.append({"task": key[0], "length": key[1], "full": round(100 * sum(full) / len(full), 1)})
+            print(
+                f"{key[0]} at {key[1]} tokens: the full cache scores {flagged[-1]['full']} < {args.min_full}: "
+                "flagged, other methods skipped",
+                flush=True,
+            )
+            bounded = []
+        for ctx in group:
+            for spec in bounded:
+                run_context(model, tok, ctx, spec, protocols, args.prefill_step, records[ctx.id], log=log)
+            save(out, tag, config, rows, time.perf_counter() - start, flagged)
+        del records
+    summary = summarize([{**r, "haystack": "all"} for r in rows])
+    print(format_table(summary, [t for t in ruler.TASKS if t in tasks]))
+    if not args.smoke:
+        plot(out / f"{tag}.png", summary, tasks, f"{Path(path).name}, {','.join(map(str, lengths))} tokens")
+    print(f"wrote {out / (tag + '.json')} in {time.perf_counter() - start:.0f} s")
+
+
+def markdown(rows, min_full: float = 60.0) -> str:
+    """The docs' table of one result file: per protocol, one line per method, RULER scores per task (haystacks
+    pooled), their mean over the tasks the full cache can do (flagged tasks: full cache only, marked *), and the
+    share of the full cache's KV bytes a method holds after the context (query-agnostic)."""
+    summary = summarize([{**r, "haystack": "all"} for r in rows], min_full)
+    tasks = [t for t in ruler.TASKS if any(r["task"] == t for r in rows)]
+    flagged = {t for s in summary for t in s["flagged"]}
+    kept = {}
+    for r in rows:
+        if r["protocol"] == "query-agnostic" and r.get("context_kv_bytes_full"):
+            kept.setdefault(r["method"], []).append(r["context_kv_bytes_kept"] / r["context_kv_bytes_full"])
+    head = (
+        "| protocol | method | " + " | ".join(t + (" *" if t in flagged else "") for t in tasks) + " | mean | KV kept |"
+    )
+    lines = [head, "|" + " --- |" * (len(tasks) + 4)]
+    for protocol in PROTOCOLS:
+        for s in sorted(
+            (s for s in summary if s["protocol"] == protocol),
+            key=lambda s: (
+                ORDER.get(s["method"].split(":")[0], len(ORDER)),
+                s["method"].split(":")[0],
+                -_budget(s["method"]),
+            ),
+        ):
+            cells = [f"{s['tasks'][t]:.1f}" if t in s["tasks"] else "" for t in tasks]
+            ok = [s["tasks"][t] for t in tasks if t not in flagged and t in s["tasks"]]
+            mean = f"{sum(ok) / len(ok):.1f}" if ok else ""
+            k = kept.get(s["method"])
+            lines.append(
+                f"| {protocol} | {s['method']} | "
+                + " | ".join(cells)
+                + f" | {mean} | "
+                + (f"{100 * sum(k) / len(k):.0f}%" if k else "")
+                + " |"
+            )
+    n_q = {
+        t: sum(1 for r in rows if r["task"] == t and r["method"] == "full" and r["protocol"] == "query-agnostic")
+        for t in tasks
+    }
+    lines.append("")
+    lines.append(
+        "Questions per task (per method and protocol): "
+        + ", ".join(f"{t} {n}" for t, n in n_q.items())
+        + ". * the full cache scores below 60: flagged, the other methods not run."
+    )
+    return "\n".join(lines)
+
+
+def _budget(method: str) -> int:
+    m = re.search(r"budget=(\d+)", method)
+    return int(m.group(1)) if m else 0
+
+
+def save(out, tag, config, rows, seconds, flagged):
+    write_json(
+        tag,
+        {
+            "config": config,
+            "seconds": round(seconds, 1),
+            "skipped_flagged": flagged,
+            "summary_pooled": summarize([{**r, "haystack": "all"} for r in rows]),
+            "summary": summarize(rows),
+            "rows": rows,
+        },
+        out,
+    )
+
+
+def plot(path, summary, tasks, title):
+    """Score per task (and the mean) per method, one panel per (protocol, length); the full cache drawn first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(s["protocol"], s["length"]) for s in summary})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    cols = [t for t in ruler.TASKS if t in tasks] + ["mean"]
+    for ax, (protocol, length) in zip(axes[0], panels):
+        group = [s for s in summary if (s["protocol"], s["length"]) == (protocol, length)]
+        group.sort(key=lambda s: (s["method"] != "full", s["method"]))
+        width = 0.8 / max(1, len(group))
+        for k, s in enumerate(group):
+            vals = [s["tasks"].get(t, 0.0) if t != "mean" else s["mean"] for t in cols]
+            ax.bar([i + k * width for i in range(len(cols))], vals, width, label=s["method"][:28])
+        ax.set_xticks(
+            [i + 0.4 - width / 2 for i in range(len(cols))], [c.replace("niah_", "") for c in cols], fontsize=8
+        )
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("RULER score (0-100)")
+        ax.set_title(f"{protocol}, {length} tokens", fontsize=9)
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"long-context suite: {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

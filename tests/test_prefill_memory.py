@@ -48,3 +48,22 @@ def test_active_memory_after_each_prefill_chunk_stays_flat_over_a_long_prompt(me
     chunk_kv = 2 * len(model.layers) * a.num_key_value_heads * (a.hidden_size // a.num_attention_heads) * CHUNK * 4
     growth = seen[-1] - seen[1]  # from the second chunk on the cache is at its steady size (budget + evictions)
     assert growth < chunk_kv / 4, f"{method}: active memory grew by {growth} B over {CHUNKS - 2} chunks"
+
+
+def test_a_prefill_chunk_whose_output_is_never_read_does_not_compute_its_attention():
+    """mlx-lm evaluates only the caches' state after a prefill chunk, so the last layer's attention output is never
+    read: an observation-window scorer needs the attention of the chunk's last W queries only, and the [S, L]
+    weights of all S queries (what the output needs) must not be computed for it. Measured by the peak memory of
+    evaluating the state: S x L weights per query head would be far above the window's W x L."""
+    model = tiny_llama(layers=1, n_heads=4, n_kv_heads=2)
+    S, W = 2048, 32
+    caches = KVCacheBuilder.for_model(model, f"h2o:budget=64,obs_window={W}")
+    tokens = mx.random.randint(0, 97, (1, S), key=mx.random.key(1))
+    gc.collect()
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    model(tokens, cache=caches)  # the output (logits) is dropped, as generate_step drops a prefill chunk's
+    mx.eval([c.state for c in caches])
+    all_rows = 4 * S * S * 4  # float32 weights of every query row of 4 query heads
+    assert mx.get_peak_memory() - base < all_rows / 4

@@ -269,9 +269,14 @@ class PolicyCache(CacheState, CacheDiagnostics):
         take the model's weights (``on_attention_weights``: the shipped observed scorers) gets them from
         the one pass that computes the output (:func:`.attention_weights.attention_with_weights`, on CPU
         bit-identical to the fused kernel) where that is faster (:func:`.attention_weights.attend_once`);
-        otherwise this is :meth:`before_attention` then ``fused``.
+        otherwise this is :meth:`before_attention` then ``fused``. So is a prompt chunk whose scores read only
+        some of its query rows (the observation window's last W of S > W, ``rows_observed``): the scorer's own
+        pass over those rows costs W/S of the kernel's, and where the output is never read (the last layer of a
+        prefill chunk: mlx-lm evaluates only the caches' state) the kernel is not run at all, as for mlx-lm's caches.
         """
-        if not (self._weights_once and attend_once(queries.shape[2])):
+        S = queries.shape[2]
+        rows = getattr(self.policy.scorer, "rows_observed", None)
+        if not (self._weights_once and attend_once(S) and (rows is None or rows(S) >= S)):
             return fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
         mask = self._attention_mask(queries, mask)
         out, weights = attention_with_weights(

@@ -118,6 +118,10 @@ class ObservationWindowScorer(AttentionScorer):
     def _rows(self, S: int) -> int:
         return S if self.window == 0 else min(self.window, S)
 
+    def rows_observed(self, S: int) -> int:
+        """How many of a step's ``S`` query rows the scores read: the window's last ``min(W, S)`` (all when W = 0)."""
+        return self._rows(S)
+
     def combine(self, scores: mx.array, weights: mx.array) -> mx.array:
         """Unpooled accumulation (a decode step): scores [B, H, L] + weights [B, H, G, S, L] summed."""
         return scores + weights.sum(axis=(2, 3))

@@ -197,8 +197,20 @@ def mlx_model_dir(model: str, override: Optional[str]) -> Path:
 class Results:
     """One library's result file, rewritten atomically after every (context, method, ratio) row."""
 
-    def __init__(self, out: Path, header: Dict[str, Any]):
+    def __init__(self, out: Path, header: Dict[str, Any], resume: bool = False):
         self.out, self.header, self.rows = out, header, []
+        if resume and out.is_file():
+            old = json.loads(out.read_text())
+            if old.get("library") != header["library"] or old.get("prompts") != header["prompts"]:
+                raise SystemExit(
+                    f"--resume: {out} holds {old.get('library')} on {old.get('prompts')}, not "
+                    f"{header['library']} on {header['prompts']}"
+                )
+            self.rows = old["rows"]
+            self.header["resumed_from"] = old.get("resumed_from", []) + [old.get("command")]
+
+    def done(self, ctx_id: str, method: str, ratio: float) -> bool:
+        return any((r["id"], r["method"], r["ratio"]) == (ctx_id, method, ratio) for r in self.rows)
 
     def add(self, row: Dict[str, Any]) -> None:
         self.rows.append(row)
@@ -222,6 +234,8 @@ def run_grid(
         L = len(ctx["context_ids"])
         for method in methods:
             for ratio in [1.0] if method == UNCOMPRESSED[library] else ratios:
+                if results.done(ctx["id"], method, ratio):
+                    continue
                 kept = L if ratio == 1 else keep_count(L, ratio)
                 stop = ctx.get("stop_ids") or list(default_stop)
                 r = run_one(ctx, method, ratio, kept)
@@ -255,7 +269,9 @@ def run_grid(
 # ----------------------------------------------------------------------------- kvpress (torch)
 def kvpress_presses() -> Dict[str, Callable[[float], Any]]:
     """kvpress's ``evaluation/evaluate_registry.py`` definitions, by its names, with ``compression_ratio``
-    set as its ``evaluate.py`` does (on the press, or on the wrapped press)."""
+    set as its ``evaluate.py`` does (on the press, or on the wrapped press); ``expected_attention_plain``
+    (without AdaKV) is this program's. Prefill presses only: decoding presses (``DecodingPress``, CaM's
+    ``CAMPress``) compress during generation, outside this protocol."""
     import kvpress as kp
 
     def plain(cls, **kw):
@@ -274,7 +290,6 @@ def kvpress_presses() -> Dict[str, Callable[[float], Any]]:
         "tova": plain(kp.TOVAPress),
         "knorm": plain(kp.KnormPress),
         "adakv_snapkv": wrapped(kp.AdaKVPress, kp.SnapKVPress),
-        "cam_streaming_llm": lambda cr: kp.CAMPress(base_press=kp.StreamingLLMPress(compression_ratio=cr)),
     }
 
 
@@ -356,7 +371,9 @@ def run_kvpress(args, contexts) -> None:
         },
         "default_stop_ids": eos,
     }
-    run_grid(contexts, "kvpress", args.method_list, args.ratio_list, run_one, Results(args.out, header), eos)
+    run_grid(
+        contexts, "kvpress", args.method_list, args.ratio_list, run_one, Results(args.out, header, args.resume), eos
+    )
 
 
 def _kvpress_generate(model, cache, question_ids, context_length: int, max_new_tokens: int, stop) -> List[int]:
@@ -449,6 +466,11 @@ def kvpolicy_factory(method: str) -> Callable[[Any, int], tuple]:
         spec = f"{method}{',' if ':' in method else ':'}budget={budget}"
         return make_caches(model, spec), spec_label(spec)
 
+    try:
+        spec_label(f"{method}{',' if ':' in method else ':'}budget=64")  # a bad name fails now, not mid-run
+    except Exception as e:
+        raise SystemExit(f"--methods: kvpolicy method {method!r}: {e}") from None
+
     return make
 
 
@@ -530,7 +552,9 @@ def run_mlx(args, contexts) -> None:
         "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, **lib_version, **_platform()},
         "default_stop_ids": eos,
     }
-    run_grid(contexts, args.library, args.method_list, args.ratio_list, run_one, Results(args.out, header), eos)
+    run_grid(
+        contexts, args.library, args.method_list, args.ratio_list, run_one, Results(args.out, header, args.resume), eos
+    )
 
 
 def _mlx_generate(model, caches, question_ids, max_new_tokens: int, stop) -> List[int]:
@@ -677,6 +701,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch / OpenBLAS threads (default 1)")
     p.add_argument("--prefill-step", type=int, default=2048, help="MLX prefill chunk (mlx-lm's default 2048)")
     p.add_argument("--limit", type=int, help="only the first N contexts")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in --out, run only the others")
     p.add_argument("--gguf", help="kvpress: the GGUF file (default: from the model's PyPI package)")
     p.add_argument("--mlx-model", help="MLX libraries: the converted mlx-lm directory (default: kvpolicy's cache)")
     g = p.add_argument_group("--make-prompts")

@@ -32,6 +32,8 @@ from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, loser_flags,
 from .compiled import compiled, compiled_evict_write, compiled_select, wants_compile
 
 Counters = Dict[str, mx.array]
+#: part classes warned that they take ``view.offset`` as a Python int (once each)
+_INT_OFFSET_WARNED: set = set()
 _INT32_MAX = 2**31 - 1
 
 
@@ -150,8 +152,12 @@ class PolicyStep:
                     pass
                 else:
                     self._int_offset.add(kind)
+                    cls = type(getattr(self.policy, kind))
+                    if cls in _INT_OFFSET_WARNED:
+                        return out
+                    _INT_OFFSET_WARNED.add(cls)
                     warnings.warn(
-                        f"{self.policy.owners[kind]} needs view.offset as a Python int ({type(exc).__name__}: "
+                        f"{self.policy.owners[kind]} ({cls.__module__}.{cls.__qualname__}) needs view.offset as a Python int ({type(exc).__name__}: "
                         f"{exc}); it is an int32 mx.array [B, 1, 1]: use it in MLX arithmetic, or int(view.offset) "
                         "on a single cache (docs/plugins/minimal.md). Deprecated: called with the int for now",
                         DeprecationWarning,

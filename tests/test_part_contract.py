@@ -297,3 +297,16 @@ def test_key_norms_are_there_without_a_flag_and_are_the_norms_of_the_keys():
     view = CacheView(K, V, mx.zeros(K.shape[:3], mx.int32), mx.zeros(K.shape[:3]), 30, 0, None)  # built by hand
     np.testing.assert_allclose(np.array(view.key_norms), np.linalg.norm(np.array(K), axis=-1), rtol=1e-6)
     assert view.offset.shape == (2, 1, 1) and view.offset.dtype == mx.int32 and (np.array(view.offset) == 30).all()
+
+
+def test_a_part_that_fails_whatever_the_offset_is_still_a_plugin_error():
+    class Broken(Scorer):
+        def on_append(self, view, new_keys, new_positions):
+            view.offset  # noqa: B018  read, then fail for another reason
+            raise TypeError("not about the offset")
+
+    cache = PolicyCache(policy_with(scorer=Broken()))
+    K, V = random_kv(B=1, S=4)
+    with pytest.raises(PluginError, match="raised TypeError: not about the offset"):
+        feed(cache, K, V, (4,))
+    assert cache.offset == 0 and cache.keys is None

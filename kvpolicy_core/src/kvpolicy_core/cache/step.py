@@ -23,6 +23,7 @@ from ..parts.base import (
     PolicyNeeds,
     Scorer,
     Selector,
+    offset_read,
     pick_lowest,
     policy_needs,
     with_int_offset,
@@ -131,12 +132,8 @@ class PolicyStep:
             )
 
     def call(self, kind: str, fn, view: CacheView, *args):
-        """``fn(view, *args)`` of the part ``kind``; what it raises becomes a PluginError naming the part.
-
-        The compatibility path of parts written against a Python int ``view.offset`` (0.2 and before:
-        ``range(view.offset)``, ``mx.arange(view.offset - 5, view.offset)``): a plugin part that raises on the
-        array is called again with a view whose ``offset`` is the int, and, if that works, gets the int from
-        then on, with a DeprecationWarning (single caches only: stacked rows have one offset per row)."""
+        """``fn(view, *args)`` of the part ``kind``; what it raises becomes a PluginError naming the part (after
+        the compatibility path for a Python int offset, :meth:`_with_int_offset`)."""
         if kind in self._int_offset:
             view = with_int_offset(view) or view
         try:
@@ -144,29 +141,42 @@ class PolicyStep:
         except KVPolicyError:
             raise
         except Exception as exc:
-            legacy = None if kind in self._int_offset or self.trusted[kind] else with_int_offset(view)
-            if legacy is not None:
-                try:
-                    out = fn(legacy, *args)
-                except Exception:
-                    pass
-                else:
-                    self._int_offset.add(kind)
-                    cls = type(getattr(self.policy, kind))
-                    if cls in _INT_OFFSET_WARNED:
-                        return out
-                    _INT_OFFSET_WARNED.add(cls)
-                    warnings.warn(
-                        f"{self.policy.owners[kind]} ({cls.__module__}.{cls.__qualname__}) needs view.offset as a Python int ({type(exc).__name__}: "
-                        f"{exc}); it is an int32 mx.array [B, 1, 1]: use it in MLX arithmetic, or int(view.offset) "
-                        "on a single cache (docs/plugins/minimal.md). Deprecated: called with the int for now",
-                        DeprecationWarning,
-                        stacklevel=2,
-                    )
-                    return out
+            done = self._with_int_offset(kind, fn, view, args, exc)
+            if done:
+                return done[0]
             raise PluginError(
                 f"layer {self.layer}: {self.policy.owners[kind]} raised {type(exc).__name__}: {exc}"
             ) from exc
+
+    def _with_int_offset(self, kind: str, fn, view: CacheView, args, exc: Exception) -> Optional[tuple]:
+        """The compatibility path of parts written against a Python int ``view.offset`` (``range(view.offset)``,
+        ``mx.arange(view.offset - 5, view.offset)``): a plugin part that read the offset and then raised a
+        TypeError or ValueError (what an array raises where an int is needed) is called again with a view whose
+        ``offset`` is the int. If that works, the part gets the int from then on, with a DeprecationWarning (one
+        per class), and this returns ``(result,)``; else None. Single caches only: stacked rows have one offset
+        per row (their views hold no int)."""
+        if not isinstance(exc, (TypeError, ValueError)) or not offset_read(view):
+            return None
+        legacy = None if kind in self._int_offset or self.trusted[kind] else with_int_offset(view)
+        if legacy is None:
+            return None
+        try:
+            out = fn(legacy, *args)
+        except Exception:
+            return None
+        self._int_offset.add(kind)
+        cls = type(getattr(self.policy, kind))
+        if cls not in _INT_OFFSET_WARNED:
+            _INT_OFFSET_WARNED.add(cls)
+            warnings.warn(
+                f"{self.policy.owners[kind]} ({cls.__module__}.{cls.__qualname__}) needs view.offset as a Python "
+                f"int ({type(exc).__name__}: {exc}); it is an int32 mx.array [B, 1, 1]: use it in MLX arithmetic, "
+                "or int(view.offset) on a single cache (docs/plugins/minimal.md). Deprecated: called with the int "
+                "for now",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        return (out,)
 
     def scores(self, scores, shape: Tuple[int, int, int], current: Optional[mx.array] = None) -> mx.array:
         """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0 and +-inf as the largest finite

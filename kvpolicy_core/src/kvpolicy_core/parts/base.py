@@ -250,6 +250,11 @@ def on_key_norms(view: CacheView, demand) -> CacheView:
     return view
 
 
+def offset_read(view: CacheView) -> bool:
+    """Whether a part has read ``view.offset`` (as the array) (engine use)."""
+    return "_offset" in view.__dict__
+
+
 def with_int_offset(view: CacheView) -> Optional[CacheView]:
     """A copy of ``view`` whose ``offset`` reads as the Python int it was built with (the compatibility path
     for parts written against the int), or None when it was built with an array (engine use)."""

@@ -12,6 +12,7 @@ from kvpolicy_core import (
     CacheFileError,
     KVCacheBuilder,
     MergeUpdate,
+    Needs,
     PluginError,
     PolicyCache,
     load_caches,
@@ -28,7 +29,7 @@ from kvpolicy_core.parts.drop import DropDisposition
 class LogWeightedDrop(DropDisposition):
     """Drop, but ask the cache for log-weights (which then stay 0)."""
 
-    uses_log_weights = True
+    needs = Needs(log_weights=True)
 
 
 def with_zero_log_weights(config: str) -> Policy:
@@ -142,7 +143,7 @@ def test_state_with_log_weights_is_refused_by_a_policy_without_them():
 class ScriptedLogWeightMerge(DropDisposition):
     """Adds ``d_log_weights`` to slot 0 on every eviction; ``mode`` picks a good or a bad delta."""
 
-    uses_log_weights = True
+    needs = Needs(log_weights=True)
     mode = "ok"
 
     def dispose(self, view, losers, key):
@@ -227,11 +228,11 @@ def test_non_finite_d_log_weights_leave_finite_bounded_log_weights():
 
 def test_d_log_weights_from_a_disposition_without_log_weights_is_a_plugin_error():
     class Undeclared(ScriptedLogWeightMerge):
-        uses_log_weights = False
+        needs = Needs()
 
     cache = PolicyCache(build_policy("h2o:budget=8,n_sink=1")._replace(disposition=Undeclared()))
     K, V = random_kv(S=12)
-    with pytest.raises(PluginError, match="uses_log_weights is False"):
+    with pytest.raises(PluginError, match=r"no part declares Needs\(log_weights=True\)"):
         feed(cache, K, V, [1] * 12)
 
 

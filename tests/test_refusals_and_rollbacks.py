@@ -877,7 +877,9 @@ def test_an_update_without_value_deltas_moves_only_what_it_names(monkeypatch, co
         "dispose",
         lambda self, *a: (lambda u: None if u is None else u._replace(d_values=None, d_keys=None))(real(self, *a)),
     )
-    monkeypatch.setattr(MassMergeDisposition, "compile_decode", compiled)
+    from kvpolicy_core.parts import shipped
+
+    monkeypatch.setitem(shipped._shipped, MassMergeDisposition, shipped.Traits(compile_decode=compiled, key_norms=True))
     keys, values = random_kv(B=2, S=30)
     scores_only = PolicyCache("cam:budget=8,n_sink=1,signal=proxy,merge=mass_blend,min_sim=-1")
     feed(scores_only, keys, values, [12] + [1] * 18)

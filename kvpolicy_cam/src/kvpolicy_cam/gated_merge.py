@@ -7,7 +7,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
+from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate, Needs
 from kvpolicy_core.parts.shipped import shipped
 
 #: The counters CaM's dispositions report (``cache.stats()``, ``cache.gate_draws``, ``cache.merges``).
@@ -38,8 +38,8 @@ def cosine_to_all(view: CacheView, rows: mx.array) -> mx.array:
 
         cos(k_r, k_j) = (k_r . k_j) / (max(|k_r|, eps) max(|k_j|, eps))
 
-    The norms come from ``view.key_norms`` (kept by the cache for a disposition with
-    ``uses_key_norms``), so a step costs one [E, D] x [D, L] product, not a pass that
+    The norms come from ``view.key_norms`` (kept by the cache, O(D) per written slot), so a step costs one
+    [E, D] x [D, L] product, not a pass that
     normalises every key; a zero key has cosine 0 with anything.
     """
     k = view.keys if view.keys.dtype == mx.float32 else view.keys.astype(mx.float32)
@@ -135,7 +135,9 @@ def bernoulli(p: mx.array, key: mx.array, head_offset: int = 0, heads_total: Opt
     return u < p
 
 
-@shipped  # kvpolicy_core.parts.shipped: decode updates trusted, guarded on the device
+# kvpolicy_core.parts.shipped: decode updates trusted, guarded on the device; decode steps one compiled graph instead
+# of ~40 small ops; key norms kept from the first token (merge_targets needs no pass over every key)
+@shipped(compile_decode=True, key_norms=True)
 class GatedMergeDisposition(Disposition):
     """Merge each loser l into its target t (the most similar surviving non-sink key).
 
@@ -153,9 +155,7 @@ class GatedMergeDisposition(Disposition):
     are dropped, not merged: a finite survivor never absorbs NaN or Inf.
     """
 
-    uses_key_norms = True  # the cache keeps key norms: merge_targets needs no pass over every key
-    compile_decode = True  # decode steps: one compiled graph instead of ~40 small ops
-    batch_rows = True  # per-row keys, counters per row (parts.base.BATCH_ROWS)
+    needs = Needs(batch_rows=True)  # per-row keys, counters per row (parts.base.BATCH_ROWS)
 
     def __init__(self, n_sink: int = 4, mode: str = "sim_weighted", gate: bool = True, merge_keys: bool = False):
         if mode not in ("sim_weighted", "mean"):

@@ -21,7 +21,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
+from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate, Needs
 from kvpolicy_core.parts.merge import per_target_sum
 from kvpolicy_core.parts.shipped import shipped
 
@@ -51,7 +51,9 @@ def after_tokens(after: float, budget: int) -> int:
     return int(math.ceil(min(after * budget, _INT32_MAX)))
 
 
-@shipped  # kvpolicy_core.parts.shipped: decode updates trusted, guarded on the device
+# kvpolicy_core.parts.shipped: decode updates trusted, guarded on the device; decode steps one compiled graph instead
+# of ~40 small ops; key norms kept from the first token (merge_targets needs no pass over every key)
+@shipped(compile_decode=True, key_norms=True)
 class MassMergeDisposition(Disposition):
     """Merge each loser into its nearest survivor, weighted by attention drawn.
 
@@ -81,10 +83,7 @@ class MassMergeDisposition(Disposition):
     Losers outside a sliding window or with non-finite keys/values are dropped.
     """
 
-    uses_key_norms = True  # the cache keeps key norms: merge_targets needs no pass over every key
-    compile_decode = True  # decode steps: one compiled graph instead of ~40 small ops
-
-    batch_rows = True  # per-row keys and offsets, counters per row (parts.base.BATCH_ROWS)
+    needs = Needs(batch_rows=True)  # per-row keys and offsets, counters per row (parts.base.BATCH_ROWS)
 
     def __init__(
         self,
@@ -102,7 +101,7 @@ class MassMergeDisposition(Disposition):
         self.merge_prompt = merge_prompt
         self.after_tokens = int(after_tokens)  # merges only once offset >= after_tokens
         self.with_log_weights = log_weights
-        self.uses_log_weights = log_weights
+        self.needs = Needs(log_weights=log_weights, batch_rows=True)
 
     @classmethod
     def from_config(cls, config) -> "MassMergeDisposition":
@@ -124,8 +123,8 @@ class MassMergeDisposition(Disposition):
         if not self.merge_prompt and losers.shape[-1] != 1:
             return None  # several losers: a prompt chunk's, dropped as H2O drops them (no target search)
         target, cos, has_target = merge_targets(view, losers, self.n_sink)
-        if self.after_tokens > 0:  # view.offset: an int, or an int32 scalar array in a compiled step
-            has_target = has_target & (mx.array(view.offset) >= self.after_tokens)
+        if self.after_tokens > 0:  # view.offset: int32 [B, 1, 1]
+            has_target = has_target & (view.offset >= self.after_tokens)
         if self.min_sim > -1.0:
             has_target = has_target & (cos >= self.min_sim)
         has_target = has_target & finite_rows(view.keys, losers) & finite_rows(view.values, losers)

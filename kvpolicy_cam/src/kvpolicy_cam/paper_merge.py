@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate
+from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate, Needs
 from kvpolicy_core.parts.shipped import shipped
 
 from .gated_merge import STATS, bernoulli, finite_rows, gate_probability, loser_mask, per_row, take
@@ -27,7 +27,7 @@ class PaperMergeDisposition(Disposition):
     survivor, or with a non-finite value, is dropped. Not normalised: ``m`` stays the divisor when |N(l)| < m.
     """
 
-    batch_rows = True  # per-row keys, counters per row (parts.base.BATCH_ROWS)
+    needs = Needs(batch_rows=True)  # per-row keys, counters per row (parts.base.BATCH_ROWS)
 
     def __init__(self, m: int = 16, gate: bool = True) -> None:
         self.m, self.gate = m, gate

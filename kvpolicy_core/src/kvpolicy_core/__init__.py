@@ -44,6 +44,7 @@ _EXPORTS = {
     "CacheFileError": "integration.persistence",
     "CacheView": "parts.base",
     "MergeUpdate": "parts.base",
+    "Needs": "parts.base",
     "Scorer": "parts.base",
     "Selector": "parts.base",
     "Disposition": "parts.base",

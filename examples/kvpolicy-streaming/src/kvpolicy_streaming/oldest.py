@@ -4,7 +4,7 @@ import math
 
 import mlx.core as mx
 
-from kvpolicy_core import CacheView, Scorer, Selector
+from kvpolicy_core import CacheView, Needs, Scorer, Selector
 
 
 class OldestSelector(Selector):
@@ -28,4 +28,4 @@ class OldestSelector(Selector):
 class ConstantScorer(Scorer):
     """No scores: every token keeps 0 (the selector decides by position)."""
 
-    trim_exact = True  # nothing depends on later tokens: the cache can drop its newest tokens exactly
+    needs = Needs(trim_exact=True)  # nothing depends on later tokens: the cache can drop its newest tokens exactly

@@ -323,11 +323,7 @@ def _ints(x) -> List[int]:
 
 def _needs_hook(row: Row) -> bool:
     """Does this row's attention step need the row's own queries or its own mask?"""
-    return (
-        bool(row.policy.scorer.needs_attention)
-        or bool(getattr(row, "uses_log_weights", False))
-        or (row.window is not None and row.offset > row.window)
-    )
+    return row._step.needs.attention or row.uses_log_weights or (row.window is not None and row.offset > row.window)
 
 
 def _row_mask_in(n: int, L: int, window: Optional[int]):

@@ -16,7 +16,7 @@ and ``before_attention`` compute for that row alone:
     scores_b <- on_append(...), then on_attention(q_b, mask_b)
 
 with ``mask_b`` the row's sliding-window mask (``o_b - 1 - W < pos <= o_b - 1``) when its layer
-has a window, plus its attention log-weights. This needs parts that declare ``batch_rows``
+has a window, plus its attention log-weights. This needs parts that declare ``Needs(batch_rows=True)``
 (:data:`kvpolicy_core.parts.base.BATCH_ROWS`); rows of other parts keep the per-row loop.
 :meth:`StackedRows.split` writes the stacked state back into the row caches (a row leaves or
 joins, a row is extracted or saved).
@@ -29,6 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..attention.bias import with_log_weights
+from ..parts.base import on_key_norms
 from .slots import SNAPSHOT, SlotStore
 
 
@@ -38,7 +39,7 @@ def can_stack(rows: Sequence) -> bool:
         return False
     r0 = rows[0]
     policy = r0.policy
-    if not all(getattr(p, "batch_rows", False) for p in (policy.scorer, policy.selector, policy.disposition)):
+    if not r0._step.needs.batch_rows:
         return False
     n = r0.n
     if r0.keys is None or n != r0.budget + 1:
@@ -73,7 +74,7 @@ class StackedRows:
         r0 = rows[0]
         self.rows = list(rows)
         self.policy, self.layer, self.window, self.budget = r0.policy, r0.layer, r0.window, r0.budget
-        self.head_shard, self.uses_log_weights = r0.head_shard, bool(getattr(r0, "uses_log_weights", False))
+        self.head_shard, self.uses_log_weights = r0.head_shard, r0.uses_log_weights
         self.step = r0._step
         self.hooks = tuple({id(h): h for h in (r.attention_hook for r in rows) if h is not None}.values())
         self.hooked_always = r0._hooked_always
@@ -112,8 +113,8 @@ class StackedRows:
         if n_new == 0 and self._windowed():  # per row: only once the row is past its window
             pos = self.slots.positions[..., : self.slots.n]
             dead = (pos <= offs - self.window) & (offs > self.window)
-        view = self.slots.view(0, n_new, dead, self.head_shard)
-        return view._replace(offset=offs, run=run)
+        view = self.slots.view(offs, n_new, dead, self.head_shard, run)
+        return view if self.slots.key_norms is not None else on_key_norms(view, self.slots.norms_read)
 
     def fits(self, keys: mx.array, values: mx.array) -> bool:
         """Whether this decode input (one token per row) matches the stacked buffers."""
@@ -173,7 +174,7 @@ class StackedRows:
             mask = mx.repeat(allowed, Hq // H, axis=1) if Hq != H else allowed
         if self.uses_log_weights:
             mask = with_log_weights(mask, self.slots.log_weights[..., :n], queries)
-        if self.policy.scorer.needs_attention:
+        if self.step.needs.attention:
             self.slots.scores = self.step.on_attention(self._view(1, self._offsets(), {}), queries, scale, mask)
         self.attended = True
         return mask
@@ -189,6 +190,7 @@ class StackedRows:
             r._attended, r._last_S, r._updates = self.attended, 1, self.updates
             r._run, r._run_open = {}, False  # a decode step ends any run of prompt chunks
             r._lw_used = r.uses_log_weights  # stacked steps may have merged: the row's bias is applied from now on
+            r._slots.track_key_norms = self.slots.track_key_norms  # a part read them: the row keeps them too
         return self.rows
 
     @property

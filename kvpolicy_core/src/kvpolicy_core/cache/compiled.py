@@ -1,4 +1,5 @@
-"""Decode steps of parts as compiled MLX graphs (``compile_decode``): a selector's choice with its
+"""Decode steps of parts as compiled MLX graphs (the ``compile_decode`` trait of shipped parts,
+:mod:`kvpolicy_core.parts.shipped`): a selector's choice with its
 value checks, a disposition's update, and (a trusted selector with drop: H2O) the choice with the new
 token's write, in one call.
 
@@ -6,8 +7,8 @@ On CPU each MLX op has a fixed cost of ~5-10 µs, and a merge step is ~40 small 
 arrays; :func:`mx.compile` fuses them (CaM's mass merge at L = 1024: ~600 µs eager, ~200 µs compiled,
 docs/benchmarks.md). Only decode steps (one loser per row) are compiled: their shapes stay fixed once
 the budget is reached, so the graph is traced once per (shape, layout) and reused by every layer.
-The offset enters the graph as an int32 scalar array (a Python int would be a constant and retrace
-every step), so a compiled disposition must use ``view.offset`` only in MLX arithmetic.
+The offset enters the graph as the int32 array [B, 1, 1] every view gives (``CacheView.offset``; a Python int
+would be a constant and retrace every step), and a part must not sync with the host inside.
 
 The results are the part's own, field for field: the selector's losers (with the value flags of
 :func:`kvpolicy_core.cache.checks.loser_flags` computed in the same graph), the disposition's
@@ -21,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..parts.base import CacheView, MergeUpdate
+from ..parts.base import CacheView, MergeUpdate, kept_key_norms, on_key_norms
 from .slots import token_written
 
 _FIELDS = ("targets", "d_keys", "d_values", "d_scores", "draws", "merges", "d_log_weights")
@@ -57,16 +58,17 @@ def _per_part(part, key, make: Callable):
     return per[key]
 
 
-def wants_compile(part, n_evict: int) -> bool:
-    """Decode steps of a part that declares ``compile_decode = True``."""
-    return n_evict == 1 and bool(getattr(part, "compile_decode", False))
+def wants_compile(compile_decode: bool, n_evict: int) -> bool:
+    """Decode steps (one loser per row) of a part with the ``compile_decode`` trait."""
+    return n_evict == 1 and compile_decode
 
 
-def _view(arrays, layout) -> CacheView:
+def _view(arrays, layout, read: Optional[list] = None) -> CacheView:
+    """The traced view; ``read`` (a list) gets True appended when the part reads key norms the view lacks."""
     keys, values, positions, scores, offset, *optional = arrays
     head_offset, heads_total, n_new, present = layout
     extra = dict(zip([f for f, p in zip(_OPTIONAL_VIEW, present) if p], optional))
-    return CacheView(
+    view = CacheView(
         keys,
         values,
         positions,
@@ -79,13 +81,26 @@ def _view(arrays, layout) -> CacheView:
         extra.get("log_weights"),
         key_norms=extra.get("key_norms"),
     )
+    if read is not None and "key_norms" not in extra:  # computed in the graph; the cache keeps them from then on
+        on_key_norms(view, lambda keys: read.append(True))
+    return view
+
+
+def _optional(view: CacheView, field: str):
+    return kept_key_norms(view) if field == "key_norms" else getattr(view, field)
 
 
 def _layout(view: CacheView):
-    present = tuple(getattr(view, f) is not None for f in _OPTIONAL_VIEW)
-    arrays = [view.keys, view.values, view.positions, view.scores, mx.array(view.offset, dtype=mx.int32)]
-    arrays += [getattr(view, f) for f, p in zip(_OPTIONAL_VIEW, present) if p]
+    present = tuple(_optional(view, f) is not None for f in _OPTIONAL_VIEW)
+    arrays = [view.keys, view.values, view.positions, view.scores, view.offset]
+    arrays += [_optional(view, f) for f, p in zip(_OPTIONAL_VIEW, present) if p]
     return (view.head_offset, view.heads_total, view.n_new, present), arrays
+
+
+def _norms_were_read(view: CacheView, read: list) -> None:
+    """The traced part read key norms that ``view`` lacks: the eager view's first read (the cache keeps them)."""
+    if read and kept_key_norms(view) is None:
+        view.key_norms  # noqa: B018
 
 
 class _CompiledSelect(_PartRef):
@@ -100,11 +115,11 @@ class _CompiledSelect(_PartRef):
         from .checks import _loser_flags, scalar
 
         layout, arrays = _layout(view)
-        fn = self._fns.get(layout)
+        fn, read = self._fns.get(layout, (None, []))
         if fn is None:
 
             def fn(n_sink, last, *arrays):
-                v = _view(arrays, layout)
+                v = _view(arrays, layout, read)
                 losers = self.part.select(v, n_evict)
                 if not isinstance(losers, mx.array) or losers.ndim != 3 or not mx.issubdtype(losers.dtype, mx.integer):
                     raise TypeError("not an integer [B, H, E] array")  # the eager call reports what it is
@@ -113,8 +128,11 @@ class _CompiledSelect(_PartRef):
                     return losers, None
                 return losers, _loser_flags(losers, v.positions, n_sink, last, v.dead)
 
-            fn = self._fns[layout] = mx.compile(fn)
-        return fn(scalar(self.n_sink), scalar(view.scores.shape[-1] - 1), *arrays)
+            fn = mx.compile(fn)
+            self._fns[layout] = (fn, read)
+        out = fn(scalar(self.n_sink), scalar(view.scores.shape[-1] - 1), *arrays)
+        _norms_were_read(view, read)
+        return out
 
 
 def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
@@ -174,15 +192,16 @@ class _Compiled(_PartRef):
     def __init__(self, disposition, checks: bool = True) -> None:
         self._hold(disposition)
         self.checks = checks
-        self._fns: Dict[Tuple, Tuple[Callable, List]] = {}
+        self._fns: Dict[Tuple, Tuple[Callable, List, List]] = {}
 
-    def _build(self, layout: Tuple) -> Tuple[Callable, List]:
+    def _build(self, layout: Tuple) -> Tuple[Callable, List, List]:
         from .checks import update_checks
 
         spec: List = []  # filled while tracing: which fields are set, the stats' names, the checks' outputs
+        read: List = []  # filled while tracing: the part read key norms the view lacks
 
         def fn(losers, key, last, *arrays):
-            view = _view(arrays, layout)
+            view = _view(arrays, layout, read)
             u = self.part.dispose(view, losers, key)
             if not isinstance(u, MergeUpdate) or (u.stats is not None and not isinstance(u.stats, dict)):
                 spec[:] = [("raw", u)]
@@ -212,7 +231,7 @@ class _Compiled(_PartRef):
             ]
             return [getattr(u, f) for f in fields] + [v for _, v in stats] + [c for c in checks if c is not None]
 
-        return mx.compile(fn), spec
+        return mx.compile(fn), spec, read
 
     def __call__(self, view: CacheView, losers: mx.array, key: mx.array):
         """(the MergeUpdate or None, its in-graph checks (check code, finite d_log_weights) or None)."""
@@ -221,8 +240,9 @@ class _Compiled(_PartRef):
         layout, arrays = _layout(view)
         if layout not in self._fns:
             self._fns[layout] = self._build(layout)
-        fn, spec = self._fns[layout]
+        fn, spec, read = self._fns[layout]
         out = fn(losers, key, scalar(view.scores.shape[-1] - 1), *arrays)
+        _norms_were_read(view, read)
         if spec[0][0] == "raw":  # not a MergeUpdate: the eager call gives the part's own result to check
             return self.part.dispose(view, losers, key), None
         _, fields, stat_names, constants, no_stats, has_lw = spec[0]

@@ -44,6 +44,7 @@ from ..attention.window import outside_window, window_mask
 from ..config.policy import Policy, build_policy
 from ..errors import KVPolicyError, ModelError
 from ..parts.attention_scorer import causal_allowed
+from ..parts.base import CacheView, on_key_norms
 from ..runtime.sharding import check_head_shard
 from . import interop
 from .batch import BatchPolicyCache
@@ -83,14 +84,11 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self.head_shard = check_head_shard(head_shard)
         self.policy: Policy = policy if isinstance(policy, Policy) else build_policy(policy)
         self.budget, self.layer, self.window = self.policy.budget, layer, window
-        #: the disposition keeps per-slot attention log-weights (added to the logits by the hook)
-        self.uses_log_weights = bool(getattr(self.policy.disposition, "uses_log_weights", False))
-        self._slots = SlotStore(
-            self.step,
-            track_log_weights=self.uses_log_weights,
-            track_key_norms=bool(getattr(self.policy.disposition, "uses_key_norms", False)),
-        )
         self._step = PolicyStep(self.policy, layer)
+        needs = self._step.needs  # what the parts need of the cache (kvpolicy_core.parts.base.policy_needs)
+        #: the policy keeps per-slot attention log-weights (added to the logits by the hook)
+        self.uses_log_weights = needs.log_weights
+        self._slots = SlotStore(self.step, track_log_weights=self.uses_log_weights, track_key_norms=needs.key_norms)
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
         self._attended, self._last_S, self._updates = True, 0, 0
@@ -103,10 +101,9 @@ class PolicyCache(CacheState, CacheDiagnostics):
         #: attention needs no bias (all zero: the same attention bit for bit) and skips building it
         self._lw_used = False
         #: the scorer takes the model's attention weights (``on_attention_weights``): one pass gives both
-        scorer = self.policy.scorer
-        self._weights_once = scorer.needs_attention and getattr(scorer, "on_attention_weights", None) is not None
+        self._weights_once = needs.attention_weights
         #: every step needs the attention hook (observed signal or log-weights; a window only past its length)
-        self._hooked_always = bool(scorer.needs_attention) or self.uses_log_weights
+        self._hooked_always = needs.attention or self.uses_log_weights
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -152,15 +149,13 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
     def is_trimmable(self) -> bool:
         """Whether :meth:`trim` is exact: nothing was ever evicted and the scorer's scores are
-        per token (``Scorer.trim_exact``; not so for attention-accumulating scorers such as
+        per token (``Needs(trim_exact=True)``; not so for attention-accumulating scorers such as
         H2O's and CaM's, whose survivors' scores keep the attention of the trimmed tokens).
 
         mlx-lm asks this before it trims: its prompt cache then reuses an untrimmable cache only
         as a prefix, and speculative decoding refuses the cache up front.
         """
-        return (
-            self.n == self.offset and self.n <= self.budget and bool(getattr(self.policy.scorer, "trim_exact", False))
-        )
+        return self.n == self.offset and self.n <= self.budget and self._step.needs.trim_exact
 
     def trim(self, n: int) -> int:
         """Drop the newest ``min(n, tokens)`` tokens, exactly: slots, positions and scores are those
@@ -254,7 +249,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         A policy with log-weights gets them added to the logits (:func:`.attention_bias.with_log_weights`).
         """
         mask = self._attention_mask(queries, mask)
-        if self.policy.scorer.needs_attention:
+        if self._step.needs.attention:
             run = dict(self._run)  # adopted only if the scorer succeeds
             self.scores = self._step.on_attention(self._view(queries.shape[2], run), queries, scale, mask)
             self._run = run
@@ -298,8 +293,12 @@ class PolicyCache(CacheState, CacheDiagnostics):
             mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
         return mask
 
-    def _view(self, n_new: int, run: Optional[dict] = None):
-        return self._slots.view(self.offset, n_new, self._window_dead() if n_new == 0 else None, self.head_shard, run)
+    def _view(self, n_new: int, run: Optional[dict] = None) -> CacheView:
+        """The parts' view (``offset``: tokens seen, read by the parts as int32 [B, 1, 1]); its first read of
+        ``key_norms`` makes the store keep them, when it does not yet."""
+        sl = self._slots
+        view = sl.view(self.offset, n_new, self._window_dead() if n_new == 0 else None, self.head_shard, run)
+        return view if sl.key_norms is not None else on_key_norms(view, sl.norms_read)
 
     def _window_dead(self) -> Optional[mx.array]:
         """bool [B, H, n]: slots outside the sliding window of every future query, or None (no window yet)."""

@@ -3,7 +3,8 @@
 Layout: ``keys`` [B, H, cap, D], ``values`` [B, H, cap, Dv], ``positions`` [B, H, cap] int32
 (absolute position of each slot), ``scores`` [B, H, n] float32 and, only when the policy uses
 them (``track_log_weights``), attention ``log_weights`` [B, H, n] float32 (0 for a new token);
-the first ``n`` slots are valid. Only when the disposition asks for them (``track_key_norms``):
+the first ``n`` slots are valid. Once a part has read ``CacheView.key_norms`` (:meth:`SlotStore.norms_read`), or
+from the start for a shipped part with the ``key_norms`` trait (``track_key_norms``):
 ``key_norms`` [B, H, cap] float32, the L2 norm of each slot's key, kept in step with every edit of the
 keys (O(D) per written slot instead of an O(L·D) pass per step), recomputed once from the keys after
 they are assigned from outside (a restore, a state load). Slots are not in temporal order after an in-place decode
@@ -18,7 +19,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..parts.base import CacheView, MergeUpdate
+from ..parts.base import CacheView, MergeUpdate, key_norm
 
 _INT_MAX = 2**31 - 1
 FIELDS = ("keys", "values", "positions", "scores", "n")
@@ -26,12 +27,6 @@ SNAPSHOT = FIELDS + ("log_weights",)
 #: |log-weight| bound: exp(64) ~ 6e27 copies of a slot, far above any count, and finite in float16
 #: logits (a non-finite or larger value from a disposition is clipped, NaN adds 0)
 LOG_WEIGHT_BOUND = 64.0
-
-
-def key_norm(keys: mx.array) -> mx.array:
-    """keys [B, H, S, D] -> float32 [B, H, S]: ``||k||_2`` of each key."""
-    k = keys.astype(mx.float32)
-    return mx.sqrt((k * k).sum(axis=-1))
 
 
 def token_written(buffers, slots: mx.array, keys: mx.array, values: mx.array, offset: mx.array):
@@ -131,6 +126,13 @@ class SlotStore:
             self.key_norms = key_norm(self._keys)
         return self.key_norms
 
+    def norms_read(self, keys: mx.array) -> mx.array:
+        """A part read ``CacheView.key_norms`` of a view built without them (``keys`` [B, H, L, D], the view's):
+        keep them from now on; returns the first L of them."""
+        self.track_key_norms = True
+        norms = self._norms()
+        return norms if norms.shape[-1] == keys.shape[2] else norms[..., : keys.shape[2]]
+
     def snapshot(self) -> Tuple:
         return tuple(getattr(self, f) for f in SNAPSHOT)
 
@@ -219,7 +221,7 @@ class SlotStore:
 
     def view(
         self,
-        offset: int,
+        offset,
         n_new: int,
         dead: Optional[mx.array],
         head_shard: Tuple[int, int] = (0, 1),
@@ -227,7 +229,8 @@ class SlotStore:
     ) -> CacheView:
         """The parts' view of the n valid slots; ``head_shard`` = (rank, size) of a tensor-parallel
         split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``;
-        ``run``: the scorer's dict for the current run of prompt chunks (``CacheView.run``)."""
+        ``run``: the scorer's dict for the current run of prompt chunks (``CacheView.run``); ``offset``: tokens
+        seen, an int or per row an int32 array [B, 1, 1] (``CacheView.offset`` reads either as the array)."""
         n, keys, (rank, size) = self.n, self._keys, head_shard
         H = keys.shape[1]
         norms = self._norms()
@@ -383,7 +386,7 @@ class SlotStore:
         d_lw = getattr(u, "d_log_weights", None)
         if d_lw is not None:
             if self.log_weights is None:
-                raise ValueError("MergeUpdate.d_log_weights needs a disposition with uses_log_weights = True")
+                raise ValueError("MergeUpdate.d_log_weights needs a part that declares Needs(log_weights=True)")
             d_lw = mx.clip(mx.nan_to_num(d_lw.astype(mx.float32), nan=0.0), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
         present = [d for d in (d_values, d_keys, d_scores, d_lw) if d is not None]
         changes = mx.array(False)

@@ -210,7 +210,7 @@ class CacheState:
     def needs_hook(self) -> bool:
         """Whether this cache's attention must go through kvpolicy's hook: an observed signal, attention
         log-weights or a sliding window."""
-        return self.window is not None or bool(self.policy.scorer.needs_attention) or self.uses_log_weights
+        return self.window is not None or self._step.needs.attention or self.uses_log_weights
 
     def _restore_hook(self, meta: dict, model=None) -> None:
         """Hold the attention hook the saved cache held: installed on ``model``'s modules (checked against the

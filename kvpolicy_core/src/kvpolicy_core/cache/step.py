@@ -16,12 +16,25 @@ import mlx.core as mx
 
 from ..config.policy import Policy, step_key, step_keys
 from ..errors import KVPolicyError, ModelError, PluginError
-from ..parts.base import CacheView, Disposition, MergeUpdate, Scorer, Selector, pick_lowest
+from ..parts.base import (
+    CacheView,
+    Disposition,
+    MergeUpdate,
+    PolicyNeeds,
+    Scorer,
+    Selector,
+    offset_read,
+    pick_lowest,
+    policy_needs,
+    with_int_offset,
+)
 from ..parts.shipped import is_shipped
 from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, loser_flags, nonfinite_flags
 from .compiled import compiled, compiled_evict_write, compiled_select, wants_compile
 
 Counters = Dict[str, mx.array]
+#: part classes warned that they take ``view.offset`` as a Python int (once each)
+_INT_OFFSET_WARNED: set = set()
 _INT32_MAX = 2**31 - 1
 
 
@@ -56,6 +69,10 @@ class PolicyStep:
 
     def __init__(self, policy: Policy, layer: int) -> None:
         self.policy, self.layer = policy, layer
+        #: what the parts need of the cache, resolved once (the only reader of the parts' declarations)
+        self.needs: PolicyNeeds = policy_needs(policy, policy.owners)
+        #: the part kinds called with a Python int ``view.offset`` (the compatibility path, :meth:`call`)
+        self._int_offset: set = set()
         sel = type(policy.selector)
         # selectors on the 0.2.0 form rank; Selector.select then puts window-dead slots first
         self.ranked_selection = getattr(sel, "select", None) is Selector.select
@@ -81,7 +98,7 @@ class PolicyStep:
         self.fuses_drop = (
             type(policy.disposition).dispose is Disposition.dispose
             and self.ranked_selection
-            and wants_compile(policy.selector, 1)
+            and wants_compile(self.needs.compile_selector, 1)
             and self.trusted["selector"]
         )
 
@@ -96,8 +113,7 @@ class PolicyStep:
 
     def check_observed(self, windowed: bool, attended: bool) -> None:
         """The previous step must have passed through the attention hook if this layer needs it."""
-        observed = self.policy.scorer.needs_attention
-        log_weights = bool(getattr(self.policy.disposition, "uses_log_weights", False))
+        observed, log_weights = self.needs.attention, self.needs.log_weights
         if (observed or log_weights or windowed) and not attended:
             why = "observed signal" if observed else "attention log-weights" if log_weights else "sliding-window mask"
             raise ModelError(
@@ -115,15 +131,52 @@ class PolicyStep:
                 "KVCacheBuilder.for_model(model, config) again"
             )
 
-    def call(self, kind: str, fn, *args):
+    def call(self, kind: str, fn, view: CacheView, *args):
+        """``fn(view, *args)`` of the part ``kind``; what it raises becomes a PluginError naming the part (after
+        the compatibility path for a Python int offset, :meth:`_with_int_offset`)."""
+        if kind in self._int_offset:
+            view = with_int_offset(view) or view
         try:
-            return fn(*args)
+            return fn(view, *args)
         except KVPolicyError:
             raise
         except Exception as exc:
+            done = self._with_int_offset(kind, fn, view, args, exc)
+            if done:
+                return done[0]
             raise PluginError(
                 f"layer {self.layer}: {self.policy.owners[kind]} raised {type(exc).__name__}: {exc}"
             ) from exc
+
+    def _with_int_offset(self, kind: str, fn, view: CacheView, args, exc: Exception) -> Optional[tuple]:
+        """The compatibility path of parts written against a Python int ``view.offset`` (``range(view.offset)``,
+        ``mx.arange(view.offset - 5, view.offset)``): a plugin part that read the offset and then raised a
+        TypeError or ValueError (what an array raises where an int is needed) is called again with a view whose
+        ``offset`` is the int. If that works, the part gets the int from then on, with a DeprecationWarning (one
+        per class), and this returns ``(result,)``; else None. Single caches only: stacked rows have one offset
+        per row (their views hold no int)."""
+        if not isinstance(exc, (TypeError, ValueError)) or not offset_read(view):
+            return None
+        legacy = None if kind in self._int_offset or self.trusted[kind] else with_int_offset(view)
+        if legacy is None:
+            return None
+        try:
+            out = fn(legacy, *args)
+        except Exception:
+            return None
+        self._int_offset.add(kind)
+        cls = type(getattr(self.policy, kind))
+        if cls not in _INT_OFFSET_WARNED:
+            _INT_OFFSET_WARNED.add(cls)
+            warnings.warn(
+                f"{self.policy.owners[kind]} ({cls.__module__}.{cls.__qualname__}) needs view.offset as a Python "
+                f"int ({type(exc).__name__}: {exc}); it is an int32 mx.array [B, 1, 1]: use it in MLX arithmetic, "
+                "or int(view.offset) on a single cache (docs/plugins/minimal.md). Deprecated: called with the int "
+                "for now",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        return (out,)
 
     def scores(self, scores, shape: Tuple[int, int, int], current: Optional[mx.array] = None) -> mx.array:
         """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0 and +-inf as the largest finite
@@ -222,7 +275,7 @@ class PolicyStep:
         # core's own selector at decode: valid by construction (window-dead slots first, then the lowest
         # unprotected score), so no checks and no host sync
         trusted = n_evict == 1 and self.trusted["selector"] and selector.leaves_a_loser(L)
-        if self.ranked_selection and wants_compile(selector, n_evict) and self._compiled_ok[0]:
+        if self.ranked_selection and wants_compile(self.needs.compile_selector, n_evict) and self._compiled_ok[0]:
             try:  # the choice (and its value flags unless trusted) in one compiled graph
                 losers, flags = compiled_select(selector, n_sink, with_flags=not trusted)(view, n_evict)
             except Exception:  # not compilable (or a part error): the eager call below decides
@@ -299,7 +352,7 @@ class PolicyStep:
         trusted = self.trusted["disposition"] and losers.shape[-1] == 1
         try:
             update, in_graph, done = None, None, False
-            if wants_compile(disposition, losers.shape[-1]) and self._compiled_ok[1]:
+            if wants_compile(self.needs.compile_disposition, losers.shape[-1]) and self._compiled_ok[1]:
                 try:
                     update, in_graph = compiled(disposition, checks=not trusted)(view, losers, key)
                     done = True
@@ -394,7 +447,8 @@ class PolicyStep:
                 raise wrong_output(owner, name, x, (B, H, max(T, 0), *row))
         if u.d_log_weights is not None and view.log_weights is None:
             raise PluginError(
-                f"{owner} returned d_log_weights, but its uses_log_weights is False (the cache keeps no log-weights)"
+                f"{owner} returned d_log_weights, but no part declares Needs(log_weights=True) (the cache keeps "
+                "no log-weights)"
             )
         if u.stats is not None and not isinstance(u.stats, dict):
             raise PluginError(f"{owner} returned stats of type {type(u.stats).__name__}, expected a dict")

@@ -11,7 +11,7 @@ import math
 
 import mlx.core as mx
 
-from .base import CacheView, Scorer
+from .base import CacheView, Needs, Scorer
 
 SIGNALS = ("proxy", "observed")
 
@@ -95,14 +95,14 @@ class AttentionScorer(Scorer):
 
     last_query_only = False
     default_signal = "proxy"
-    batch_rows = True  # per-row offsets/positions broadcast (see parts.base.BATCH_ROWS)
+    needs = Needs(batch_rows=True)  # per-row offsets/positions broadcast (see parts.base.BATCH_ROWS)
 
     def __init__(self, signal: str = None) -> None:
         signal = self.default_signal if signal is None else signal
         if signal not in SIGNALS:
             raise ValueError(f"signal must be 'proxy' or 'observed' (got {signal!r})")
         self.signal = signal
-        self.needs_attention = signal == "observed"
+        self.needs = Needs(attention=signal == "observed", batch_rows=True)
 
     @classmethod
     def from_config(cls, config) -> "AttentionScorer":

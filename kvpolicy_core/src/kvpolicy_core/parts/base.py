@@ -1,71 +1,290 @@
-"""The three part interfaces a method composes, and the view of a cache they receive.
+"""The part contract: what a scorer, a selector and a disposition implement, what they declare, what they see.
 
-Shapes: ``B`` batch, ``H`` KV heads, ``L`` physical slots this step (retained + new),
-``D``/``Dv`` key/value head dims, ``E`` losers this step. Slots are not in temporal
+Shapes: ``B`` batch rows, ``H`` KV heads, ``L`` physical slots this step (retained + new),
+``D``/``Dv`` key/value head dims, ``E`` losers this step, ``T`` merge targets. Slots are not in temporal
 order; ``positions`` gives each slot's absolute position.
+
+The whole contract, on one page: docs/plugins/minimal.md. A part implements one method of its kind
+(:meth:`Scorer.on_append` and/or :meth:`Scorer.on_attention`, :meth:`Selector.rank`,
+:meth:`Disposition.dispose`) and declares what it needs from the cache in ONE place, its :class:`Needs`.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import dataclass, replace
 from typing import Dict, NamedTuple, Optional
 
 import mlx.core as mx
 
-#: The ``batch_rows`` contract. A part that sets ``batch_rows = True`` is correct on a
-#: view that stacks B independent sequences (a batch's decode step, :mod:`kvpolicy_core.cache.batch_rows`),
-#: where ``view.offset`` is an int32 array [B, 1, 1] (each row's tokens seen; it broadcasts against
-#: ``positions``), ``new_positions`` is [B, 1, S], a disposition's ``key`` is [B, 2] (row b's own key)
-#: and its ``stats`` values are [B] arrays (row b's counts): row b's result must be exactly what the
-#: part returns for row b alone. Parts without it are run one row at a time (still exact, slower).
+from ..errors import PluginError
+from .shipped import traits_of
+
+#: The ``batch_rows`` contract (``Needs(batch_rows=True)``). Such a part is correct on a view that stacks B
+#: independent sequences (a batch's decode step, :mod:`kvpolicy_core.cache.batch_rows`), where
+#: ``view.offset`` holds each row's own tokens seen, ``new_positions`` is [B, 1, S], a disposition's ``key``
+#: is [B, 2] (row b's own key) and its ``stats`` values are [B] arrays (row b's counts): row b's result must
+#: be exactly what the part returns for row b alone. Parts without it are run one row at a time (still exact,
+#: slower).
 BATCH_ROWS = "batch_rows"
 
 
-class CacheView(NamedTuple):
-    """What a part sees of one layer's cache. Read-only by convention."""
+@dataclass(frozen=True)
+class Needs:
+    """What a part needs from the cache: its one declaration, ``needs = Needs(...)`` on the class (or
+    ``self.needs = Needs(...)`` in ``__init__`` when it depends on the config). Every field defaults to
+    False, so a part that needs nothing declares nothing.
 
-    keys: mx.array  #: [B, H, L, D], RoPE-rotated as the model stored them
-    values: mx.array  #: [B, H, L, Dv]
-    positions: mx.array  #: [B, H, L] int32 absolute positions
-    scores: mx.array  #: [B, H, L] float32, the scorer's running scores
-    offset: int  #: tokens seen so far (the next token's absolute position)
-    n_new: int  #: tokens added by the current call (0 when settling between calls)
-    dead: Optional[mx.array]  #: [B, H, L] bool: outside a sliding window for every future query, or None
-    #: global index of head 0 of this view (> 0 on tensor-parallel ranks after the first)
+    ============ ========= =========================================================================
+    field        parts     True means
+    ============ ========= =========================================================================
+    attention    scorer    ``on_attention(view, queries, scale, mask)`` gets the model's real queries
+                           before every attention call (kvpolicy's attention hook is installed)
+    log_weights  any       the cache keeps a per-slot attention log-weight ``lw_j`` (``view.log_weights``,
+                           0 for a new token, changed by ``MergeUpdate.d_log_weights``) and the model's
+                           attention uses the logit ``q . k_j * scale + lw_j``
+    batch_rows   any       correct on a view of B stacked independent rows (:data:`BATCH_ROWS`): a
+                           batch's decode steps run as one vectorised step instead of B
+    trim_exact   scorer    a token's score depends on that token alone, never on later tokens or
+                           queries: only then can the cache drop its newest tokens exactly
+                           (``PolicyCache.trim``, mlx-lm's prompt cache and speculative decoding)
+    ============ ========= =========================================================================
+
+    Key norms need no declaration: ``view.key_norms`` is always there (the cache computes them on first
+    read and keeps them up to date from then on).
+    """
+
+    attention: bool = False
+    log_weights: bool = False
+    batch_rows: bool = False
+    trim_exact: bool = False
+
+
+#: the 0.2 per-class flags -> the :class:`Needs` field each one became (still read, with a DeprecationWarning)
+OLD_FLAGS = {
+    "needs_attention": "attention",
+    "uses_log_weights": "log_weights",
+    "batch_rows": "batch_rows",
+    "trim_exact": "trim_exact",
+}
+_SCORER_ONLY = ("attention", "trim_exact")
+_warned: set = set()
+
+
+def warn_old_flag(part, flag: str, instead: str) -> None:
+    """One DeprecationWarning per (part class, old flag) that a part still sets."""
+    cls = type(part)
+    if (cls, flag) in _warned:
+        return
+    _warned.add((cls, flag))
+    warnings.warn(
+        f"{cls.__module__}.{cls.__qualname__} sets {flag!r}, deprecated: {instead} "
+        "(docs/plugins/minimal.md; the old flag is still read)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+
+
+def needs_of(part) -> Needs:
+    """The :class:`Needs` of ``part``: its ``needs`` declaration, with any old flag it still sets
+    (:data:`OLD_FLAGS`, e.g. ``needs_attention = True``) taking precedence, with a DeprecationWarning.
+
+    Raises :class:`~kvpolicy_core.errors.PluginError` when ``needs`` is not a :class:`Needs`."""
+    needs = getattr(part, "needs", Needs())
+    if not isinstance(needs, Needs):
+        cls = type(part)
+        raise PluginError(
+            f"{cls.__module__}.{cls.__qualname__}.needs must be a kvpolicy_core.Needs (got "
+            f"{type(needs).__name__}); e.g. needs = Needs(attention=True)"
+        )
+    old = {}
+    for flag, field in OLD_FLAGS.items():
+        value = getattr(part, flag, None)
+        if value is not None and not callable(value):
+            warn_old_flag(part, flag, f"declare needs = Needs({field}={bool(value)})")
+            old[field] = bool(value)
+    return replace(needs, **old) if old else needs
+
+
+class PolicyNeeds(NamedTuple):
+    """What one policy (scorer, selector, disposition) needs of the cache, resolved once per cache.
+
+    The public declarations (:func:`needs_of`) and the engine's own traits of shipped parts
+    (:func:`kvpolicy_core.parts.shipped.traits_of`): nothing else in the engine reads a part's flags."""
+
+    attention: bool  #: the scorer's on_attention gets the model's queries (the attention hook is needed)
+    attention_weights: bool  #: ... and it takes the model's attention weights instead (one pass gives both)
+    log_weights: bool  #: per-slot attention log-weights are kept
+    batch_rows: bool  #: every part is correct on stacked rows
+    trim_exact: bool  #: the scorer's scores are per token (the cache can be trimmed)
+    key_norms: bool  #: key norms kept from the first token (else from the first read of ``view.key_norms``)
+    compile_selector: bool  #: the selector's decode steps run as one compiled graph
+    compile_disposition: bool  #: the disposition's decode steps run as one compiled graph
+
+
+def policy_needs(policy, owners: Optional[Dict[str, str]] = None) -> PolicyNeeds:
+    """Resolve the needs of ``policy`` (anything with ``scorer``, ``selector``, ``disposition``).
+
+    Raises :class:`~kvpolicy_core.errors.PluginError` naming the part when a selector or disposition
+    declares a scorer's need (``attention``, ``trim_exact``)."""
+    parts = {kind: getattr(policy, kind) for kind in ("scorer", "selector", "disposition")}
+    needs = {kind: needs_of(part) for kind, part in parts.items()}
+    for kind in ("selector", "disposition"):
+        for field in _SCORER_ONLY:
+            if getattr(needs[kind], field):
+                who = (owners or {}).get(kind, type(parts[kind]).__qualname__)
+                raise PluginError(f"{who} declares Needs({field}=True), which only a scorer may declare")
+    traits = {kind: traits_of(part) for kind, part in parts.items()}
+    scorer = parts["scorer"]
+    attention = needs["scorer"].attention
+    return PolicyNeeds(
+        attention=attention,
+        attention_weights=attention and callable(getattr(scorer, "on_attention_weights", None)),
+        log_weights=any(n.log_weights for n in needs.values()),
+        batch_rows=all(n.batch_rows for n in needs.values()),
+        trim_exact=needs["scorer"].trim_exact,
+        key_norms=any(t.key_norms for t in traits.values()),
+        compile_selector=traits["selector"].compile_decode,
+        compile_disposition=traits["disposition"].compile_decode,
+    )
+
+
+def key_norm(keys: mx.array) -> mx.array:
+    """keys [B, H, S, D] -> float32 [B, H, S]: ``||k||_2`` of each key."""
+    k = keys.astype(mx.float32)
+    return mx.sqrt((k * k).sum(axis=-1))
+
+
+class _ViewFields(NamedTuple):
+    keys: mx.array
+    values: mx.array
+    positions: mx.array
+    scores: mx.array
+    offset: object
+    n_new: int
+    dead: Optional[mx.array]
     head_offset: int = 0
-    #: the layer's KV heads over all tensor-parallel ranks (None: this view's H, unsharded)
     heads_total: Optional[int] = None
-    #: [B, H, L] float32 per-slot attention log-weights (added to the slot's attention logit), or
-    #: None when the disposition does not use them (``Disposition.uses_log_weights``).
     log_weights: Optional[mx.array] = None
-    #: the scorer's own state for the current *run*: a dict the cache keeps across
-    #: consecutive prompt chunks (updates of S > 1 tokens) while nothing is evicted between them,
-    #: and replaces with an empty one when a run starts (the first chunk, a chunk after an
-    #: eviction, every single-token update). None when the cache does not provide one.
     run: Optional[dict] = None
-    #: [B, H, L] float32 L2 norm of each slot's key, kept by the cache when the disposition declares
-    #: ``uses_key_norms`` (else None: compute them from ``keys`` if needed).
     key_norms: Optional[mx.array] = None
+
+
+_OFFSET, _KEY_NORMS = _ViewFields._fields.index("offset"), _ViewFields._fields.index("key_norms")
+
+
+def offset_array(offset, rows: int) -> mx.array:
+    """``offset`` (an int, or an integer array of one value or one per row) as int32 [rows, 1, 1]."""
+    if not isinstance(offset, mx.array):
+        return mx.full((rows, 1, 1), offset, dtype=mx.int32)
+    x = offset if offset.dtype == mx.int32 else offset.astype(mx.int32)
+    if x.shape == (rows, 1, 1):
+        return x
+    if x.ndim == 1 and x.shape[0] == rows:
+        return x.reshape(rows, 1, 1)
+    return mx.broadcast_to(x.reshape(()) if x.size == 1 else x, (rows, 1, 1))
+
+
+class CacheView(_ViewFields):
+    """What a part sees of one layer's cache (a named tuple; read-only by convention).
+
+    ============= ================ ========= =====================================================
+    field         shape            dtype     meaning
+    ============= ================ ========= =====================================================
+    keys          [B, H, L, D]     model's   the slots' keys, RoPE-rotated as the model stored them
+    values        [B, H, L, Dv]    model's   the slots' values
+    positions     [B, H, L]        int32     each slot's absolute position (slots are not in order)
+    scores        [B, H, L]        float32   the scorer's running scores
+    offset        [B, 1, 1]        int32     tokens seen by row b (the next token's absolute position);
+                                             broadcasts against ``positions``
+    n_new         int                        tokens added by this call (0 when settling an eviction)
+    dead          [B, H, L] / None bool      outside the sliding window of every future query
+    head_offset   int                        global index of head 0 (> 0 on later tensor-parallel ranks)
+    heads_total   int / None                 the layer's KV heads over all ranks (None: H, unsharded)
+    log_weights   [B, H, L] / None float32   per-slot attention log-weights (``Needs(log_weights=True)``)
+    run           dict / None                the scorer's state across one run of prompt chunks
+    key_norms     [B, H, L]        float32   ``||k_j||_2`` of each slot's key, always available
+    ============= ================ ========= =====================================================
+
+    ``offset`` is the same int32 array on every path (a single cache, a compiled decode step, a batch's
+    stacked rows): use it in MLX arithmetic (``view.positions >= view.offset - r``). A view may be built
+    with a Python int (or a scalar array) there; reading the field gives the [B, 1, 1] array. ``run``: a
+    dict the cache keeps across consecutive prompt chunks (updates of S > 1 tokens) while nothing is evicted
+    between them, and replaces with an empty one when a run starts (the first chunk, a chunk after an
+    eviction, every single-token update). ``key_norms``: kept by the cache (O(D) per written slot) once any
+    part has read them; a view built by hand computes them from ``keys`` on first read.
+    """
+
+    @property
+    def offset(self) -> mx.array:
+        got = self.__dict__.get("_offset")
+        if got is None:
+            raw = tuple.__getitem__(self, _OFFSET)
+            if self.__dict__.get("_int_offset"):  # the compatibility path of a part that needs the int
+                return raw
+            got = self.__dict__["_offset"] = offset_array(raw, self.keys.shape[0])
+        return got
+
+    @property
+    def key_norms(self) -> mx.array:
+        got = tuple.__getitem__(self, _KEY_NORMS)
+        if got is None:
+            got = self.__dict__.get("_norms")
+        if got is None:
+            demand = self.__dict__.get("_demand_norms")
+            got = None if demand is None else demand(self.keys)
+            got = self.__dict__["_norms"] = key_norm(self.keys) if got is None else got
+        return got
+
+
+def kept_key_norms(view: CacheView) -> Optional[mx.array]:
+    """The key norms ``view`` was built with (None: not kept yet), without computing any (engine use)."""
+    return tuple.__getitem__(view, _KEY_NORMS)
+
+
+def on_key_norms(view: CacheView, demand) -> CacheView:
+    """Make the first read of ``view.key_norms`` (when built without them) call ``demand(keys)``, which
+    returns the norms [B, H, L] or None (then they are computed from the keys) (engine use)."""
+    view.__dict__["_demand_norms"] = demand
+    return view
+
+
+def offset_read(view: CacheView) -> bool:
+    """Whether a part has read ``view.offset`` (as the array) (engine use)."""
+    return "_offset" in view.__dict__
+
+
+def with_int_offset(view: CacheView) -> Optional[CacheView]:
+    """A copy of ``view`` whose ``offset`` reads as the Python int it was built with (the compatibility path
+    for parts written against the int), or None when it was built with an array (engine use)."""
+    raw = tuple.__getitem__(view, _OFFSET)
+    if isinstance(raw, mx.array):
+        return None
+    copy = CacheView._make(view)
+    copy.__dict__.update({k: v for k, v in view.__dict__.items() if k != "_offset"})
+    copy.__dict__["_int_offset"] = True
+    return copy
 
 
 class MergeUpdate(NamedTuple):
     """Additive changes a disposition makes to surviving slots (scatter-added, duplicates sum).
 
-    =========== ================== ======== =========================================
-    field       shape              dtype    meaning
-    =========== ================== ======== =========================================
-    targets     [B, H, T]          int      surviving slot indices (may repeat)
-    d_keys      [B, H, T, D]       any      added to ``keys[targets]``, or None
-    d_values    [B, H, T, Dv]      any      added to ``values[targets]``, or None
-    d_scores    [B, H, T]          any      added to ``scores[targets]``, or None
-    stats       {name: scalar}     int      counters to add to the cache's ``stats()``
-    d_log_weights [B, H, T]        any      added to ``log_weights[targets]``, or None
-    =========== ================== ======== =========================================
+    ============= ================== ======== =========================================
+    field         shape              dtype    meaning
+    ============= ================== ======== =========================================
+    targets       [B, H, T]          int      surviving slot indices (may repeat)
+    d_keys        [B, H, T, D]       real     added to ``keys[targets]``, or None
+    d_values      [B, H, T, Dv]      real     added to ``values[targets]``, or None
+    d_scores      [B, H, T]          real     added to ``scores[targets]``, or None
+    stats         {name: count}      int      counters added to the cache's ``stats()``
+    d_log_weights [B, H, T]          real     added to ``log_weights[targets]``, or None
+    ============= ================== ======== =========================================
 
-    ``d_log_weights`` needs a disposition with ``uses_log_weights = True``: the
-    cache then keeps a log-weight ``lw_j`` per slot (0 for every new token) and the model's
-    attention uses the logit ``q . k_j * scale + lw_j``, so a slot with ``lw_j = log c`` draws
-    the attention of ``c`` copies of itself. Deltas of one target sum (as for every field).
+    ``d_log_weights`` needs ``Needs(log_weights=True)``: the cache then keeps a log-weight ``lw_j`` per
+    slot (0 for every new token) and the model's attention uses the logit ``q . k_j * scale + lw_j``, so a
+    slot with ``lw_j = log c`` draws the attention of ``c`` copies of itself. Deltas of one target sum (as
+    for every field).
 
     Deltas are cast to the buffer's dtype (float32 for scores) before the add. A plain
     average of several losers into one target needs the number of losers per target:
@@ -100,26 +319,19 @@ def pick_lowest(ranked: mx.array, n_evict: int) -> mx.array:
 class Scorer:
     """How important each retained token is.
 
-    ``on_append`` is called after the new keys are written, ``on_attention`` (only
-    when ``needs_attention``) with the model's real queries just before attention.
+    ``on_append`` is called after the new keys are written, ``on_attention`` (only with
+    ``Needs(attention=True)``) with the model's real queries just before attention.
     Both return the new scores ``[B, H, L]`` float32; new slots enter with score 0.
     """
 
-    needs_attention: bool = False
-    #: True when a token's score depends on that token alone, never on later tokens or queries.
-    #: Only then can the cache drop its newest tokens exactly (``PolicyCache.trim``):
-    #: with scores accumulated from attention, the survivors' scores would keep the trimmed
-    #: tokens' attention. Default False (safe for any scorer).
-    trim_exact: bool = False
-    #: True when correct on a view of B stacked independent rows (see :data:`BATCH_ROWS`)
-    batch_rows: bool = False
+    needs: Needs = Needs()
 
     @classmethod
     def from_config(cls, config) -> "Scorer":
         return cls()
 
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
-        """``new_keys`` [B, H, S, D]; ``new_positions`` [S] int32. Returns scores [B, H, L]."""
+        """``new_keys`` [B, H, S, D]; ``new_positions`` [S] int32 ([B, 1, S] on stacked rows). Returns [B, H, L]."""
         return view.scores
 
     def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:
@@ -135,7 +347,7 @@ class Selector:
     instead; the cache still moves window-dead slots to the front of their choice.
     """
 
-    batch_rows: bool = False  #: see :data:`BATCH_ROWS`
+    needs: Needs = Needs()
 
     @classmethod
     def from_config(cls, config) -> "Selector":
@@ -154,24 +366,9 @@ class Selector:
 
 
 class Disposition:
-    """What happens to the losers before their slots are removed (drop: nothing).
+    """What happens to the losers before their slots are removed (drop: nothing)."""
 
-    ``uses_log_weights``: True makes the cache keep per-slot attention
-    log-weights (``view.log_weights``, updated through ``MergeUpdate.d_log_weights``) and add
-    them to the attention logits through the attention hook. False (default): no buffer,
-    no hook, no cost.
-    """
-
-    uses_log_weights: bool = False
-    #: True makes the cache keep each slot's key norm up to date (``view.key_norms``): for dispositions
-    #: that compare keys by cosine every step (CaM), an O(D) update per written slot instead of an
-    #: O(L·D) pass per step.
-    uses_key_norms: bool = False
-    #: True: decode steps (one loser per row) run ``dispose`` as one compiled MLX graph
-    #: (:mod:`kvpolicy_core.cache.compiled`); ``view.offset`` is then an int32 scalar array, so use it only
-    #: in MLX arithmetic, and no host syncs (``.item()``) inside ``dispose``.
-    compile_decode: bool = False
-    batch_rows: bool = False  #: see :data:`BATCH_ROWS`
+    needs: Needs = Needs()
 
     @classmethod
     def from_config(cls, config) -> "Disposition":

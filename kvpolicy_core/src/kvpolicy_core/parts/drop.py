@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .base import Disposition
+from .base import Disposition, Needs
 
 
 class DropDisposition(Disposition):
     """Drop: survivors are untouched, ``x_j' = x_j`` for every survivor j (H2O)."""
 
-    batch_rows = True
+    needs = Needs(batch_rows=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import CacheView, Scorer
+from .base import CacheView, Needs, Scorer
 
 
 def hash01(positions: mx.array, salt: int, head_offset: int = 0) -> mx.array:
@@ -28,8 +28,8 @@ def hash01(positions: mx.array, salt: int, head_offset: int = 0) -> mx.array:
 class RandomScorer(Scorer):
     """``s_j = hash(pos_j, global head, salt)`` in [0, 1), fixed when the token arrives; never updated."""
 
-    trim_exact = True  # a token's score is its own: dropping the newest tokens leaves the others exact
-    batch_rows = True
+    # a token's score is its own: dropping the newest tokens leaves the others exact
+    needs = Needs(batch_rows=True, trim_exact=True)
 
     def __init__(self, salt: int = 0) -> None:
         self.salt = salt

@@ -1,0 +1,98 @@
+"""docs/plugins/minimal.md runs as written (its plugin, its pyproject, its run and its conformance kit), its
+contract tables list the whole part API, and the tutorial's plugin passes the conformance kit."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from kvpolicy_core import MergeUpdate, Needs
+from kvpolicy_core.parts.base import CacheView
+from kvpolicy_core.plugin import hookspecs
+from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
+from kvpolicy_core.testing.conformance import run_conformance
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+MINIMAL = DOCS / "plugins" / "minimal.md"
+
+
+def blocks(lang: str):
+    return re.findall(rf"^```{lang}\n(.*?)^```", MINIMAL.read_text(), flags=re.M | re.S)
+
+
+@pytest.fixture
+def minimal_plugin():
+    """The page's plugin module, imported under the name its header and its entry point give it."""
+    code = next(b for b in blocks("python") if "@hookimpl" in b)
+    path = re.match(r"# src/(\S+)\.py", code)[1]
+    name = path.replace("/", ".")
+    module = types.ModuleType(name)
+    exec(compile(code, str(MINIMAL), "exec"), module.__dict__)
+    sys.modules[name] = module
+    register_plugin(module, "minimal-doc")
+    yield name
+    unregister_plugin("minimal-doc")
+    sys.modules.pop(name, None)
+
+
+def test_the_minimal_plugin_runs_as_written_and_passes_the_conformance_kit(minimal_plugin, tiny_model_dir):
+    plugin, run, kit = blocks("python")
+    assert "@hookimpl" in plugin and len(plugin.strip().splitlines()) <= 26  # a scorer in about 20 lines
+    project = tomllib.loads(blocks("toml")[0])
+    assert project["project"]["entry-points"]["kvpolicy"] == {"keynorm": minimal_plugin}
+    import mlx_lm
+
+    from kvpolicy_core import detach
+
+    model_name = re.search(r'mlx_lm\.load\("([^"]+)"\)', run)[1]
+    scope: dict = {}
+    exec(compile(run.replace(model_name, str(tiny_model_dir)), str(MINIMAL), "exec"), scope)
+    try:
+        caches = scope["model"].make_cache()
+        assert {type(c.policy.scorer).__name__ for c in caches} == {"KeyNormScorer"}
+        assert all(c.budget == 64 for c in caches)
+        assert isinstance(mlx_lm.generate(scope["model"], scope["tokenizer"], "a b c", max_tokens=4), str)
+    finally:
+        detach(scope["model"])
+    exec(compile(kit, str(MINIMAL), "exec"), {})
+    assert run_conformance("keynorm:budget=16,n_sink=2")
+
+
+def test_the_contract_tables_name_every_hook_part_field_and_need():
+    text = MINIMAL.read_text()
+    hooks = [n for n, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, "kvpolicy_spec")]
+    names = set(re.findall(r"`(\w+)", text))
+    assert len(hooks) == 4 and set(hooks) <= names
+    assert {
+        "Scorer",
+        "Selector",
+        "Disposition",
+        "AttentionScorer",
+        "on_append",
+        "on_attention",
+        "rank",
+        "dispose",
+    } <= names
+    assert set(CacheView._fields) <= names
+    assert set(MergeUpdate._fields) - {"draws", "merges"} <= names  # the deprecated 0.1 fields are left out
+    assert {f.name for f in fields(Needs)} <= names
+
+
+def test_the_minimal_page_is_linked_from_the_index_and_the_tutorial():
+    assert "plugins/minimal.md" in (DOCS / "index.md").read_text()
+    assert "minimal.md" in (DOCS / "plugins" / "tutorial.md").read_text()
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "streamingmerge", "tova", "tova:signal=proxy,recent=1"])
+def test_the_tutorials_plugin_passes_the_conformance_kit(method):
+    """The tutorial walks through examples/kvpolicy-streaming: each of its methods passes the kit."""
+    tutorial = (DOCS / "plugins" / "tutorial.md").read_text()
+    assert method.split(":")[0] in tutorial
+    fields_ = "budget=16,n_sink=2"
+    assert run_conformance(f"{method},{fields_}" if ":" in method else f"{method}:{fields_}")

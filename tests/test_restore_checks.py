@@ -270,6 +270,7 @@ def test_saving_into_a_missing_directory_is_a_clear_error(tmp_path):
     assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.slow
 def test_a_failed_save_keeps_the_previous_file_and_says_why(tmp_path):
     path = tmp_path / "c.safetensors"
     script = f"""

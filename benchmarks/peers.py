@@ -602,14 +602,15 @@ QUESTION = (
 def make_prompts(args) -> None:
     """A prompts file of kvpolicy's single needle (``tasks/needle.py``): context = everything before the
     question; the haystack is sized so that context + question + ``max_new_tokens`` = ``--length``."""
-    from kvpolicy_core.eval.tasks.needle import _encode, build_trial
+    from kvpolicy_core.eval.tasks.needle import build_trial
+    from kvpolicy_core.eval.tasks.tokens import encode
 
     if args.model not in MODELS:
         raise SystemExit(f"--model must be one of {', '.join(MODELS)}")
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(mlx_model_dir(args.model, args.mlx_model))
-    q_ids = _encode(tok, QUESTION)
+    q_ids = encode(tok, QUESTION)
     probe = build_trial(tok, "needle", args.haystack, 64, 0.5, 0)
     overhead = len(probe.prompt) - 64  # BOS + intro + statement + question
     hay = args.length - overhead - args.max_new_tokens

@@ -14,6 +14,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, result",
     [
@@ -46,6 +47,7 @@ def test_benchmark_smoke(tmp_path, script, result):
     assert data["versions"]["mlx"] and data["command"].startswith("python")
 
 
+@pytest.mark.slow
 def test_end_to_end_speed_interleaved_smoke(tmp_path):
     """``--interleave``: every method timed at every step, alternately; one row per method with its medians."""
     proc = subprocess.run(
@@ -60,6 +62,7 @@ def test_end_to_end_speed_interleaved_smoke(tmp_path):
     assert all(r["interleaved"]["decode_steps"] == 16 and r["decode_tps"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_step_cost_with_clustered_keys_times_steps_that_merge(tmp_path):
     """``--keys clustered``: keys close to each other, so CaM's default merges (random keys: never); the rows
     record the merges per decode eviction."""
@@ -137,6 +140,7 @@ def test_pooled_ratio_weighs_texts_by_tokens_and_narrows_with_more_of_them():
     assert pooled_ratio([pairs[0]]) == {**one}
 
 
+@pytest.mark.slow
 def test_quality_rows_keep_per_token_nlls_and_compare_to_the_reference(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(BENCH / "quality.py"), "--smoke", "--methods", "h2o;cam", "--out", str(tmp_path)],

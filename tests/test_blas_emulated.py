@@ -28,10 +28,13 @@ from kvpolicy_core.runtime import blas, blas_check
 
 QEMU = shutil.which("qemu-x86_64")
 CC = shutil.which("cc") or shutil.which("gcc")
-pytestmark = pytest.mark.skipif(
-    platform.machine() != "x86_64" or QEMU is None or CC is None,
-    reason="needs x86-64, a C compiler and qemu-user (scripts/setup.sh installs qemu)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        platform.machine() != "x86_64" or QEMU is None or CC is None,
+        reason="needs x86-64, a C compiler and qemu-user (scripts/setup.sh installs qemu)",
+    ),
+]
 #: qemu CPU model -> the core a DYNAMIC_ARCH OpenBLAS picks on it.
 CPUS = {"EPYC-Rome": "Zen", "SandyBridge": "Sandybridge", "Nehalem": "Nehalem"}
 

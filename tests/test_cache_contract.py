@@ -316,3 +316,28 @@ def test_mlx_lm_refuses_speculative_decoding_and_trimming_for_attention_scored_c
     cache, rest = lru.fetch_nearest_cache("m", [1, 2, 3, 9])
     assert cache is None and rest == [1, 2, 3, 9]
     detach(model)
+
+
+def test_trim_rejects_a_negative_count_and_leaves_the_cache_usable():
+    cache = PolicyCache("h2o:budget=16")
+    feed(cache, *random_kv(S=10), (10,))
+    with pytest.raises(ValueError, match="trim"):
+        cache.trim(-2)
+    assert cache.n == cache.offset == 10 and cache.scores.shape[-1] == 10
+    feed(cache, *random_kv(S=1, seed=2), (1,))
+    assert cache.offset == 11
+
+
+# ----------------------------------------------------------------------------- mlx-lm's generation options
+def test_kv_bits_with_policy_caches_warns_instead_of_being_ignored_silently():
+    from mlx_lm.generate import generate_step
+
+    model = tiny_llama()
+    caches = KVCacheBuilder.for_model(model, "h2o:budget=8")
+    with pytest.warns(RuntimeWarning, match="kv_bits=4 is ignored"):
+        for _, (token, _) in zip(
+            range(3),
+            generate_step(mx.array([1, 2, 3, 4, 5]), model, prompt_cache=caches, kv_bits=4, quantized_kv_start=0),
+        ):
+            pass
+    assert all(isinstance(c, PolicyCache) for c in caches) and caches[0].offset >= 6

@@ -159,3 +159,101 @@ def test_to_string_writes_exactly_what_gives_the_config_back(text, want):
     what the other fields imply: labels stay short and always parse back to the same config."""
     config = parse_config(text)
     assert config.to_string() == want and parse_config(want) == config
+
+
+# ----------------------------------------------------------------------------- refused field values
+def test_the_same_field_twice_is_an_error_not_last_wins():
+    from kvpolicy_core import ConfigError, parse_config
+
+    for bad in ("cam:budget=8,cam_budget=9", {"method": "cam", "budget": 8, "cam_budget": 9}):
+        with pytest.raises(ConfigError, match="given twice"):
+            parse_config(bad)
+
+
+def test_a_bool_is_not_an_integer_field():
+    from kvpolicy_core import ConfigError, parse_config
+
+    for bad, field in (
+        ({"method": "h2o", "budget": True}, "budget"),
+        ({"method": "h2o", "n_sink": False}, "n_sink"),
+        ({"method": "h2o", "seed": True}, "seed"),
+        ({"method": "cam", "cam_m": True}, "cam_m"),
+    ):
+        with pytest.raises(ConfigError, match=f"{field}.*bool"):
+            parse_config(bad)
+
+
+def test_seeds_outside_64_bits_are_rejected_naming_the_range():
+    from kvpolicy_core import ConfigError, parse_config
+
+    assert parse_config({"method": "h2o", "seed": 2**64 - 1}).seed == 2**64 - 1
+    for bad in (2**64, 2**70, -1, "h2o:seed=18446744073709551616"):
+        spec = bad if isinstance(bad, str) else {"method": "h2o", "seed": bad}
+        with pytest.raises(ConfigError, match=r"seed: .*(18446744073709551615|0)"):
+            parse_config(spec)
+
+
+def test_alias_mixing_names_the_fields_the_user_wrote():
+    from kvpolicy_core import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"^merge_gate: the field 'merge_gate' is given twice \(as 'gate'"):
+        parse_config("cam:gate=false,merge_gate=true")
+    with pytest.raises(ConfigError, match=r"^gate: .*given twice"):
+        parse_config({"method": "cam", "merge_gate": False, "gate": True})
+    with pytest.raises(ConfigError, match=r"^cam_gate: Input should be a valid boolean"):
+        parse_config("cam:gate=maybe")
+
+
+def test_a_huge_integer_is_a_range_error_not_inf():
+    from kvpolicy_core import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"budget: .*5000 digits\) is out of range") as e:
+        parse_config("h2o:budget=" + "9" * 5000)
+    assert "inf" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"h2o_budget: must be an integer in \[") as e:
+        parse_config({"method": "h2o", "budget": 10**5000})
+    assert "inf" not in str(e.value)
+
+
+def test_a_zero_head_dim_in_the_config_is_refused():
+    with pytest.raises(ConfigError, match=r"^head_dim: .*greater than or equal to 1"):
+        parse_config("h2o:head_dim=0")
+
+
+# ----------------------------------------------------------------------------- CaM's similarity threshold
+@pytest.mark.parametrize("value", ["2", "1.5", "-1.01", "-3"])
+def test_min_sim_outside_the_cosine_range_is_refused(value):
+    with pytest.raises(ConfigError, match=r"^cam_min_sim: .*\[-1, 1\].*merge=drop") as e:
+        parse_config(f"cam:min_sim={value}")
+    assert value in str(e.value)
+
+
+@pytest.mark.parametrize("value", [-1.0, 0.0, 0.85, 1.0])
+def test_min_sim_inside_the_cosine_range_is_accepted(value):
+    assert parse_config({"method": "cam", "merge_min_sim": value}).policy.merge_min_sim == value
+
+
+# ----------------------------------------------------------------------------- numbers in config strings
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("h2o:budget=１６", "budget"),
+        ("cam:min_sim=０.５", "min_sim"),
+        ("h2o:budget=16,n_sink=٣", "n_sink"),
+        ("h2o:head_dim=１２８", "head_dim"),
+        ({"method": "h2o", "budget": "１６"}, "budget"),
+    ],
+)
+def test_config_strings_accept_only_ascii_digits(text, field):
+    with pytest.raises(ConfigError, match=rf"^(\w+_)?{field}: .*ASCII digits 0-9"):
+        parse_config(text)
+
+
+def test_ascii_numbers_in_config_strings_still_parse():
+    config = parse_config("cam:budget=+16,n_sink=2,min_sim=-0.5,cap=1e1,head_dim=16")
+    assert (config.policy.budget, config.policy.merge_min_sim, config.policy.merge_cap, config.head_dim) == (
+        16,
+        -0.5,
+        10.0,
+        16,
+    )

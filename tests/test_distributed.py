@@ -29,6 +29,8 @@ from kvpolicy_core.integration.persistence import load_caches
 from kvpolicy_core.runtime.distributed import free_port_pair
 from kvpolicy_core.testing.tiny_models import write_model_dir
 
+pytestmark = pytest.mark.slow  # every test starts new processes
+
 BIN = Path(sys.executable).parent
 DRIVER = Path(__file__).with_name("distributed_driver.py")
 PROMPT = "The history of Rome is long and full of wars."  # 45 tokens (character-level tokenizer)

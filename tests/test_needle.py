@@ -89,6 +89,7 @@ def test_cli_needle_bad_depths_is_one_line(capsys, tiny_model_dir):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_smollm2_converts_and_answers():
     import importlib.metadata as md
 

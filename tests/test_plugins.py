@@ -1,11 +1,13 @@
 """Hook registration and entry-point discovery, including broken and conflicting plugins."""
 
+import subprocess
+import sys
 import textwrap
 import warnings
 
 import pytest
 
-from kvpolicy_core import PluginError, get_registry, reset_registry
+from kvpolicy_core import MethodSpec, PluginError, PolicyCache, PolicyConfig, get_registry, hookimpl, reset_registry
 from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
 
 
@@ -296,3 +298,70 @@ def test_ctrl_c_while_a_plugin_imports_is_not_swallowed(site):
     reset_registry()
     with pytest.raises(KeyboardInterrupt):
         get_registry()
+
+
+# ----------------------------------------------------------------------------- a plugin taking a shipped name
+class Intruder:
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("mine", PolicyConfig, "cumulative_attention", "lowest_score", "drop"))
+        register(MethodSpec(Intruder.name, PolicyConfig, "cumulative_attention", "lowest_score", "drop"))
+
+
+@pytest.mark.parametrize("taken, owner", [("h2o", "h2o"), ("random", "kvpolicy_core")])
+def test_a_plugin_taking_a_shipped_name_is_the_one_reported_and_skipped(taken, owner):
+    import importlib
+
+    from kvpolicy_core.plugin import builtin
+    from kvpolicy_core.plugin.discovery import PluginManager
+    from kvpolicy_core.plugin.registry import Registry, fill
+
+    Intruder.name = taken
+    pm = PluginManager()  # the intruder's entry point is loaded before the shipped h2o plugin
+    pm.register_from(builtin, "kvpolicy_core", "kvpolicy-core")
+    pm.register_from(Intruder(), "intruder", "kvpolicy-intruder")
+    pm.register_from(importlib.import_module("kvpolicy_h2o.plugin"), "h2o", "kvpolicy-h2o")
+    registry = Registry()
+    with pytest.warns(RuntimeWarning, match=f"'{taken}' is registered twice: plugin 'intruder'") as w:
+        fill(registry, pm, strict=False)
+    assert "'intruder'" in str(w[0].message) and f"plugin {owner!r}" in str(w[0].message)
+    methods = registry.methods()
+    assert methods[taken].plugin == owner and methods["h2o"].plugin == "h2o"  # the rightful owners
+    assert methods["mine"].plugin == "intruder"  # only the intruder's clashing registration is skipped
+    assert registry.method(taken) is methods[taken].obj
+
+
+def test_kvpolicy_methods_lists_the_rightful_owner(capsys):
+    from kvpolicy_core.apps.cli import main
+
+    Intruder.name = "h2o"
+    register_plugin(Intruder(), "intruder")
+    try:
+        with pytest.warns(RuntimeWarning, match="plugin 'intruder' tried to take the name"):
+            main(["methods"])
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.split() and x.split()[0] == "h2o")
+        assert "intruder" not in line and "kvpolicy-h2o" in out
+        from kvpolicy_core.plugin.discovery import get_registry
+
+        assert get_registry().methods()["h2o"].plugin == "h2o"
+        assert PolicyCache("h2o:budget=8").budget == 8
+    finally:
+        unregister_plugin("intruder")
+
+
+def test_strict_mode_does_not_say_skipping_while_it_raises(tmp_path, monkeypatch):
+    code = (
+        "import sys; sys.path.insert(0, %r)\nfrom kvpolicy_core.plugin.discovery import get_registry\nget_registry()\n"
+    ) % str(tmp_path)
+    dist = tmp_path / "kvp_broken-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-broken\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[kvpolicy]\nbroken = kvp_broken_mod\n")
+    (tmp_path / "kvp_broken_mod.py").write_text("raise ImportError('boom')\n")
+    env = {"KVPOLICY_STRICT_PLUGINS": "1", "PYTHONPATH": str(tmp_path)}
+    import os
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+    assert r.returncode != 0 and "PluginError" in r.stderr and "boom" in r.stderr
+    assert "skipping" not in r.stderr

@@ -22,6 +22,8 @@ from kvpolicy_core import KVCacheBuilder
 from kvpolicy_core.apps.prompt_file import document_ids, file_metadata, question_ids
 from kvpolicy_core.testing.tiny_models import write_model_dir
 
+pytestmark = pytest.mark.slow  # every test starts new processes
+
 METHOD = "cam:budget=32,n_sink=2"
 STEP = 64  # prefill chunk: the document is prefilled in several chunks, evicting between them
 DOCUMENT = (

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import resource
 import stat
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -169,6 +173,68 @@ def test_mlx_lm_prompt_cache_of_a_batch_loads_back(tmp_path, llama_model):
     assert mx.array_equal(llama_model(x, cache=batch), llama_model(x, cache=back))
 
 
+def test_damaged_files_are_rejected(tmp_path):
+    cache = PolicyCache("cam:budget=8")
+    feed(cache, *random_kv(S=20), (20,))
+    path = save_caches(tmp_path / "c.safetensors", [cache])
+    data = bytearray(path.read_bytes())
+    (tmp_path / "trunc.safetensors").write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CacheFileError, match="truncated or corrupted"):
+        load_caches(tmp_path / "trunc.safetensors")
+    data[-5] ^= 0xFF
+    (tmp_path / "tamper.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match="checksum mismatch"):
+        load_caches(tmp_path / "tamper.safetensors")
+    mx.save_safetensors(str(tmp_path / "other.safetensors"), {"a": mx.zeros(2)})
+    with pytest.raises(CacheFileError, match="not a kvpolicy cache file"):
+        load_caches(tmp_path / "other.safetensors")
+    with pytest.raises(CacheFileError, match="no such cache file"):
+        load_caches(tmp_path / "missing.safetensors")
+    with pytest.raises(CacheFileError, match="must end in .safetensors"):
+        save_caches(tmp_path / "c.bin", [cache])
+
+
+def test_the_checksum_covers_the_header(tmp_path):
+    cache = PolicyCache("h2o:budget=8")
+    feed(cache, *random_kv(S=18), (18,))
+    path = save_caches(tmp_path / "c.safetensors", [cache])
+    data = path.read_bytes()
+    j = re.search(rb'offset[\\"]+: 18', data).end() - 2  # the layer's offset in the (escaped) header JSON
+    path.write_bytes(data[:j] + b"19" + data[j + 2 :])  # the same length: only the header's offset changes
+    with pytest.raises(CacheFileError, match="checksum"):
+        load_caches(path)
+
+
+def test_a_cache_file_for_another_model_is_refused(tmp_path):
+    two, three = tiny_llama(layers=2), tiny_llama(layers=3)
+    caches = KVCacheBuilder.for_model(two, "h2o:budget=8")
+    two(mx.array([[1, 2, 3, 4]]), cache=caches)
+    save_caches(tmp_path / "c.safetensors", caches)
+    with pytest.raises(CacheFileError, match="2 layers, but the model has 3"):
+        load_caches(tmp_path / "c.safetensors", model=three)
+    with pytest.raises(CacheFileError, match="2 layers, but the model has 3"):
+        load_caches(tmp_path / "c.safetensors", expect_layers=3)
+    assert [c.offset for c in load_caches(tmp_path / "c.safetensors", model=two)] == [4, 4]
+
+
+def test_from_state_with_bad_meta_is_a_clear_error():
+    import json
+
+    from kvpolicy_core import KVPolicyError
+
+    cache = PolicyCache("h2o:budget=8")
+    feed(cache, *random_kv(S=5), (5,))
+    state = list(cache.state)
+    for garbage in ("{garbage", "[1, 2]", "{}", json.dumps({**json.loads(state[4]), "offset": "x"})):
+        with pytest.raises(KVPolicyError, match="meta state"):
+            PolicyCache.from_state((*state[:4], garbage))
+    meta = json.loads(state[4])
+    meta["offset"] = 2
+    with pytest.raises(KVPolicyError, match="offset 2 is below the 5 tokens held"):
+        PolicyCache.from_state((*state[:4], json.dumps(meta)))
+    assert PolicyCache.from_state(tuple(state)).offset == 5
+
+
 # ----------------------------------------------------------------------------- writing the file
 def _mode(path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
@@ -202,3 +268,40 @@ def test_saving_into_a_missing_directory_is_a_clear_error(tmp_path):
     with pytest.raises(CacheFileError, match="does not exist; create it first"):
         save_caches(tmp_path / "no" / "such" / "c.safetensors", [_fed()])
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.slow
+def test_a_failed_save_keeps_the_previous_file_and_says_why(tmp_path):
+    path = tmp_path / "c.safetensors"
+    script = f"""
+import signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from kvpolicy_core import CacheFileError, PolicyCache, save_caches
+from kvpolicy_core.testing.conformance import feed, random_kv
+cache = PolicyCache("h2o:budget=64")
+feed(cache, *random_kv(B=1, H=2, S=60, D=32), (60,))
+if sys.argv[1] == "good":
+    save_caches({str(path)!r}, [cache]); sys.exit(0)
+feed(cache, *random_kv(B=1, H=2, S=4, D=32, seed=9), (4,))
+try:
+    save_caches({str(path)!r}, [cache])
+except CacheFileError as exc:
+    print(exc); sys.exit(0)
+sys.exit(3)
+"""
+    run = lambda arg, **kw: subprocess.run(
+        [sys.executable, "-c", script, arg], capture_output=True, text=True, timeout=120, **kw
+    )  # noqa: E731
+    assert run("good").returncode == 0
+    good = path.read_bytes()
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))  # noqa: E731
+    bad = run("bad", preexec_fn=limit)  # a disk that fills up part-way through the write
+    assert bad.returncode == 0, ("the failed save must raise CacheFileError", bad.returncode, bad.stderr[-400:])
+    assert path.read_bytes() == good and load_caches(path)[0].offset == 60
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temporary file left behind
+
+
+def test_saving_onto_a_directory_is_a_clear_error(tmp_path):
+    (tmp_path / "d.safetensors").mkdir()
+    with pytest.raises(CacheFileError, match="directory"):
+        save_caches(tmp_path / "d.safetensors", [PolicyCache("h2o:budget=8")])

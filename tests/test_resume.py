@@ -72,6 +72,7 @@ def resumed(tmp_path_factory):
     return got, want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", driver.ROUTES)
 def test_caches_restored_in_a_new_process_continue_bit_for_bit(resumed, route):
     got, want = resumed

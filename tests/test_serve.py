@@ -236,6 +236,7 @@ def test_method_from_json_and_toml_files(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_default_model_cam_64_two_concurrent_chats():
     """The issue's acceptance run: `kvpolicy serve --method "cam:budget=64"`, two concurrent chats."""
     s = Server(["--method", "cam:budget=64", "--max-tokens", "8"], timeout=300)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 import numpy as np
 
@@ -32,7 +32,7 @@ LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -40,20 +40,24 @@ class ConversionError(ValueError):
     """The GGUF file is not a Gemma 3 text model this converter understands."""
 
 
-def mlx_name(gguf_name: str) -> str:
-    """``blk.3.ffn_norm.weight`` -> ``model.layers.3.pre_feedforward_layernorm.weight``."""
+def renamed(gguf_name: str, layer_names: Dict[str, str], top_names: Dict[str, str]) -> str:
+    """``blk.N.<part>.<kind>`` -> ``model.layers.N.<layer_names[part]>.<kind>``, ``<base>.<kind>`` ->
+    ``<top_names[base]>.<kind>``; any other name is a :class:`ConversionError`."""
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part not in LAYER_NAMES:
+        if part not in layer_names:
             raise ConversionError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{layer_names[part]}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
-    if base in TOP_NAMES:
-        return f"{TOP_NAMES[base]}.{kind}"
-    if base == "output":
-        return f"lm_head.{kind}"
+    if base in top_names:
+        return f"{top_names[base]}.{kind}"
     raise ConversionError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def mlx_name(gguf_name: str) -> str:
+    """``blk.3.ffn_norm.weight`` -> ``model.layers.3.pre_feedforward_layernorm.weight``."""
+    return renamed(gguf_name, LAYER_NAMES, TOP_NAMES)
 
 
 def is_gemma_norm(mlx_param: str) -> bool:
@@ -67,12 +71,18 @@ def _field(reader, key: str):
     return f.contents()
 
 
+def arch_fields(reader, arch: str) -> Callable[..., Any]:
+    """``g(key, default=None)``: the GGUF field ``<arch>.<key>`` (``default`` where absent), once the file's
+    ``general.architecture`` is ``arch`` (else a :class:`ConversionError`)."""
+    got = _field(reader, "general.architecture")
+    if got != arch:
+        raise ConversionError(f"expected a {arch} GGUF file, got architecture {got!r}")
+    return lambda k, d=None: _field(reader, f"{arch}.{k}") if _field(reader, f"{arch}.{k}") is not None else d
+
+
 def read_config(reader) -> Dict:
     """mlx-lm ``config.json`` for ``gemma3_text`` from the GGUF metadata."""
-    arch = _field(reader, "general.architecture")
-    if arch != "gemma3":
-        raise ConversionError(f"expected a gemma3 GGUF file, got architecture {arch!r}")
-    g = lambda k, d=None: _field(reader, f"gemma3.{k}") if _field(reader, f"gemma3.{k}") is not None else d  # noqa: E731
+    g = arch_fields(reader, "gemma3")
     head_dim = int(g("attention.key_length"))
     tokens = reader.fields["tokenizer.ggml.tokens"]
     return {
@@ -95,31 +105,41 @@ def read_config(reader) -> Dict:
     }
 
 
-def iter_weights(reader, dtype=np.float32) -> Iterator[Tuple[str, np.ndarray]]:
-    """(mlx-lm name, dequantised array) for every tensor, norms shifted back by -1."""
+def dequantized(reader) -> Iterator[Tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every tensor, dequantised, its shape in mlx-lm's (row-major) order."""
     from gguf.quants import dequantize
 
     for t in reader.tensors:
-        name = mlx_name(t.name)
         arr = dequantize(t.data, t.tensor_type)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+        yield t.name, np.asarray(arr, dtype=np.float32).reshape(shape)
+
+
+def iter_weights(reader, dtype=np.float32) -> Iterator[Tuple[str, np.ndarray]]:
+    """(mlx-lm name, dequantised array) for every tensor, norms shifted back by -1."""
+    for gguf_name, arr in dequantized(reader):
+        name = mlx_name(gguf_name)
         if is_gemma_norm(name):
             arr = arr - 1.0
         yield name, arr.astype(dtype)
 
 
-def build_tokenizer(reader, out_dir: Path) -> None:
-    """Rebuild the SentencePiece-style tokenizer from GGUF metadata; save it to ``out_dir``."""
+def tokenizer_builders(*names: str) -> tuple:
+    """The functions ``names`` of transformers' GGUF tokenizer builder (``gguf_tokenizer_mapping``)."""
+    import importlib
+
     try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            add_gguf_special_tokens,
-            gemma_tokenizer,
-        )
-    except ImportError as exc:  # pragma: no cover - depends on the installed transformers
+        mapping = importlib.import_module("transformers.integrations.gguf.gguf_tokenizer_mapping")
+        return tuple(getattr(mapping, name) for name in names)
+    except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed transformers
         raise ConversionError(
             f"rebuilding the tokenizer needs transformers>=5.7 (installed with mlx-lm): {exc}"
         ) from exc
+
+
+def build_tokenizer(reader, out_dir: Path) -> None:
+    """Rebuild the SentencePiece-style tokenizer from GGUF metadata; save it to ``out_dir``."""
+    add_gguf_special_tokens, gemma_tokenizer = tokenizer_builders("add_gguf_special_tokens", "gemma_tokenizer")
     arr = lambda k: _field(reader, f"tokenizer.ggml.{k}")  # noqa: E731
     tokens = list(arr("tokens"))
     tdict = {

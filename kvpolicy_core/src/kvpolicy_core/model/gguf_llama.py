@@ -11,13 +11,21 @@ explicitly.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Dict, Iterator, Tuple
 
 import numpy as np
 
-from .gguf_convert import ConversionError, _field, apply_special_tokens, write_converted
+from .gguf_convert import (
+    ConversionError,
+    _field,
+    apply_special_tokens,
+    arch_fields,
+    dequantized,
+    renamed,
+    tokenizer_builders,
+    write_converted,
+)
 
 LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -31,29 +39,16 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def mlx_name(gguf_name: str) -> str:
     """``blk.3.ffn_norm.weight`` -> ``model.layers.3.post_attention_layernorm.weight``."""
-    m = _BLOCK.match(gguf_name)
-    if m:
-        layer, part, kind = m.groups()
-        if part not in LAYER_NAMES:
-            raise ConversionError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
-    base, _, kind = gguf_name.rpartition(".")
-    if base in TOP_NAMES:
-        return f"{TOP_NAMES[base]}.{kind}"
-    raise ConversionError(f"unknown GGUF tensor {gguf_name!r}")
+    return renamed(gguf_name, LAYER_NAMES, TOP_NAMES)
 
 
 def read_config(reader) -> Dict:
     """mlx-lm ``config.json`` for ``llama`` from the GGUF metadata."""
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ConversionError(f"expected a llama GGUF file, got architecture {arch!r}")
-    g = lambda k, d=None: _field(reader, f"llama.{k}") if _field(reader, f"llama.{k}") is not None else d  # noqa: E731
+    g = arch_fields(reader, "llama")
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     names = {t.name for t in reader.tensors}
@@ -75,26 +70,17 @@ def read_config(reader) -> Dict:
 
 
 def iter_weights(reader, dtype=np.float32) -> Iterator[Tuple[str, np.ndarray]]:
-    from gguf.quants import dequantize
-
-    for t in reader.tensors:
-        arr = dequantize(t.data, t.tensor_type)
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        yield mlx_name(t.name), np.asarray(arr, dtype=np.float32).reshape(shape).astype(dtype)
+    for gguf_name, arr in dequantized(reader):
+        yield mlx_name(gguf_name), arr.astype(dtype)
 
 
 def build_tokenizer(reader, out_dir: Path) -> None:
     """Rebuild the byte-level BPE tokenizer (vocab + merges) from GGUF metadata; save it."""
-    try:
-        from tokenizers import pre_tokenizers
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            add_gguf_special_tokens,
-            byte_level_tokenizer,
-        )
-    except ImportError as exc:  # pragma: no cover - depends on the installed transformers
-        raise ConversionError(
-            f"rebuilding the tokenizer needs transformers>=5.7 (installed with mlx-lm): {exc}"
-        ) from exc
+    add_gguf_special_tokens, byte_level_tokenizer = tokenizer_builders(
+        "add_gguf_special_tokens", "byte_level_tokenizer"
+    )
+    from tokenizers import pre_tokenizers  # a dependency of transformers' GGUF builder: there once it loaded
+
     arr = lambda k: _field(reader, f"tokenizer.ggml.{k}")  # noqa: E731
     if arr("model") != "gpt2":
         raise ConversionError(f"expected a byte-level BPE ('gpt2') tokenizer, got {arr('model')!r}")

@@ -31,7 +31,10 @@ import mlx.core as mx
 from ...cache.policy_cache import PolicyCache
 from ..perplexity import kv_bytes, make_caches, parse_spec, spec_label
 from . import DEFAULT_DEPTHS
+from .cli_options import check_seeds_and_steps, number_list, progress_log, write_json
+from .greedy import greedy_tokens
 from .haystack import haystack_text
+from .tokens import bos_ids, encode
 
 TASKS = ("needle", "needle-multikey")
 KEY_WORDS = (
@@ -70,16 +73,6 @@ class Trial:
     needle_positions: List[int]
 
 
-def _encode(tokenizer, text: str) -> List[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _bos(tokenizer) -> List[int]:
-    with_special = list(tokenizer.encode("a"))
-    plain = _encode(tokenizer, "a")
-    return with_special[: len(with_special) - len(plain)]
-
-
 @functools.lru_cache(maxsize=8)
 def _paragraphs(source: str) -> tuple:
     return tuple(p for p in haystack_text(source).split("\n\n") if p.strip())
@@ -94,7 +87,7 @@ def haystack_ids(tokenizer, source: str, length: int, seed: int) -> List[int]:
     i = start
     while len(ids) < length:
         chunk = "\n\n".join(paras[i : i + 8]) + "\n\n"
-        ids.extend(_encode(tokenizer, chunk))
+        ids.extend(encode(tokenizer, chunk))
         i = (i + 8) % len(paras)
     return ids[:length]
 
@@ -129,12 +122,12 @@ def build_trial(tokenizer, task: str, source: str, length: int, depth: float, se
     numbers = [str(rng.randrange(10000, 100000)) for _ in words]
     depths = [depth] + [rng.random() for _ in words[1:]]
     cuts = sorted((sentence_cut(tokenizer, hay, round(d * length)), i) for i, d in enumerate(depths))
-    prompt = _bos(tokenizer) + _encode(tokenizer, INTRO)
+    prompt = bos_ids(tokenizer) + encode(tokenizer, INTRO)
     needle_positions: List[int] = []
     prev = 0
     for cut, i in cuts:
         prompt += hay[prev:cut]
-        stmt = _encode(tokenizer, _statement(words[i], numbers[i]))
+        stmt = encode(tokenizer, _statement(words[i], numbers[i]))
         if i == 0:
             digits = [j for j, t in enumerate(stmt) if any(c.isdigit() for c in tokenizer.decode([t]))]
             needle_positions = [len(prompt) + j for j in digits]
@@ -149,7 +142,7 @@ def build_trial(tokenizer, task: str, source: str, length: int, depth: float, se
         + ("" if key is None else f" for {key}")
         + " is"
     )
-    prompt += _encode(tokenizer, question)
+    prompt += encode(tokenizer, question)
     return Trial(task, source, length, depth, seed, prompt, numbers[0], key, needle_positions)
 
 
@@ -162,25 +155,10 @@ def greedy_answer(
     model, tokenizer, prompt: Sequence[int], caches: List[Any], prefill_step: Optional[int], max_tokens: int = 10
 ) -> str:
     """Greedy continuation of ``prompt`` through ``caches``, stopped after the first number."""
-    from mlx_lm.generate import generate_step
-
     step = max(len(prompt), 1) if prefill_step is None else prefill_step
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    out: List[int] = []
-    for tok, _ in generate_step(
-        mx.array(list(prompt), dtype=mx.uint32),
-        model,
-        max_tokens=max_tokens,
-        prompt_cache=caches,
-        prefill_step_size=step,
-    ):
-        if tok in eos:
-            break
-        out.append(tok)
-        text = tokenizer.decode(out)
-        if re.search(r"\d[^\d]", text) or "\n" in text.lstrip():
-            break
-    return tokenizer.decode(out)
+    past_a_number = lambda text: bool(re.search(r"\d[^\d]", text)) or "\n" in text.lstrip()
+    return tokenizer.decode(greedy_tokens(model, tokenizer, prompt, caches, max_tokens, step, eos, past_a_number))
 
 
 def needle_kept(caches: List[Any], positions: Sequence[int]) -> Optional[float]:
@@ -369,38 +347,20 @@ def format_summary(summary: Sequence[Dict[str, Any]]) -> str:
 
 
 # ----------------------------------------------------------------------------- command line
-def _int_list(text: str, name: str, cast=int) -> List:
-    try:
-        return [cast(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--{name}: expected comma-separated numbers (got {text!r})") from None
-
-
 def cli_run(args, specs: Sequence[Any], load_model) -> int:
     """``kvpolicy eval --task needle ...``: run the grid, print the per-depth table, write JSON."""
-    import json
-    import sys
-    from pathlib import Path
-
-    depths = _int_list(args.depths, "depths", float)
-    lengths = _int_list(args.lengths or "1000", "lengths")
+    depths = number_list(args.depths, "depths", float)
+    lengths = number_list(args.lengths or "1000", "lengths")
     steps = args.prefill_step or [None]
-    if args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1 (got {args.seeds})")
-    for s in steps:
-        if s is not None and s < 1:
-            raise ValueError(f"--prefill-step must be >= 1 (got {s})")
+    check_seeds_and_steps(args.seeds, steps)
     model, tokenizer, path = load_model(args.model, args.dtype)
-
-    def log(r):
-        if not args.no_progress:
-            print(
-                f"{r['method']} {r['haystack']} len {r['length']} depth {r['depth']:g}: "
-                f"{'found' if r['correct'] else 'missed'} ({r['output'].strip()!r}, answer {r['answer']})",
-                file=sys.stderr,
-                flush=True,
-            )
-
+    log = progress_log(
+        args.no_progress,
+        lambda r: (
+            f"{r['method']} {r['haystack']} len {r['length']} depth {r['depth']:g}: "
+            f"{'found' if r['correct'] else 'missed'} ({r['output'].strip()!r}, answer {r['answer']})"
+        ),
+    )
     rows = run_grid(
         model,
         tokenizer,
@@ -418,11 +378,5 @@ def cli_run(args, specs: Sequence[Any], load_model) -> int:
     print(f"model: {path} | task: {args.task}")
     print(format_summary(summary))
     if args.json:
-        payload = json.dumps({"model": str(path), "task": args.task, "summary": summary, "rows": rows}, indent=1)
-        if args.json == "-":
-            print(payload)
-        else:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(payload)
-            print(f"wrote {args.json}", file=sys.stderr)
+        write_json({"model": str(path), "task": args.task, "summary": summary, "rows": rows}, args.json)
     return 0

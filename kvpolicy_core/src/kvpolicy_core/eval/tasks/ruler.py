@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .haystack import haystack_text
+from .tokens import bos_ids, encode
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe")
 NOISE = "noise"
@@ -370,24 +371,13 @@ class Context:
         return len(self.context_ids) + len(q.question_ids) + q.max_new_tokens
 
 
-def _encode(tokenizer, text: str) -> List[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _bos(tokenizer) -> List[int]:
-    """The ids the tokenizer puts before a text (Gemma's ``<bos>``; none for SmolLM2)."""
-    with_special = list(tokenizer.encode("a"))
-    plain = _encode(tokenizer, "a")
-    return with_special[: len(with_special) - len(plain)]
-
-
 def stop_ids(tokenizer, chat: str = "none") -> List[int]:
     """End-of-sequence ids, plus the chat format's end-of-turn token where it is one token."""
     ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     for s in CHATS[chat].stop:
-        enc = _encode(tokenizer, s)
+        enc = encode(tokenizer, s)
         if len(enc) == 1:
             ids.add(enc[0])
     return sorted(ids)
@@ -404,7 +394,7 @@ def _sentences(source: str) -> Tuple[str, ...]:
 def _haystack_units(tokenizer, haystack: str, rng: random.Random, budget: int) -> List[List[int]]:
     """Whole sentences (each " " + sentence, encoded alone) of ``haystack`` totalling <= ``budget`` tokens."""
     if haystack == NOISE:
-        cycle = [_encode(tokenizer, " " + s) for s in NOISE_SENTENCES]
+        cycle = [encode(tokenizer, " " + s) for s in NOISE_SENTENCES]
         start = 0
     else:
         sents = _sentences(haystack)
@@ -418,7 +408,7 @@ def _haystack_units(tokenizer, haystack: str, rng: random.Random, budget: int) -
         if cycle is not None:
             u = cycle[i % len(cycle)]
         else:
-            u = _encode(tokenizer, " " + sents[i % len(sents)])
+            u = encode(tokenizer, " " + sents[i % len(sents)])
         if total + len(u) > budget:
             return units
         units.append(u)
@@ -514,8 +504,8 @@ def build_context(
         haystack = WORDLIST
     rng = random.Random(f"ruler:{task}:{haystack}:{length}:{seed}")
     fmt = CHATS[chat]
-    enc = functools.partial(_encode, tokenizer)
-    head_ids: List[int] = _bos(tokenizer) + enc(fmt.user_prefix)
+    enc = functools.partial(encode, tokenizer)
+    head_ids: List[int] = bos_ids(tokenizer) + enc(fmt.user_prefix)
     groups: List[List[List[int]]] = []  # statement token ids, per group kept in order
     qa: List[Tuple[str, str, List[str]]] = []  # (question, answer prefix, answers)
     metric = "all"
@@ -623,8 +613,8 @@ def _questions(tokenizer, fmt: ChatFormat, qa, margin: int) -> List[Question]:
     """``qa``: (question, answer prefix, answers, the text of a right answer) per question."""
     out = []
     for question, prefix, answers, said in qa:
-        ids = _encode(tokenizer, question + fmt.turn_end + prefix)
-        n = len(_encode(tokenizer, " " + said)) + margin
+        ids = encode(tokenizer, question + fmt.turn_end + prefix)
+        n = len(encode(tokenizer, " " + said)) + margin
         out.append(Question(question, ids, list(answers), n))
     return out
 
@@ -685,7 +675,7 @@ def _cwe_list(rng: random.Random, n_uncommon: int, p: TaskParams) -> Tuple[List[
 
 def _build_cwe(tokenizer, length, seed, p: TaskParams, model, chat, head_ids) -> Context:
     fmt = CHATS[chat]
-    enc = functools.partial(_encode, tokenizer)
+    enc = functools.partial(encode, tokenizer)
     head = (
         "Below is a numbered list of words. In these words, some appear more often than others. "
         "Memorize the ones that appear most often.\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, List, Sequence
 
+from .cli_options import check_seeds_and_steps, number_list, progress_log, write_json
 from .ruler import CHATS, DEFAULT_PRESET, NOISE, PRESETS, TASKS
 
 DEFAULT_RATIOS = "4,8"
@@ -50,16 +51,6 @@ def add_ruler_arguments(parser) -> None:
     g.add_argument("--from-jsonl", metavar="FILE", help="run the contexts of FILE instead of generating them")
 
 
-def _ints(text: str, name: str, cast=int) -> List:
-    try:
-        values = [cast(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--{name}: expected comma-separated numbers (got {text!r})") from None
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"--{name}: expected positive numbers (got {text!r})")
-    return values
-
-
 def specs_for(specs: Sequence[Any], budgets: Sequence[int], with_budget: Callable) -> List[Any]:
     """``full`` first, then every bounded spec at every budget (duplicates dropped)."""
     from ..perplexity import parse_spec, spec_label
@@ -77,7 +68,6 @@ def specs_for(specs: Sequence[Any], budgets: Sequence[int], with_budget: Callabl
 
 def cli_run(args, specs: Sequence[Any], with_budget: Callable, load_model) -> int:
     """Generate (or read) the contexts, run every method in each protocol, print the table, write JSON."""
-    import json
     from pathlib import Path
 
     from . import ruler
@@ -90,13 +80,10 @@ def cli_run(args, specs: Sequence[Any], with_budget: Callable, load_model) -> in
     for p in protocols:
         if p not in ("query-agnostic", "question-in-prompt"):
             raise ValueError(f"--protocol: unknown protocol {p!r}; choose query-agnostic, question-in-prompt")
-    lengths = _ints(args.lengths, "lengths") if args.lengths else [DEFAULT_LENGTH]
-    ratios = _ints(args.ratio, "ratio", float)
-    if args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1 (got {args.seeds})")
+    lengths = number_list(args.lengths, "lengths", positive=True) if args.lengths else [DEFAULT_LENGTH]
+    ratios = number_list(args.ratio, "ratio", float, positive=True)
     step = (args.prefill_step or [2048])[0]
-    if step < 1:
-        raise ValueError(f"--prefill-step must be >= 1 (got {step})")
+    check_seeds_and_steps(args.seeds, [step])
     model, tokenizer, path = load_model(args.model, args.dtype)
     chat = MODEL_CHAT.get(args.model or "", "none") if args.chat == "auto" else args.chat
     if args.from_jsonl:
@@ -118,14 +105,13 @@ def cli_run(args, specs: Sequence[Any], with_budget: Callable, load_model) -> in
         return 0
     from .ruler_runner import format_table, run_suite, summarize
 
-    def log(r):
-        if not args.no_progress:
-            print(
-                f"{r['protocol']} {r['method']} {r['id']} q{r['question']}: {r['score']:.2f} "
-                f"({r['output'].strip()[:60]!r}, answers {r['answers']})",
-                file=sys.stderr,
-                flush=True,
-            )
+    log = progress_log(
+        args.no_progress,
+        lambda r: (
+            f"{r['protocol']} {r['method']} {r['id']} q{r['question']}: {r['score']:.2f} "
+            f"({r['output'].strip()[:60]!r}, answers {r['answers']})"
+        ),
+    )
 
     rows = []
     for length in sorted({c.length for c in contexts}):
@@ -137,22 +123,14 @@ def cli_run(args, specs: Sequence[Any], with_budget: Callable, load_model) -> in
     print(f"model: {path} | chat: {chat} | preset: {args.preset} | prefill step: {step}")
     print(format_table(summary, shown))
     if args.json:
-        payload = json.dumps(
-            {
-                "model": str(path),
-                "chat": chat,
-                "preset": args.preset,
-                "prefill_step": step,
-                "protocols": protocols,
-                "summary": summary,
-                "rows": rows,
-            },
-            indent=1,
-        )
-        if args.json == "-":
-            print(payload)
-        else:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(payload)
-            print(f"wrote {args.json}", file=sys.stderr)
+        payload = {
+            "model": str(path),
+            "chat": chat,
+            "preset": args.preset,
+            "prefill_step": step,
+            "protocols": protocols,
+            "summary": summary,
+            "rows": rows,
+        }
+        write_json(payload, args.json)
     return 0

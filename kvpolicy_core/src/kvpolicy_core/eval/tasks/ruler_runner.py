@@ -30,6 +30,7 @@ import mlx.core as mx
 
 from ...cache.policy_cache import PolicyCache
 from ..perplexity import kv_bytes, make_caches, parse_spec, spec_label
+from .greedy import greedy_tokens
 from .needle import needle_kept, record_prefill, replay_prefill, replayable
 from .ruler import Context, score
 
@@ -70,22 +71,8 @@ def greedy(
 
     Stops at a stop id, after ``max_new_tokens``, or once ``answers`` score 1 in the text so far.
     """
-    from mlx_lm.generate import generate_step
-
-    stops = set(stop_ids)
-    out: List[int] = []
-    for tok, _ in generate_step(
-        mx.array(list(ids), dtype=mx.uint32),
-        model,
-        max_tokens=max_new_tokens,
-        prompt_cache=caches,
-        prefill_step_size=prefill_step,
-    ):
-        if tok in stops:
-            break
-        out.append(tok)
-        if answers is not None and score(tokenizer.decode(out), answers, metric) == 1.0:
-            break
+    answered = None if answers is None else (lambda text: score(text, answers, metric) == 1.0)
+    out = greedy_tokens(model, tokenizer, ids, caches, max_new_tokens, prefill_step, set(stop_ids), answered)
     return {"output": tokenizer.decode(out), "tokens": len(out)}
 
 
@@ -180,7 +167,12 @@ def run_context(
         if log:
             log(r)
 
-    answers = lambda q: q.answers if early_stop else None
+    def ask(caches, ids, q):
+        stop_early = q.answers if early_stop else None
+        return greedy(
+            model, tokenizer, caches, ids, q.max_new_tokens, ctx.stop_ids, prefill_step, stop_early, ctx.metric
+        )
+
     if "query-agnostic" in protocols:
         t = time.perf_counter()
         caches = copy_caches(base) if "question-in-prompt" in protocols else base
@@ -191,17 +183,7 @@ def run_context(
         for i, q in enumerate(ctx.questions):
             t = time.perf_counter()
             asked = copy_caches(caches)
-            got = greedy(
-                model,
-                tokenizer,
-                asked,
-                q.question_ids,
-                q.max_new_tokens,
-                ctx.stop_ids,
-                prefill_step,
-                answers(q),
-                ctx.metric,
-            )
+            got = ask(asked, q.question_ids, q)
             row(
                 "query-agnostic",
                 i,
@@ -220,17 +202,7 @@ def run_context(
         for i, q in enumerate(ctx.questions):
             t = time.perf_counter()
             asked = copy_caches(base)
-            got = greedy(
-                model,
-                tokenizer,
-                asked,
-                ctx.full_prompt_ids(i)[n:],
-                q.max_new_tokens,
-                ctx.stop_ids,
-                prefill_step,
-                answers(q),
-                ctx.metric,
-            )
+            got = ask(asked, ctx.full_prompt_ids(i)[n:], q)
             row("question-in-prompt", i, got, asked, base_seconds + time.perf_counter() - t, {})
     return rows
 

@@ -1,6 +1,6 @@
 """Decode steps of parts as compiled MLX graphs (``compile_decode``): a selector's choice with its
-value checks, a disposition's update, and (a trusted selector with drop: H2O) the choice with the new
-token's write, in one call.
+value checks and a disposition's update (a trusted selector's choice with the new token's write, H2O's
+whole decode eviction, is :meth:`kvpolicy_core.cache.slots.SlotStore.write`'s, cached here per selector).
 
 On CPU each MLX op has a fixed cost of ~5-10 µs, and a merge step is ~40 small ops over [B, H, L]
 arrays; :func:`mx.compile` fuses them (CaM's mass merge at L = 1024: ~600 µs eager, ~200 µs compiled,
@@ -22,7 +22,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ..parts.base import CacheView, MergeUpdate
-from .slots import token_written
 
 _FIELDS = ("targets", "d_keys", "d_values", "d_scores", "draws", "merges", "d_log_weights")
 _OPTIONAL_VIEW = ("dead", "log_weights", "key_norms")
@@ -121,46 +120,6 @@ def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
     """``f(view, n_evict) -> (losers int32, flags)``: the compiled choice of a ranked ``selector``
     (``with_flags=False``: no checks computed, flags None)."""
     return _per_part(selector, ("select", n_sink, with_flags), lambda: _CompiledSelect(selector, n_sink, with_flags))
-
-
-class _CompiledEvictWrite(_PartRef):
-    """A trusted selector's decode choice and the new token's write into the loser's slot, one compiled call
-    (H2O's whole decode eviction: drop needs no update). ``f(keys, values, buffers, offset, head_shard, dead)``
-    -> (keys, values, positions, scores) with the new token [B, H, 1, D(v)] at the loser's slot, position
-    ``offset``, score 0 (exactly :meth:`kvpolicy_core.cache.slots.SlotStore.write_into` after the selector's choice).
-    ``buffers``: (keys, values, positions, scores) of a full slot store; ``head_shard``: (head_offset,
-    heads_total); ``dead``: the window-dead slots [B, H, L] bool, or None. One trace per (head_shard, dead given).
-    """
-
-    def __init__(self, selector) -> None:
-        self._hold(selector)
-        self._fns: Dict[Tuple, Callable] = {}
-
-    def __call__(
-        self,
-        keys: mx.array,
-        values: mx.array,
-        buffers,
-        offset: int,
-        head_shard: Tuple[int, int],
-        dead: Optional[mx.array] = None,
-    ):
-        key = (head_shard, dead is None)
-        fn = self._fns.get(key)
-        if fn is None:
-
-            def fn(keys, values, K, V, P, S, off, *dead):
-                view = CacheView(K, V, P, S, off, 0, dead[0] if dead else None, *head_shard)
-                losers = self.part.select(view, 1).astype(mx.int32)
-                return token_written((K, V, P, S), losers, keys, values, off)
-
-            fn = self._fns[key] = mx.compile(fn)
-        return fn(keys, values, *buffers, mx.array(offset, dtype=mx.int32), *(() if dead is None else (dead,)))
-
-
-def compiled_evict_write(selector) -> Callable:
-    """The compiled decode eviction + write of a trusted ranked ``selector`` with a drop disposition."""
-    return _per_part(selector, "evict_write", lambda: _CompiledEvictWrite(selector))
 
 
 class _Compiled(_PartRef):

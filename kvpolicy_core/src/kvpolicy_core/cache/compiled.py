@@ -17,11 +17,12 @@ The results are the part's own, field for field: the selector's losers (with the
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
 from ..parts.base import CacheView, MergeUpdate
+from .checks import UpdateChecks, _loser_flags, scalar, update_checks
 
 _FIELDS = ("targets", "d_keys", "d_values", "d_scores", "draws", "merges", "d_log_weights")
 _OPTIONAL_VIEW = ("dead", "log_weights", "key_norms")
@@ -96,8 +97,6 @@ class _CompiledSelect(_PartRef):
         self._fns: Dict[Tuple, Callable] = {}
 
     def __call__(self, view: CacheView, n_evict: int):
-        from .checks import _loser_flags, scalar
-
         layout, arrays = _layout(view)
         fn = self._fns.get(layout)
         if fn is None:
@@ -122,6 +121,16 @@ def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
     return _per_part(selector, ("select", n_sink, with_flags), lambda: _CompiledSelect(selector, n_sink, with_flags))
 
 
+class _Traced(NamedTuple):
+    """What a traced ``dispose`` returned, to read the compiled call's flat outputs back into a MergeUpdate."""
+
+    fields: List[str]  #: the MergeUpdate fields set, in output order
+    stat_names: List[str]  #: counters returned as arrays, in output order (after the fields)
+    constants: dict  #: counters returned as Python values
+    no_stats: bool  #: ``stats`` was None
+    has_log_weights: bool  #: the checks include finite log-weight deltas (after the check code)
+
+
 class _Compiled(_PartRef):
     """One disposition's compiled ``dispose``, one trace per view layout (which optional fields are set).
 
@@ -136,15 +145,13 @@ class _Compiled(_PartRef):
         self._fns: Dict[Tuple, Tuple[Callable, List]] = {}
 
     def _build(self, layout: Tuple) -> Tuple[Callable, List]:
-        from .checks import update_checks
-
-        spec: List = []  # filled while tracing: which fields are set, the stats' names, the checks' outputs
+        spec: List[Optional[_Traced]] = [None]  # filled while tracing (None: the part returned no MergeUpdate)
 
         def fn(losers, key, last, *arrays):
             view = _view(arrays, layout)
             u = self.part.dispose(view, losers, key)
             if not isinstance(u, MergeUpdate) or (u.stats is not None and not isinstance(u.stats, dict)):
-                spec[:] = [("raw", u)]
+                spec[0] = None
                 return [mx.array(0)]
             fields = [f for f in _FIELDS if getattr(u, f) is not None]
             stats = [
@@ -159,36 +166,32 @@ class _Compiled(_PartRef):
                 if getattr(u, f) is not None
             ]
             checks = list(update_checks(targets, last, pairs, u.d_log_weights)) if self.checks else []
-            spec[:] = [
-                (
-                    "update",
-                    fields,
-                    [k for k, _ in stats],
-                    {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)},
-                    u.stats is None,
-                    len(checks) > 1 and checks[1] is not None,
-                )
-            ]
+            spec[0] = _Traced(
+                fields,
+                [k for k, _ in stats],
+                {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)},
+                u.stats is None,
+                len(checks) > 1 and checks[1] is not None,
+            )
             return [getattr(u, f) for f in fields] + [v for _, v in stats] + [c for c in checks if c is not None]
 
         return mx.compile(fn), spec
 
     def __call__(self, view: CacheView, losers: mx.array, key: mx.array):
         """(the MergeUpdate or None, its in-graph checks (check code, finite d_log_weights) or None)."""
-        from .checks import scalar
-
         layout, arrays = _layout(view)
         if layout not in self._fns:
             self._fns[layout] = self._build(layout)
         fn, spec = self._fns[layout]
         out = fn(losers, key, scalar(view.scores.shape[-1] - 1), *arrays)
-        if spec[0][0] == "raw":  # not a MergeUpdate: the eager call gives the part's own result to check
+        traced = spec[0]
+        if traced is None:  # not a MergeUpdate: the eager call gives the part's own result to check
             return self.part.dispose(view, losers, key), None
-        _, fields, stat_names, constants, no_stats, has_lw = spec[0]
+        fields, names = traced.fields, traced.stat_names
         update = dict(zip(fields, out[: len(fields)]))
-        n = len(fields) + len(stat_names)
-        stats: Optional[dict] = None if no_stats else {**constants, **dict(zip(stat_names, out[len(fields) : n]))}
-        checks = (out[n], out[n + 1] if has_lw else None) if self.checks else None
+        n = len(fields) + len(names)
+        stats = None if traced.no_stats else {**traced.constants, **dict(zip(names, out[len(fields) : n]))}
+        checks = UpdateChecks(out[n], out[n + 1] if traced.has_log_weights else None) if self.checks else None
         return MergeUpdate(**update, stats=stats), checks
 
 

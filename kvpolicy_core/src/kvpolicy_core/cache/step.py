@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 
@@ -44,6 +44,17 @@ def valid_by_construction(part) -> bool:
     exactly one the shipped packages registered (:mod:`kvpolicy_core.parts.shipped`; a subclass, a copy or any
     other plugin part is checked)."""
     return is_shipped(part)
+
+
+class Pending(NamedTuple):
+    """A part's value checks, evaluated with the others of the eviction in one host sync (:meth:`PolicyStep.
+    _raise_broken`) before anything is written."""
+
+    kind: str  #: the part: "selector" or "disposition"
+    flags: mx.array  #: the checks' outputs
+    #: flag i true means ``messages[i]`` is broken; or a callable taking the flags' values and returning the
+    #: broken rule's message or None (the disposition's check code, :meth:`PolicyStep._checked_update`)
+    messages: Union[List[str], Callable[[list], Optional[str]]]
 
 
 @dataclass
@@ -198,22 +209,21 @@ class PolicyStep:
     def _raise_broken(self, pending) -> List[list]:
         """Evaluate every pending value check of this eviction in one host sync; raise the first broken rule.
 
-        ``pending``: (kind, flags mx.array, messages) per part, in the order the parts ran; ``messages`` a list
-        (flag i true: ``messages[i]`` is broken) or a callable taking the flags' values and returning the broken
-        rule's message or None (the disposition's check code, :meth:`_checked_update`). Returns the values.
+        ``pending``: a :class:`Pending` per part, in the order the parts ran. Returns the flags' values.
         """
-        flags = [f for _, f, _ in pending]
+        flags = [p.flags for p in pending]
         if not flags:
             return []
         try:
             mx.eval(*flags)
         except Exception:  # an error MLX raises only at evaluation: name the part whose output it is
-            for kind, f, _ in pending:
-                self.evaluated(kind, "output", f)
+            for p in pending:
+                self.evaluated(p.kind, "output", p.flags)
             raise
         values = [f.tolist() for f in flags]  # evaluated: read back without another graph op
-        for (kind, _, messages), got in zip(pending, values):
-            broken = messages(got) if callable(messages) else next((m for m, bad in zip(messages, got) if bad), None)
+        for p, got in zip(pending, values):
+            m = p.messages
+            broken = m(got) if callable(m) else next((msg for msg, bad in zip(m, got) if bad), None)
             if broken:
                 raise PluginError(broken)
         return values
@@ -256,7 +266,7 @@ class PolicyStep:
             flags = loser_flags(losers, view.positions, n_sink, view.dead)
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
         pending = [
-            (
+            Pending(
                 "selector",
                 flags,
                 [
@@ -336,7 +346,8 @@ class PolicyStep:
             return update, counts
         # the update's check code (the last pending check) is 0: every delta is 0 (e.g. no loser merged), nothing
         # to write (the counters still count)
-        return (None if values[-1][0] == 0 else update), counts
+        code = values[-1][0]  # the update's check code: the last pending check's one value
+        return (None if code == 0 else update), counts
 
     def _counts(self, stats, rows: Optional[int] = None) -> Counters:
         """A disposition's counters as int32 scalars (summed over a batch), or per row ``[rows]``.
@@ -377,7 +388,7 @@ class PolicyStep:
         its pending value check (targets in range, finite deltas for finite rows), whose code also says whether the
         update changes anything (:func:`~kvpolicy_core.cache.checks.update_checks`).
 
-        ``in_graph``: (check code, finite d_log_weights) when the compiled decode path already traced
+        ``in_graph``: the :class:`~.checks.UpdateChecks` when the compiled decode path already traced
         :func:`~kvpolicy_core.cache.checks.update_checks` into the disposition's graph; else computed here.
         ``check_values=False`` (a trusted update): the metadata checks only, and None for the pending check.
         """
@@ -415,7 +426,7 @@ class PolicyStep:
         pairs = [(x, bases[name]) for name, x in deltas]
         if in_graph is None:
             in_graph = checked_update(targets, L, pairs, u.d_log_weights)
-        code, lw = in_graph
+        code, lw = in_graph.code, in_graph.d_log_weights
         names = [name for name, _ in deltas]
 
         def broken(got) -> Optional[str]:  # the code's value -> the first broken rule, or None
@@ -430,4 +441,4 @@ class PolicyStep:
                         )
             return None
 
-        return u._replace(targets=targets, d_log_weights=lw), ("disposition", code, broken)
+        return u._replace(targets=targets, d_log_weights=lw), Pending("disposition", code, broken)

@@ -83,57 +83,34 @@ def _kept(delta: mx.array, buffer: mx.array, targets: mx.array) -> mx.array:
 _DECODE_FIELDS = ("_keys", "values", "positions", "scores", "log_weights", "key_norms")
 _BUFFERS = _DECODE_FIELDS[:4]
 _UPDATE_FIELDS = ("d_keys", "d_values", "d_scores", "d_log_weights")
-
-
-def _decode_fields(store) -> Tuple[str, ...]:
-    return tuple(f for f in _DECODE_FIELDS if getattr(store, f) is not None)
-
-
 _writes: dict = {}  # compiled decode writes without a choice, per (store fields, update fields)
 #: with a choice, per selector (held weakly: a policy's parts and their traces go with the policy)
 _choice_writes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _weak(part) -> Callable[[], Any]:
-    try:
-        return weakref.ref(part)
-    except TypeError:  # not weak-referenceable: its compiled write is not kept (one per call)
-        return lambda: part
-
-
 def _write_graph(fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optional[Choice]) -> Callable:
-    """The body of :meth:`SlotStore.write` as a function of arrays, for ``mx.compile``: ``f(keys, values, offset,
-    *losers, *targets, *buffers, *deltas, *dead) -> buffers`` (``losers`` absent with a choice, ``targets`` and
-    ``deltas`` with no update, ``dead`` unless the choice has one). Holds a choice's selector weakly (the
-    compiled functions are cached keyed weakly by the selector)."""
-    selector = None if choice is None else _weak(choice.selector)
-    head_shard = None if choice is None else choice.head_shard
-    n_in = (1 if choice is None else 0) + (1 if deltas else 0)
+    """:meth:`SlotStore.write`'s ops as a function of arrays, for ``mx.compile``: ``f(keys, values, offset, losers
+    or targets.., *buffers, *deltas, *dead) -> buffers`` (losers absent with a choice, targets and deltas with no
+    update, dead unless the choice has one); holds a choice's selector weakly."""
+    try:
+        selector = None if choice is None else weakref.ref(choice.selector)
+    except TypeError:  # not weak-referenceable: its compiled write is not kept (one per call)
+        selector = lambda part=choice.selector: part  # noqa: E731
+    n_in = (choice is None) + bool(deltas)
 
     def fn(keys, values, offset, *arrays):
-        head, arrays = arrays[:n_in], arrays[n_in:]
-        bufs, arrays = arrays[: len(fields)], arrays[len(fields) :]
-        d, dead = dict(zip(deltas, arrays[: len(deltas)])), arrays[len(deltas) :]
+        head, bufs, rest = arrays[:n_in], arrays[n_in : n_in + len(fields)], arrays[n_in + len(fields) :]
         store = SlotStore(track_log_weights="log_weights" in fields, track_key_norms="key_norms" in fields)
         for f, x in zip(fields, bufs):  # _keys first: the keys setter would reset key_norms
             setattr(store, f, x)
         if selector is None:
             losers = head[0]
         else:
-            K, V, P, S = bufs[:4]
-            view = CacheView(K, V, P, S, offset, 0, dead[0] if dead else None, *head_shard)
+            dead = rest[0] if rest else None
+            view = CacheView(*bufs[:4], offset, 0, dead, *choice.head_shard)
             losers = selector().select(view, 1).astype(mx.int32)
         if deltas:
-            store.add(
-                MergeUpdate(
-                    head[-1],
-                    d.get("d_keys"),
-                    d.get("d_values"),
-                    d.get("d_scores"),
-                    None,
-                    **({"d_log_weights": d["d_log_weights"]} if "d_log_weights" in d else {}),
-                )
-            )
+            store.add(MergeUpdate(head[-1], **dict(zip(deltas, rest))))
         store._put(losers, keys, values, offset)
         return [getattr(store, f) for f in fields]
 
@@ -142,19 +119,16 @@ def _write_graph(fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optio
 
 def _compiled_write(fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optional[Choice]) -> Callable:
     """:func:`_write_graph` compiled, one per layout (shared by every layer; MLX retraces on a new shape or dtype);
-    with a choice, one per (selector, head shard, dead given)."""
-    if choice is None:
-        key = (fields, deltas)
-        if key not in _writes:
-            _writes[key] = mx.compile(_write_graph(fields, deltas, None))
-        return _writes[key]
-    key = (fields, choice.head_shard, choice.dead is not None)
-    try:
-        per = _choice_writes.setdefault(choice.selector, {})
-    except TypeError:
-        return mx.compile(_write_graph(fields, (), choice))
+    with a choice, one per (selector, fields, head shard, dead given)."""
+    per, key = _writes, (fields, deltas)
+    if choice is not None:
+        key = (fields, choice.head_shard, choice.dead is not None)
+        try:
+            per = _choice_writes.setdefault(choice.selector, {})
+        except TypeError:
+            per = {}
     if key not in per:
-        per[key] = mx.compile(_write_graph(fields, (), choice))
+        per[key] = mx.compile(_write_graph(fields, deltas, choice))
     return per[key]
 
 
@@ -388,17 +362,15 @@ class SlotStore:
         offset = token.offset if isinstance(token.offset, mx.array) else mx.array(token.offset, dtype=mx.int32)
         choice = losers if isinstance(losers, Choice) else None
         if compiled or choice is not None:
-            fields = _BUFFERS if self.log_weights is None and self.key_norms is None else _decode_fields(self)
+            fields = _BUFFERS
+            if self.log_weights is not None or self.key_norms is not None:
+                fields = tuple(f for f in _DECODE_FIELDS if getattr(self, f) is not None)
             deltas = () if update is None else tuple(f for f in _UPDATE_FIELDS if getattr(update, f) is not None)
-            if choice is None:
-                arrays = [losers, update.targets] if deltas else [losers]
-            elif update is not None or fields is not _BUFFERS:
+            if choice is not None and (update is not None or fields is not _BUFFERS):
                 raise ValueError("a Choice of losers writes without an update, log-weights or key norms")
-            else:
-                arrays = []
-            arrays += [getattr(self, f) for f in fields] + [getattr(update, f) for f in deltas]
-            if choice is not None and choice.dead is not None:
-                arrays.append(choice.dead)
+            head = [] if choice else [losers, update.targets] if deltas else [losers]
+            dead = [] if choice is None or choice.dead is None else [choice.dead]
+            arrays = head + [getattr(self, f) for f in fields] + [getattr(update, f) for f in deltas] + dead
             try:
                 out = _compiled_write(fields, deltas, choice)(token.keys, token.values, offset, *arrays)
             except Exception:  # not traceable here (nothing written yet): the same ops, eager

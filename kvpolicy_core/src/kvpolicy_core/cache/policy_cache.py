@@ -1,8 +1,8 @@
 """The per-layer policy cache: runs any scorer/selector/disposition under mlx-lm's cache contract.
 
-Three units do the work: the slot store (:mod:`.slots`: buffers, positions, in-place write,
-compaction), the policy step (:mod:`.policy_step`: score, select, dispose, checked) and
-persistence/diagnostics (:mod:`.cache_state`, :mod:`.cache_diagnostics`). This class is
+Three units do the work: the slot store (:mod:`.slots`: buffers, positions, the one decode write,
+compaction), the policy step (:mod:`.step`: score, select, dispose, checked) and
+persistence/diagnostics (:mod:`.state`, :mod:`.diagnostics`). This class is
 the loop that ties them to mlx-lm. ``update_and_fetch(k, v)`` with S new tokens:
 
 1. *Settle*: if the previous call left ``n > budget`` slots, ``E = n - budget`` losers are
@@ -27,7 +27,7 @@ as the 57 tokens in one chunk). An eviction, a single-token update and ``trim`` 
 next chunk starts a new one with an empty dict. A saved ``state`` carries the run in progress.
 
 *Attention hook.* A cache that needs it (observed signal, log-weights, sliding window) holds the
-install (``attention_hook``) and restores it with its state (:mod:`.cache_state`); a step that needs
+install (``attention_hook``) and restores it with its state (:mod:`.state`); a step that needs
 the hook is refused, before anything changes, when the install was removed or a restored cache has none.
 """
 
@@ -263,7 +263,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
         Sliding-window layers get a mask built from this layer's own positions:
         query at position p may attend to key at position q iff ``p - W < q <= p``.
-        A policy with log-weights gets them added to the logits (:func:`.attention_bias.with_log_weights`).
+        A policy with log-weights gets them added to the logits (:func:`~kvpolicy_core.attention.bias.with_log_weights`).
         """
         mask = self._attention_mask(queries, mask)
         if self.policy.scorer.needs_attention:
@@ -279,8 +279,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
         ``fused(queries, keys, values, cache, scale, mask)`` is mlx-lm's attention. A scorer that can
         take the model's weights (``on_attention_weights``: the shipped observed scorers) gets them from
-        the one pass that computes the output (:func:`.attention_weights.attention_with_weights`, on CPU
-        bit-identical to the fused kernel) where that is faster (:func:`.attention_weights.attend_once`);
+        the one pass that computes the output (:func:`~kvpolicy_core.attention.weights.attention_with_weights`, on CPU
+        bit-identical to the fused kernel) where that is faster (:func:`~kvpolicy_core.attention.weights.attend_once`);
         otherwise this is :meth:`before_attention` then ``fused``. So is a prompt chunk whose scores read only
         some of its query rows (the observation window's last W of S > W, ``rows_observed``): the scorer's own
         pass over those rows costs W/S of the kernel's, and where the output is never read (the last layer of a
@@ -324,7 +324,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors.
 
         ``token``: decode's new token, written into the loser's slot with the update (:meth:`SlotStore.write`: one
-        compiled call for a one-target merge, or, with drop, for the choice too: H2O's whole eviction)."""
+        compiled call for a one-target merge, or, with drop, for the choice too: H2O's whole eviction, whose losers
+        are then the :class:`~.slots.Choice` the write made)."""
         sl = self._slots
         self._run, self._run_open = {}, False  # an eviction ends the run
         full = token is not None and self.n == sl.keys.shape[2]

@@ -124,7 +124,9 @@ def _compiled_write(fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Op
     if choice is not None:
         key = (fields, choice.head_shard, choice.dead is not None)
         try:
-            per = _choice_writes.setdefault(choice.selector, {})
+            per = _choice_writes.get(choice.selector)
+            if per is None:
+                per = _choice_writes[choice.selector] = {}
         except TypeError:
             per = {}
     if key not in per:
@@ -169,12 +171,11 @@ class SlotStore:
         return self.key_norms
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(*(getattr(self, f) for f in Snapshot._fields))
+        return Snapshot(self._keys, self.values, self.positions, self.scores, self.n, self.log_weights)
 
     def restore(self, snap: Snapshot) -> None:
         """Restore a :meth:`snapshot`, field for field."""
-        for f, v in zip(Snapshot._fields, snap):
-            setattr(self, f, v)
+        self.keys, self.values, self.positions, self.scores, self.n, self.log_weights = snap
 
     def load(self, keys, values, positions, scores, log_weights=None) -> None:
         """Take the ``n = keys.shape[2]`` slots of a restored state (checked afterwards by

@@ -262,8 +262,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         """Called by the attention hook with the real queries [B, Hq, S, D]; returns the mask to use.
 
         Sliding-window layers get a mask built from this layer's own positions:
-        query at position p may attend to key at position q iff ``p - W < q <= p``.
-        A policy with log-weights gets them added to the logits (:func:`..attention.bias.with_log_weights`).
+        query at position p may attend to key at position q iff ``p - W < q <= p``. A policy with
+        log-weights gets them added to the logits (:func:`~kvpolicy_core.attention.bias.with_log_weights`).
         """
         mask = self._attention_mask(queries, mask)
         if self.policy.scorer.needs_attention:

@@ -16,45 +16,27 @@ The results are the part's own, field for field: the selector's losers (with the
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
 from ..parts.base import CacheView, MergeUpdate
 from .checks import UpdateChecks, _loser_flags, scalar, update_checks
+from .traces import per_part, weak
 
 _FIELDS = ("targets", "d_keys", "d_values", "d_scores", "draws", "merges", "d_log_weights")
 _OPTIONAL_VIEW = ("dead", "log_weights", "key_norms")
-_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _PartRef:
-    """Holds its part weakly where it can: the wrappers live in ``_cache``, a WeakKeyDictionary keyed by the
-    part, and a value that held its key strongly would keep every policy's part and traces alive forever."""
+    """Holds its part weakly (:func:`.traces.weak`): the wrappers live in the per-part map of :mod:`.traces`."""
 
     def _hold(self, part) -> None:
-        try:
-            ref = weakref.ref(part)
-        except TypeError:  # not weak-referenceable: such a part is not cached (a wrapper per call)
-            ref = lambda part=part: part  # noqa: E731
-        self._ref = ref
+        self._ref = weak(part)
 
     @property
     def part(self):
         return self._ref()
-
-
-def _per_part(part, key, make: Callable):
-    """The wrapper ``key`` of ``part`` in ``_cache``, made by ``make()`` on first use (shared by every layer's
-    cache using the part); a part that is not weak-referenceable gets a new wrapper per call."""
-    try:
-        per = _cache.setdefault(part, {})
-    except TypeError:
-        return make()
-    if key not in per:
-        per[key] = make()
-    return per[key]
 
 
 def wants_compile(part, n_evict: int) -> bool:
@@ -118,7 +100,7 @@ class _CompiledSelect(_PartRef):
 def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
     """``f(view, n_evict) -> (losers int32, flags)``: the compiled choice of a ranked ``selector``
     (``with_flags=False``: no checks computed, flags None)."""
-    return _per_part(selector, ("select", n_sink, with_flags), lambda: _CompiledSelect(selector, n_sink, with_flags))
+    return per_part(selector, ("select", n_sink, with_flags), lambda: _CompiledSelect(selector, n_sink, with_flags))
 
 
 class _Traced(NamedTuple):
@@ -198,4 +180,4 @@ class _Compiled(_PartRef):
 def compiled(disposition, checks: bool = True) -> Callable:
     """The compiled ``dispose`` of ``disposition``, with its update's checks unless ``checks=False`` (shared by
     every layer's cache)."""
-    return _per_part(disposition, ("dispose", checks), lambda: _Compiled(disposition, checks))
+    return per_part(disposition, ("dispose", checks), lambda: _Compiled(disposition, checks))

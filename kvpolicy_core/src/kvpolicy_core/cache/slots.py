@@ -14,12 +14,12 @@ references (:meth:`snapshot`) is a complete, cheap snapshot.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 
 from ..parts.base import CacheView, MergeUpdate
+from .traces import per_part, weak
 
 _INT_MAX = 2**31 - 1
 FIELDS = ("keys", "values", "positions", "scores", "n")
@@ -84,18 +84,14 @@ _DECODE_FIELDS = ("_keys", "values", "positions", "scores", "log_weights", "key_
 _BUFFERS = _DECODE_FIELDS[:4]
 _UPDATE_FIELDS = ("d_keys", "d_values", "d_scores", "d_log_weights")
 _writes: dict = {}  # compiled decode writes without a choice, per (store fields, update fields)
-#: with a choice, per selector (held weakly: a policy's parts and their traces go with the policy)
-_choice_writes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _write_graph(fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optional[Choice]) -> Callable:
     """:meth:`SlotStore.write`'s ops as a function of arrays, for ``mx.compile``: ``f(keys, values, offset, losers
     or targets.., *buffers, *deltas, *dead) -> buffers`` (losers absent with a choice, targets and deltas with no
-    update, dead unless the choice has one); holds a choice's selector weakly."""
-    try:
-        selector = None if choice is None else weakref.ref(choice.selector)
-    except TypeError:  # not weak-referenceable: its compiled write is not kept (one per call)
-        selector = lambda part=choice.selector: part  # noqa: E731
+    update, dead unless the choice has one); holds a choice's selector weakly, and nothing else of the choice."""
+    selector = None if choice is None else weak(choice.selector)
+    head_shard = None if choice is None else choice.head_shard
     n_in = (choice is None) + bool(deltas)
 
     def fn(keys, values, offset, *arrays):
@@ -107,7 +103,7 @@ def _write_graph(fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optio
             losers = head[0]
         else:
             dead = rest[0] if rest else None
-            view = CacheView(*bufs[:4], offset, 0, dead, *choice.head_shard)
+            view = CacheView(*bufs[:4], offset, 0, dead, *head_shard)
             losers = selector().select(view, 1).astype(mx.int32)
         if deltas:
             store.add(MergeUpdate(head[-1], **dict(zip(deltas, rest))))
@@ -120,18 +116,12 @@ def _write_graph(fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optio
 def _compiled_write(fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optional[Choice]) -> Callable:
     """:func:`_write_graph` compiled, one per layout (shared by every layer; MLX retraces on a new shape or dtype);
     with a choice, one per (selector, fields, head shard, dead given)."""
-    per, key = _writes, (fields, deltas)
-    if choice is not None:
-        key = (fields, choice.head_shard, choice.dead is not None)
-        try:
-            per = _choice_writes.get(choice.selector)
-            if per is None:
-                per = _choice_writes[choice.selector] = {}
-        except TypeError:
-            per = {}
-    if key not in per:
-        per[key] = mx.compile(_write_graph(fields, deltas, choice))
-    return per[key]
+    if choice is not None:  # per selector (.traces: freed with the policy)
+        key = ("write", fields, choice.head_shard, choice.dead is not None)
+        return per_part(choice.selector, key, lambda: mx.compile(_write_graph(fields, deltas, choice)))
+    if (fields, deltas) not in _writes:
+        _writes[fields, deltas] = mx.compile(_write_graph(fields, deltas, None))
+    return _writes[fields, deltas]
 
 
 class SlotStore:

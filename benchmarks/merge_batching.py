@@ -9,8 +9,8 @@ disposition is ``batch_rows``). This times, side by side in one run: (1) the com
 value checks, evaluated once per layer as the cache does now; (2) the same over all layers stacked as
 B rows, evaluated once; (3) stacking the six per-slot fields of every layer into those rows (the copy a
 design that keeps one slot store per layer would pay each token); (4) one layer's merge update and new-token
-write as the two eager calls (``SlotStore.add`` then ``write_into``) versus the one compiled call the cache
-makes (``SlotStore.add_and_write``). Medians of ``--repeat`` runs (after a warm-up). Writes
+write eager (``SlotStore.write``: ``add`` then the token's write) versus as the one compiled call the cache
+makes (``SlotStore.write(..., compiled=True)``). Medians of ``--repeat`` runs (after a warm-up). Writes
 merge_batching[_tag].json.
 
     python benchmarks/merge_batching.py --layers 1 --kv-heads 4 --budget 1024 --head-dim 128   # the reference point
@@ -24,7 +24,7 @@ from _common import mx, parser, result_name, timed, write_json
 
 from kvpolicy_core import PolicyCache
 from kvpolicy_core.cache.compiled import compiled
-from kvpolicy_core.cache.slots import SlotStore
+from kvpolicy_core.cache.slots import SlotStore, Snapshot, Token
 from kvpolicy_core.parts.base import CacheView
 
 
@@ -42,10 +42,10 @@ def fields(B: int, H: int, L: int, D: int, seed: int):
 
 
 def write_times(f, update, repeat: int):
-    """ms of SlotStore.add + write_into (eager) and of SlotStore.add_and_write (compiled), one layer, evaluated."""
+    """ms of SlotStore.write eager and compiled (a merge update and the new token's write), one layer, evaluated."""
     B, H, L, D = f[0].shape
     store = SlotStore(track_log_weights=True, track_key_norms=True)
-    store.restore((*f[:4], L, f[4]))
+    store.restore(Snapshot(*f[:4], L, f[4]))
     store.key_norms = f[5]
     slots = mx.array([[[L - 1]] * H], dtype=mx.int32)  # the new token's slot (not a merge target: a non-sink)
     k = mx.random.normal((B, H, 1, D), key=mx.random.key(9))
@@ -60,12 +60,11 @@ def write_times(f, update, repeat: int):
     )
 
     def two():
-        store.add(update)
-        store.write_into(slots, k, k, 4 * L)
+        store.write(Token(k, k, 4 * L), slots, update)
         flush()
 
     def one():
-        store.add_and_write(update, slots, k, k, 4 * L)
+        store.write(Token(k, k, 4 * L), slots, update, compiled=True)
         flush()
 
     return {"write_two_calls_ms": 1e3 * timed(two, repeat), "write_one_call_ms": 1e3 * timed(one, repeat)}

@@ -14,7 +14,7 @@ Measured side by side in one run, medians of ``--repeat`` evaluations (after a w
    top of it: 0.3x of that step for ``h2o`` (1.3x), 0.5x for ``cam`` (1.5x).
 3. CaM's decode eviction in the three compiled calls the cache makes, each timed alone and evaluated:
    the selector's choice, the disposition's merge with its value checks, and the merge update with the
-   new token's write (``SlotStore.add_and_write``). Alone, each pays one evaluation's round trip (the
+   new token's write (``SlotStore.write(..., compiled=True)``). Alone, each pays one evaluation's round trip (the
    one-op chain's time less the per-op cost); the cache evaluates the three in two (its sync before the
    write, then the step), so the sum less two round trips is the eviction's cost in the cache, also given
    as "ops" = that cost / the per-op cost.
@@ -33,7 +33,7 @@ from step_cost import Stepper
 
 from kvpolicy_core import PolicyCache
 from kvpolicy_core.cache.compiled import compiled, compiled_select
-from kvpolicy_core.cache.slots import SlotStore
+from kvpolicy_core.cache.slots import SlotStore, Snapshot, Token
 from kvpolicy_core.parts.base import CacheView
 
 
@@ -85,7 +85,7 @@ def cam_parts_us(budget: int, D: int, H: int, repeat: int) -> dict:
     u, _ = merge(view, losers, key)
     mx.eval(u.targets, u.d_keys, u.d_values, u.d_scores, u.d_log_weights)
     store = SlotStore(track_log_weights=True, track_key_norms=True)
-    store.restore((K, V, P, S, L, LW))
+    store.restore(Snapshot(K, V, P, S, L, LW))
     store.key_norms = N
     k = mx.random.normal((1, H, 1, D), key=mx.random.key(9))
     mx.eval(k)
@@ -103,7 +103,7 @@ def cam_parts_us(budget: int, D: int, H: int, repeat: int) -> dict:
         )
 
     def write():
-        store.add_and_write(u, losers, k, k, 4 * L)
+        store.write(Token(k, k, 4 * L), losers, u, compiled=True)
         mx.eval(store.keys, store.values, store.positions, store.scores, store.log_weights, store.key_norms)
 
     return {

@@ -151,7 +151,7 @@ def test_a_policys_compiled_steps_go_with_it():
     cache uses a policy, its parts and their traces are freed (a server building caches per request)."""
     import gc
 
-    from kvpolicy_core.cache import compiled as compiled_parts
+    from kvpolicy_core.cache import traces as compiled_parts
     from kvpolicy_core.testing.conformance import feed
 
     gc.collect()

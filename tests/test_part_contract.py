@@ -14,6 +14,7 @@ from helpers import SHIPPED_METHODS, feed, random_kv, with_fields
 from kvpolicy_core import Disposition, Needs, PluginError, PolicyCache, Scorer, Selector
 from kvpolicy_core.cache.batch import BatchPolicyCache
 from kvpolicy_core.cache.batch_rows import can_stack
+from kvpolicy_core.cache.step import Compiling
 from kvpolicy_core.config.policy import build_policy
 from kvpolicy_core.parts import shipped
 from kvpolicy_core.parts.base import OLD_FLAGS, CacheView, policy_needs
@@ -216,7 +217,7 @@ def test_view_offset_is_int32_b11_on_prefill_decode_and_compiled_decode(monkeypa
         cache = PolicyCache(config)
         assert cache._step.needs.compile_selector
         feed(cache, K, V, (9,) + (1,) * 11)
-        assert cache._step._compiled_ok == [True, True]
+        assert cache._step.compiling == Compiling(select=True, dispose=True)
     assert any(value is None for *_, value in offsets_seen())  # seen inside a compiled graph
 
 

@@ -102,20 +102,23 @@ def test_what_core_trusts_passes_the_checks_it_skips(monkeypatch, config, window
     ],
 )
 def test_the_fused_decode_eviction_is_the_three_call_step_bit_for_bit(monkeypatch, config, window):
-    """H2O's decode eviction as one compiled call (select + write) leaves exactly the buffers, positions and
-    scores of select, dispose and write_into called one after another, and is the path decode takes."""
-    from kvpolicy_core.cache.step import PolicyStep
+    """H2O's decode eviction as one compiled call (select + write: a Choice) leaves exactly the buffers, positions
+    and scores of select, dispose and the write called one after another, and is the path decode takes."""
+    from kvpolicy_core.cache.slots import Choice, SlotStore
 
     keys, values = random_kv(B=2, S=40)
     fused = PolicyCache(config, window=window)
     taken = []
-    real = PolicyStep.evict_and_write
+    real = SlotStore.write
     monkeypatch.setattr(
-        PolicyStep, "evict_and_write", lambda self, *a: (lambda r: (taken.append(r is not None), r)[1])(real(self, *a))
+        SlotStore,
+        "write",
+        lambda self, t, losers, *a, **k: (taken.append(isinstance(losers, Choice)), real(self, t, losers, *a, **k))[1],
     )
     feed(fused, keys, values, [12] + [1] * 28)
-    monkeypatch.setattr(PolicyStep, "evict_and_write", lambda self, *a: None)
+    monkeypatch.setattr(SlotStore, "write", real)
     three = PolicyCache(config, window=window)
+    three._step.fuses_drop = False
     feed(three, keys, values, [12] + [1] * 28)
     assert taken and all(taken[1:])  # every full-buffer decode eviction took the fused call
     assert fused.offset == three.offset and fused.n == three.n
@@ -135,21 +138,23 @@ def test_the_fused_decode_eviction_is_the_three_call_step_bit_for_bit(monkeypatc
 )
 def test_a_decode_merge_and_its_write_in_one_call_are_the_two_calls_bit_for_bit(monkeypatch, config, dtype):
     """A decode eviction's one-target merge and the new token's write as one compiled call
-    (SlotStore.add_and_write) leave exactly the buffers, log-weights and key norms of add then write_into."""
+    (SlotStore.write, compiled) leave exactly the buffers, log-weights and key norms of the same write eager."""
     from kvpolicy_core.cache.slots import SlotStore
 
     keys, values = random_kv(B=2, S=40, dtype=dtype)
     calls = []
-    real = SlotStore.add_and_write
-    monkeypatch.setattr(SlotStore, "add_and_write", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    real = SlotStore.write
+    monkeypatch.setattr(
+        SlotStore,
+        "write",
+        lambda self, *a, compiled=False: (calls.append(compiled), real(self, *a, compiled=compiled))[1],
+    )
     one = PolicyCache(config)
     feed(one, keys, values, [12] + [1] * 28)
-    monkeypatch.setattr(
-        SlotStore, "add_and_write", lambda self, u, slots, k, v, off: (self.add(u), self.write_into(slots, k, v, off))
-    )
+    monkeypatch.setattr(SlotStore, "write", lambda self, *a, compiled=False: real(self, *a, compiled=False))
     two = PolicyCache(config)
     feed(two, keys, values, [12] + [1] * 28)
-    assert len(calls) > 10 and one.merges == two.merges > 0  # merges took the one-call path
+    assert sum(calls) > 10 and one.merges == two.merges > 0  # merges took the one-call path
     for x, y in zip(one.state, two.state):
         assert mx.array_equal(x, y) if isinstance(x, mx.array) else x == y
     for f in ("log_weights", "key_norms"):

@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from ..attention.bias import with_log_weights
 from ..parts.base import on_key_norms
-from .slots import SNAPSHOT, SlotStore
+from .slots import SlotStore, Snapshot, Token
 
 
 def can_stack(rows: Sequence) -> bool:
@@ -83,14 +83,14 @@ class StackedRows:
         )
         n = r0.n
         snaps = [r._slots.snapshot() for r in rows]
-        stacked = []
-        for i, field in enumerate(SNAPSHOT):
-            parts = [s[i] for s in snaps]
+        stacked = {}
+        for field in Snapshot._fields:
+            parts = [getattr(s, field) for s in snaps]
             if field == "n" or parts[0] is None:
-                stacked.append(n if field == "n" else None)
+                stacked[field] = n if field == "n" else None
             else:  # buffers [1, H, cap, D] / [1, H, cap] -> [B, H, n(, D)]
-                stacked.append(mx.concatenate([p[:, :, :n] for p in parts]))
-        self.slots.restore(tuple(stacked))
+                stacked[field] = mx.concatenate([p[:, :, :n] for p in parts])
+        self.slots.restore(Snapshot(**stacked))
         self.offsets: List[int] = [r.offset for r in rows]
         names = sorted({k for r in rows for k in r._counters})
         zero = mx.array(0, dtype=mx.int32)
@@ -137,25 +137,23 @@ class StackedRows:
         if self.hooks:
             self.step.check_hook(self.hooks, self.hooked_always or self._windowed())
         self.step.check_observed(self._windowed(), self.attended or all(o == 0 for o in self.offsets))
-        saved = (self.slots.snapshot(), list(self.offsets), self.counters, self.attended)
+        slots, offsets, counters, attended = self.slots.snapshot(), list(self.offsets), self.counters, self.attended
         try:
             offs = self._offsets()
             view = self._view(0, offs)
             losers, pending = self.step.losers(view, 1)
             update, counts = self.step.dispose(view, losers, list(self.offsets), pending)
-            if update is not None:
-                self.slots.add(update)
             if counts:
                 zero = mx.zeros((len(self.rows),), mx.int32)
                 self.counters = {**self.counters, **{k: self.counters.get(k, zero) + v for k, v in counts.items()}}
-            self.slots.write_into(losers, keys, values, offs)
+            self.slots.write(Token(keys, values, offs), losers, update)
             self.offsets = [o + 1 for o in self.offsets]
             offs = offs + 1
             self.slots.scores = self.step.on_append(self._view(1, offs, {}), keys, offs - 1)
             self.attended = False
         except BaseException:
-            self.slots.restore(saved[0])
-            self.offsets, self.counters, self.attended = saved[1], saved[2], saved[3]
+            self.slots.restore(slots)
+            self.offsets, self.counters, self.attended = offsets, counters, attended
             raise
         self.updates += 1
         if self.updates % 256 == 0 and self.counters:
@@ -184,7 +182,7 @@ class StackedRows:
         """Write the stacked state back into the row caches (each row's slots, offset, counters) and return them."""
         snap = self.slots.snapshot()
         for b, r in enumerate(self.rows):
-            r._slots.restore(tuple(x[b : b + 1] if isinstance(x, mx.array) else x for x in snap))
+            r._slots.restore(Snapshot(*(x[b : b + 1] if isinstance(x, mx.array) else x for x in snap)))
             r.offset = self.offsets[b]
             r._counters = {**r._counters, **{k: v[b] for k, v in self.counters.items()}}
             r._attended, r._last_S, r._updates = self.attended, 1, self.updates

@@ -16,11 +16,18 @@ reads out of bounds whatever it is given.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from .slots import LOG_WEIGHT_BOUND
+
+
+class UpdateChecks(NamedTuple):
+    """A MergeUpdate's value checks (:func:`update_checks`)."""
+
+    code: mx.array  #: [1] int32: the check summary
+    d_log_weights: Optional[mx.array]  #: the log-weight deltas made finite, or None
 
 
 def _out_of_range(idx: mx.array, last: mx.array, distinct: bool) -> mx.array:
@@ -142,4 +149,4 @@ def checked_update(
 
         fn = _compiled_updates[key] = mx.compile(flat)
     extra = [d_log_weights] if d_log_weights is not None else []
-    return fn(targets, scalar(L - 1), *[x for pair in pairs for x in pair], *extra)
+    return UpdateChecks(*fn(targets, scalar(L - 1), *[x for pair in pairs for x in pair], *extra))

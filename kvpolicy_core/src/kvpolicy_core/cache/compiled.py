@@ -1,7 +1,7 @@
 """Decode steps of parts as compiled MLX graphs (the ``compile_decode`` trait of shipped parts,
-:mod:`kvpolicy_core.parts.shipped`): a selector's choice with its
-value checks, a disposition's update, and (a trusted selector with drop: H2O) the choice with the new
-token's write, in one call.
+:mod:`kvpolicy_core.parts.shipped`): a selector's choice with its value checks and a disposition's update
+(a trusted selector's choice with the new token's write, H2O's whole decode eviction, is
+:meth:`kvpolicy_core.cache.slots.SlotStore.write`'s, cached per selector in :mod:`.traces`).
 
 On CPU each MLX op has a fixed cost of ~5-10 µs, and a merge step is ~40 small ops over [B, H, L]
 arrays; :func:`mx.compile` fuses them (CaM's mass merge at L = 1024: ~600 µs eager, ~200 µs compiled,
@@ -17,45 +17,27 @@ The results are the part's own, field for field: the selector's losers (with the
 
 from __future__ import annotations
 
-import weakref
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
 from ..parts.base import CacheView, MergeUpdate, kept_key_norms, on_key_norms
-from .slots import token_written
+from .checks import UpdateChecks, _loser_flags, scalar, update_checks
+from .traces import per_part, weak
 
 _FIELDS = ("targets", "d_keys", "d_values", "d_scores", "draws", "merges", "d_log_weights")
 _OPTIONAL_VIEW = ("dead", "log_weights", "key_norms")
-_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _PartRef:
-    """Holds its part weakly where it can: the wrappers live in ``_cache``, a WeakKeyDictionary keyed by the
-    part, and a value that held its key strongly would keep every policy's part and traces alive forever."""
+    """Holds its part weakly (:func:`.traces.weak`): the wrappers live in the per-part map of :mod:`.traces`."""
 
     def _hold(self, part) -> None:
-        try:
-            ref = weakref.ref(part)
-        except TypeError:  # not weak-referenceable: such a part is not cached (a wrapper per call)
-            ref = lambda part=part: part  # noqa: E731
-        self._ref = ref
+        self._ref = weak(part)
 
     @property
     def part(self):
         return self._ref()
-
-
-def _per_part(part, key, make: Callable):
-    """The wrapper ``key`` of ``part`` in ``_cache``, made by ``make()`` on first use (shared by every layer's
-    cache using the part); a part that is not weak-referenceable gets a new wrapper per call."""
-    try:
-        per = _cache.setdefault(part, {})
-    except TypeError:
-        return make()
-    if key not in per:
-        per[key] = make()
-    return per[key]
 
 
 def wants_compile(compile_decode: bool, n_evict: int) -> bool:
@@ -112,8 +94,6 @@ class _CompiledSelect(_PartRef):
         self._fns: Dict[Tuple, Callable] = {}
 
     def __call__(self, view: CacheView, n_evict: int):
-        from .checks import _loser_flags, scalar
-
         layout, arrays = _layout(view)
         fn, read = self._fns.get(layout, (None, []))
         if fn is None:
@@ -138,47 +118,17 @@ class _CompiledSelect(_PartRef):
 def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
     """``f(view, n_evict) -> (losers int32, flags)``: the compiled choice of a ranked ``selector``
     (``with_flags=False``: no checks computed, flags None)."""
-    return _per_part(selector, ("select", n_sink, with_flags), lambda: _CompiledSelect(selector, n_sink, with_flags))
+    return per_part(selector, ("select", n_sink, with_flags), lambda: _CompiledSelect(selector, n_sink, with_flags))
 
 
-class _CompiledEvictWrite(_PartRef):
-    """A trusted selector's decode choice and the new token's write into the loser's slot, one compiled call
-    (H2O's whole decode eviction: drop needs no update). ``f(keys, values, buffers, offset, head_shard, dead)``
-    -> (keys, values, positions, scores) with the new token [B, H, 1, D(v)] at the loser's slot, position
-    ``offset``, score 0 (exactly :meth:`kvpolicy_core.cache.slots.SlotStore.write_into` after the selector's choice).
-    ``buffers``: (keys, values, positions, scores) of a full slot store; ``head_shard``: (head_offset,
-    heads_total); ``dead``: the window-dead slots [B, H, L] bool, or None. One trace per (head_shard, dead given).
-    """
+class _Traced(NamedTuple):
+    """What a traced ``dispose`` returned, to read the compiled call's flat outputs back into a MergeUpdate."""
 
-    def __init__(self, selector) -> None:
-        self._hold(selector)
-        self._fns: Dict[Tuple, Callable] = {}
-
-    def __call__(
-        self,
-        keys: mx.array,
-        values: mx.array,
-        buffers,
-        offset: int,
-        head_shard: Tuple[int, int],
-        dead: Optional[mx.array] = None,
-    ):
-        key = (head_shard, dead is None)
-        fn = self._fns.get(key)
-        if fn is None:
-
-            def fn(keys, values, K, V, P, S, off, *dead):
-                view = CacheView(K, V, P, S, off, 0, dead[0] if dead else None, *head_shard)
-                losers = self.part.select(view, 1).astype(mx.int32)
-                return token_written((K, V, P, S), losers, keys, values, off)
-
-            fn = self._fns[key] = mx.compile(fn)
-        return fn(keys, values, *buffers, mx.array(offset, dtype=mx.int32), *(() if dead is None else (dead,)))
-
-
-def compiled_evict_write(selector) -> Callable:
-    """The compiled decode eviction + write of a trusted ranked ``selector`` with a drop disposition."""
-    return _per_part(selector, "evict_write", lambda: _CompiledEvictWrite(selector))
+    fields: List[str]  #: the MergeUpdate fields set, in output order
+    stat_names: List[str]  #: counters returned as arrays, in output order (after the fields)
+    constants: dict  #: counters returned as Python values
+    no_stats: bool  #: ``stats`` was None
+    has_log_weights: bool  #: the checks include finite log-weight deltas (after the check code)
 
 
 class _Compiled(_PartRef):
@@ -195,16 +145,14 @@ class _Compiled(_PartRef):
         self._fns: Dict[Tuple, Tuple[Callable, List, List]] = {}
 
     def _build(self, layout: Tuple) -> Tuple[Callable, List, List]:
-        from .checks import update_checks
-
-        spec: List = []  # filled while tracing: which fields are set, the stats' names, the checks' outputs
+        spec: List[Optional[_Traced]] = [None]  # filled while tracing (None: the part returned no MergeUpdate)
         read: List = []  # filled while tracing: the part read key norms the view lacks
 
         def fn(losers, key, last, *arrays):
             view = _view(arrays, layout, read)
             u = self.part.dispose(view, losers, key)
             if not isinstance(u, MergeUpdate) or (u.stats is not None and not isinstance(u.stats, dict)):
-                spec[:] = [("raw", u)]
+                spec[0] = None
                 return [mx.array(0)]
             fields = [f for f in _FIELDS if getattr(u, f) is not None]
             stats = [
@@ -219,41 +167,37 @@ class _Compiled(_PartRef):
                 if getattr(u, f) is not None
             ]
             checks = list(update_checks(targets, last, pairs, u.d_log_weights)) if self.checks else []
-            spec[:] = [
-                (
-                    "update",
-                    fields,
-                    [k for k, _ in stats],
-                    {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)},
-                    u.stats is None,
-                    len(checks) > 1 and checks[1] is not None,
-                )
-            ]
+            spec[0] = _Traced(
+                fields,
+                [k for k, _ in stats],
+                {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)},
+                u.stats is None,
+                len(checks) > 1 and checks[1] is not None,
+            )
             return [getattr(u, f) for f in fields] + [v for _, v in stats] + [c for c in checks if c is not None]
 
         return mx.compile(fn), spec, read
 
     def __call__(self, view: CacheView, losers: mx.array, key: mx.array):
         """(the MergeUpdate or None, its in-graph checks (check code, finite d_log_weights) or None)."""
-        from .checks import scalar
-
         layout, arrays = _layout(view)
         if layout not in self._fns:
             self._fns[layout] = self._build(layout)
         fn, spec, read = self._fns[layout]
         out = fn(losers, key, scalar(view.scores.shape[-1] - 1), *arrays)
         _norms_were_read(view, read)
-        if spec[0][0] == "raw":  # not a MergeUpdate: the eager call gives the part's own result to check
+        traced = spec[0]
+        if traced is None:  # not a MergeUpdate: the eager call gives the part's own result to check
             return self.part.dispose(view, losers, key), None
-        _, fields, stat_names, constants, no_stats, has_lw = spec[0]
+        fields, names = traced.fields, traced.stat_names
         update = dict(zip(fields, out[: len(fields)]))
-        n = len(fields) + len(stat_names)
-        stats: Optional[dict] = None if no_stats else {**constants, **dict(zip(stat_names, out[len(fields) : n]))}
-        checks = (out[n], out[n + 1] if has_lw else None) if self.checks else None
+        n = len(fields) + len(names)
+        stats = None if traced.no_stats else {**traced.constants, **dict(zip(names, out[len(fields) : n]))}
+        checks = UpdateChecks(out[n], out[n + 1] if traced.has_log_weights else None) if self.checks else None
         return MergeUpdate(**update, stats=stats), checks
 
 
 def compiled(disposition, checks: bool = True) -> Callable:
     """The compiled ``dispose`` of ``disposition``, with its update's checks unless ``checks=False`` (shared by
     every layer's cache)."""
-    return _per_part(disposition, ("dispose", checks), lambda: _Compiled(disposition, checks))
+    return per_part(disposition, ("dispose", checks), lambda: _Compiled(disposition, checks))

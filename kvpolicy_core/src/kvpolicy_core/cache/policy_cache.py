@@ -1,8 +1,8 @@
 """The per-layer policy cache: runs any scorer/selector/disposition under mlx-lm's cache contract.
 
-Three units do the work: the slot store (:mod:`.slots`: buffers, positions, in-place write,
-compaction), the policy step (:mod:`.policy_step`: score, select, dispose, checked) and
-persistence/diagnostics (:mod:`.cache_state`, :mod:`.cache_diagnostics`). This class is
+Three units do the work: the slot store (:mod:`.slots`: buffers, positions, the one decode write,
+compaction), the policy step (:mod:`.step`: score, select, dispose, checked) and
+persistence/diagnostics (:mod:`.state`, :mod:`.diagnostics`). This class is
 the loop that ties them to mlx-lm. ``update_and_fetch(k, v)`` with S new tokens:
 
 1. *Settle*: if the previous call left ``n > budget`` slots, ``E = n - budget`` losers are
@@ -27,14 +27,14 @@ as the 57 tokens in one chunk). An eviction, a single-token update and ``trim`` 
 next chunk starts a new one with an empty dict. A saved ``state`` carries the run in progress.
 
 *Attention hook.* A cache that needs it (observed signal, log-weights, sliding window) holds the
-install (``attention_hook``) and restores it with its state (:mod:`.cache_state`); a step that needs
+install (``attention_hook``) and restores it with its state (:mod:`.state`); a step that needs
 the hook is refused, before anything changes, when the install was removed or a restored cache has none.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -49,9 +49,21 @@ from ..runtime.sharding import check_head_shard
 from . import interop
 from .batch import BatchPolicyCache
 from .diagnostics import CacheDiagnostics
-from .slots import FIELDS, SlotStore
+from .slots import FIELDS, SlotStore, Snapshot, Token
 from .state import CacheState
 from .step import PolicyStep
+
+
+class Saved(NamedTuple):
+    """What a step may change (:meth:`PolicyCache._save`): the slot store's snapshot and the cache's own fields."""
+
+    slots: Snapshot
+    offset: int
+    counters: dict
+    attended: bool
+    run: dict
+    run_open: bool
+    lw_used: bool
 
 
 def _slot(name: str) -> property:
@@ -118,7 +130,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
             self._run = dict(self._run) if (self._run_open and S > 1 and over <= 0) else {}
             self._run_open = S > 1
             if over == 1 and S == 1:
-                self._evict_into(keys, values)
+                self._evict(1, Token(keys, values, self.offset))
             else:
                 if over > 0:
                     self._slots.compact(self._evict(over))
@@ -245,8 +257,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         """Called by the attention hook with the real queries [B, Hq, S, D]; returns the mask to use.
 
         Sliding-window layers get a mask built from this layer's own positions:
-        query at position p may attend to key at position q iff ``p - W < q <= p``.
-        A policy with log-weights gets them added to the logits (:func:`.attention_bias.with_log_weights`).
+        query at position p may attend to key at position q iff ``p - W < q <= p``. A policy with
+        log-weights gets them added to the logits (:func:`~kvpolicy_core.attention.bias.with_log_weights`).
         """
         mask = self._attention_mask(queries, mask)
         if self._step.needs.attention:
@@ -262,8 +274,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
 
         ``fused(queries, keys, values, cache, scale, mask)`` is mlx-lm's attention. A scorer that can
         take the model's weights (``on_attention_weights``: the shipped observed scorers) gets them from
-        the one pass that computes the output (:func:`.attention_weights.attention_with_weights`, on CPU
-        bit-identical to the fused kernel) where that is faster (:func:`.attention_weights.attend_once`);
+        the one pass that computes the output (:func:`~kvpolicy_core.attention.weights.attention_with_weights`, on CPU
+        bit-identical to the fused kernel) where that is faster (:func:`~kvpolicy_core.attention.weights.attend_once`);
         otherwise this is :meth:`before_attention` then ``fused``. So is a prompt chunk whose scores read only
         some of its query rows (the observation window's last W of S > W, ``rows_observed``): the scorer's own
         pass over those rows costs W/S of the kernel's, and where the output is never read (the last layer of a
@@ -307,53 +319,34 @@ class PolicyCache(CacheState, CacheDiagnostics):
         pos = self.positions
         return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
 
-    def _evict(self, n_evict: int, new_token: Optional[Tuple[mx.array, mx.array]] = None) -> mx.array:
+    def _evict(self, n_evict: int, token: Optional[Token] = None) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors.
 
-        ``new_token``: decode's (keys, values) [B, H, 1, D(v)], written into the loser's slot here (with a
-        one-target update in the same compiled call, :meth:`SlotStore.add_and_write`)."""
-        view = self._view(0)
-        self._run, self._run_open = {}, False  # an eviction ends the run
-        losers, pending = self._step.losers(view, n_evict)
-        update, counts = self._step.dispose(view, losers, self.offset, pending)
-        if update is not None:
-            self._lw_used = self._lw_used or update.d_log_weights is not None
-        if counts:
-            zero = mx.array(0, dtype=mx.int32)
-            self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
-        if (
-            new_token is not None
-            and update is not None
-            and update.targets.shape[-1] == 1
-            and self.n == self._slots.keys.shape[2]
-        ):
-            self._slots.add_and_write(update, losers, *new_token, self.offset)
-            return losers
-        if update is not None:
-            self._slots.add(update)
-        if new_token is not None:
-            self._slots.write_into(losers, *new_token, self.offset)
-        return losers
-
-    def _evict_into(self, keys: mx.array, values: mx.array) -> None:
-        """Decode: evict one slot per row and write the new token [B, H, 1, D] into it (one compiled call
-        for H2O's drop, :meth:`PolicyStep.evict_and_write`; else select, dispose, write)."""
+        ``token``: decode's new token, written into the loser's slot with the update (:meth:`SlotStore.write`: one
+        compiled call for a one-target merge, or, with drop, for the choice too: H2O's whole eviction, whose losers
+        are then the :class:`~.slots.Choice` the write made)."""
         sl = self._slots
-        if self._step.fuses_drop and sl.log_weights is None and sl.key_norms is None and self.n == sl.keys.shape[2]:
+        self._run, self._run_open = {}, False  # an eviction ends the run
+        full = token is not None and self.n == sl.keys.shape[2]
+        losers = None
+        if full and sl.log_weights is None and sl.key_norms is None:  # no view built: a Choice reads the buffers
             H, (rank, size) = sl.keys.shape[1], self.head_shard
-            done = self._step.evict_and_write(
-                keys,
-                values,
-                (sl.keys, sl.values, sl.positions, sl.scores),
-                self.offset,
-                (rank * H, size * H),
-                self._window_dead(),
-            )
-            if done is not None:
-                self._run, self._run_open = {}, False  # an eviction ends the run
-                sl.replace(*done)
-                return
-        self._evict(1, (keys, values))
+            losers = self._step.choice(self.n, (rank * H, size * H), self._window_dead(), lambda: self._view(0))
+        update = None
+        if losers is None:
+            view = self._view(0)
+            losers, pending = self._step.losers(view, n_evict)
+            update, counts = self._step.dispose(view, losers, self.offset, pending)
+            if update is not None:
+                self._lw_used = self._lw_used or update.d_log_weights is not None
+            if counts:
+                zero = mx.array(0, dtype=mx.int32)
+                self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
+        if token is not None:
+            sl.write(token, losers, update, compiled=full and update is not None and update.targets.shape[-1] == 1)
+        elif update is not None:
+            sl.add(update)
+        return losers
 
     def _check_observation(self) -> None:
         """Refuse (before anything changes) a step that needs the attention hook when the hook cannot run: the
@@ -368,11 +361,11 @@ class PolicyCache(CacheState, CacheDiagnostics):
             )
         self._step.check_observed(windowed, self._attended or self.offset == 0)
 
-    def _save(self) -> tuple:
+    def _save(self) -> Saved:
         """A snapshot for :meth:`_restore`: all-or-nothing, if a part (or anything) raises, the cache is left
         exactly as before. Every update is functional (MLX arrays are values), so references are a complete
         snapshot."""
-        return (
+        return Saved(
             self._slots.snapshot(),
             self.offset,
             self._counters,
@@ -382,9 +375,10 @@ class PolicyCache(CacheState, CacheDiagnostics):
             self._lw_used,
         )
 
-    def _restore(self, saved: tuple) -> None:
-        self._slots.restore(saved[0])
-        self.offset, self._counters, self._attended, self._run, self._run_open, self._lw_used = saved[1:]
+    def _restore(self, saved: Saved) -> None:
+        self._slots.restore(saved.slots)
+        self.offset, self._counters, self._attended = saved.offset, saved.counters, saved.attended
+        self._run, self._run_open, self._lw_used = saved.run, saved.run_open, saved.lw_used
 
     def _bound_graph(self) -> None:
         """Keep the lazy graph of scores and counters bounded over long runs.

@@ -15,31 +15,49 @@ references (:meth:`snapshot`) is a complete, cheap snapshot.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from ..parts.base import CacheView, MergeUpdate, key_norm
+from ..parts.base import CacheView, MergeUpdate, key_norm, on_key_norms
+from .traces import per_part, weak
 
 _INT_MAX = 2**31 - 1
 FIELDS = ("keys", "values", "positions", "scores", "n")
-SNAPSHOT = FIELDS + ("log_weights",)
 #: |log-weight| bound: exp(64) ~ 6e27 copies of a slot, far above any count, and finite in float16
 #: logits (a non-finite or larger value from a disposition is clipped, NaN adds 0)
 LOG_WEIGHT_BOUND = 64.0
 
 
-def token_written(buffers, slots: mx.array, keys: mx.array, values: mx.array, offset: mx.array):
-    """(keys, values, positions, scores) buffers with a new token [B, H, 1, D(v)] at ``slots`` [B, H, 1]: its key
-    and value, position ``offset`` (int32 scalar array) and score 0 (traceable: the fused decode eviction uses it)."""
-    K, V, P, S = buffers
-    idx = slots[..., None]  # [B, H, 1, 1]
-    return (
-        mx.put_along_axis(K, idx, keys, axis=2),
-        mx.put_along_axis(V, idx, values, axis=2),
-        mx.put_along_axis(P, slots, offset, axis=2),
-        mx.put_along_axis(S, slots, mx.array(0.0, dtype=mx.float32), axis=2),
-    )
+class Snapshot(NamedTuple):
+    """References to a store's fields (:meth:`SlotStore.snapshot`); ``None`` buffers for an empty store."""
+
+    keys: Optional[mx.array]  #: [B, H, cap, D]
+    values: Optional[mx.array]  #: [B, H, cap, Dv]
+    positions: Optional[mx.array]  #: [B, H, cap] int32
+    scores: Optional[mx.array]  #: [B, H, n] float32
+    n: int  #: valid slots
+    log_weights: Optional[mx.array] = None  #: [B, H, n] float32, when tracked
+
+
+class Token(NamedTuple):
+    """Decode's new token (:meth:`SlotStore.write`)."""
+
+    keys: mx.array  #: [B, H, 1, D]
+    values: mx.array  #: [B, H, 1, Dv]
+    offset: Union[int, mx.array]  #: its position: an int, or int32 [B, 1, 1] per row of stacked rows
+
+
+class Choice(NamedTuple):
+    """Decode losers chosen inside :meth:`SlotStore.write`'s compiled call: ``selector.select(view, 1)`` over the
+    store's full buffers (a trusted selector, whose choice needs no checks, with a disposition that needs no
+    losers: drop), so the choice and the write are one call. ``fallback()``: the same losers [B, H, 1] int32
+    chosen outside it, for a selector that cannot be traced."""
+
+    selector: Any
+    head_shard: Tuple[int, Optional[int]]  #: the view's (head_offset, heads_total)
+    dead: Optional[mx.array]  #: the view's window-dead slots [B, H, L] bool, or None
+    fallback: Callable[[], mx.array]
 
 
 def _nothing(like: mx.array) -> mx.array:
@@ -56,38 +74,63 @@ def _kept(delta: mx.array, buffer: mx.array, targets: mx.array) -> mx.array:
     return mx.where(mx.isfinite(d) | ~mx.isfinite(rows), d, _nothing(d))
 
 
-#: the fields a decode merge-and-write reads and writes, in the order the compiled call takes them
+#: the store fields a decode write reads and writes, in the order its compiled call takes them
 _DECODE_FIELDS = ("_keys", "values", "positions", "scores", "log_weights", "key_norms")
+_BUFFERS = _DECODE_FIELDS[:4]
 _UPDATE_FIELDS = ("d_keys", "d_values", "d_scores", "d_log_weights")
-_merge_writes: dict = {}
+_writes: dict = {}  # compiled decode writes without a choice, per (store fields, update fields)
 
 
-def _merge_write(fields: Tuple[str, ...], changed: Tuple[bool, ...]):
-    """The compiled :meth:`SlotStore.add` then :meth:`SlotStore.write_into` for the store ``fields`` that are set
-    and the update fields ``changed``, one trace per (fields, changed) (MLX retraces on a new shape or dtype)."""
-    key = (fields, changed)
-    if key not in _merge_writes:
+def _write_graph(
+    fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optional[Choice], read: Optional[list] = None
+) -> Callable:
+    """:meth:`SlotStore.write`'s ops as a function of arrays, for ``mx.compile``: ``f(keys, values, offset, losers
+    or targets.., *buffers, *deltas, *dead) -> buffers`` (losers absent with a choice, targets and deltas with no
+    update, dead unless the choice has one); holds a choice's selector weakly, and nothing else of the choice.
+    ``read`` (a list) gets True appended while tracing when the choice's selector reads ``view.key_norms`` (the
+    store has none: they are computed in the graph, and the store keeps them from then on)."""
+    selector = None if choice is None else weak(choice.selector)
+    head_shard = None if choice is None else choice.head_shard
+    n_in = (choice is None) + bool(deltas)
 
-        def fn(targets, slots, keys, values, offset, *arrays):
-            store = SlotStore(track_log_weights="log_weights" in fields, track_key_norms="key_norms" in fields)
-            for f, x in zip(fields, arrays):  # _keys first: the keys setter would reset key_norms
-                setattr(store, f, x)
-            deltas = dict(zip([f for f, c in zip(_UPDATE_FIELDS, changed) if c], arrays[len(fields) :]))
-            store.add(
-                MergeUpdate(
-                    targets,
-                    deltas.get("d_keys"),
-                    deltas.get("d_values"),
-                    deltas.get("d_scores"),
-                    None,
-                    d_log_weights=deltas.get("d_log_weights"),
-                )
-            )
-            store.write_into(slots, keys, values, offset)
-            return [getattr(store, f) for f in fields]
+    def fn(keys, values, offset, *arrays):
+        head, bufs, rest = arrays[:n_in], arrays[n_in : n_in + len(fields)], arrays[n_in + len(fields) :]
+        store = SlotStore(track_log_weights="log_weights" in fields, track_key_norms="key_norms" in fields)
+        for f, x in zip(fields, bufs):  # _keys first: the keys setter would reset key_norms
+            setattr(store, f, x)
+        if selector is None:
+            losers = head[0]
+        else:
+            dead = rest[0] if rest else None
+            view = CacheView(*bufs[:4], offset, 0, dead, *head_shard)
+            if read is not None:
+                on_key_norms(view, lambda keys: read.append(True))
+            losers = selector().select(view, 1).astype(mx.int32)
+        if deltas:
+            store.add(MergeUpdate(head[-1], **dict(zip(deltas, rest))))
+        store._put(losers, keys, values, offset)
+        return [getattr(store, f) for f in fields]
 
-        _merge_writes[key] = mx.compile(fn)
-    return _merge_writes[key]
+    return fn
+
+
+def _compiled_write(
+    fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optional[Choice]
+) -> Tuple[Callable, list]:
+    """:func:`_write_graph` compiled, one per layout (shared by every layer; MLX retraces on a new shape or dtype);
+    with a choice, one per (selector, fields, head shard, dead given). Also the list its traces fill when the
+    choice read key norms (always empty without a choice)."""
+    if choice is not None:  # per selector (.traces: freed with the policy)
+        key = ("write", fields, choice.head_shard, choice.dead is not None)
+
+        def make():
+            read: list = []
+            return mx.compile(_write_graph(fields, deltas, choice, read)), read
+
+        return per_part(choice.selector, key, make)
+    if (fields, deltas) not in _writes:
+        _writes[fields, deltas] = mx.compile(_write_graph(fields, deltas, None)), []
+    return _writes[fields, deltas]
 
 
 class SlotStore:
@@ -133,17 +176,19 @@ class SlotStore:
         norms = self._norms()
         return norms if norms.shape[-1] == keys.shape[2] else norms[..., : keys.shape[2]]
 
-    def snapshot(self) -> Tuple:
-        return tuple(getattr(self, f) for f in SNAPSHOT)
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self._keys, self.values, self.positions, self.scores, self.n, self.log_weights)
 
-    def restore(self, snap: Tuple) -> None:
-        """Restore a :meth:`snapshot`; a 5-field (keys .. n) tuple gets all-zero log-weights when tracked."""
-        for f, v in zip(SNAPSHOT, snap):
-            setattr(self, f, v)
-        if len(snap) < len(SNAPSHOT):
-            self.log_weights = None
-            if self.track_log_weights and self.scores is not None:
-                self.log_weights = mx.zeros(self.scores.shape, mx.float32)
+    def restore(self, snap: Snapshot) -> None:
+        """Restore a :meth:`snapshot`, field for field."""
+        self.keys, self.values, self.positions, self.scores, self.n, self.log_weights = snap
+
+    def load(self, keys, values, positions, scores, log_weights=None) -> None:
+        """Take the ``n = keys.shape[2]`` slots of a restored state (checked afterwards by
+        :func:`.restore_checks.check_restored`); tracked log-weights not given are all zero."""
+        if log_weights is None and self.track_log_weights and scores is not None:
+            log_weights = mx.zeros(scores.shape, mx.float32)
+        self.restore(Snapshot(keys, values, positions, scores, 0 if keys is None else keys.shape[2], log_weights))
 
     def check_input(self, keys: mx.array, values: mx.array, layer: int) -> None:
         """Raise ValueError unless keys/values [B, H, S, D(v)] fit these buffers (same B, H, D, Dv, dtype).
@@ -311,40 +356,57 @@ class SlotStore:
             self.log_weights = mx.concatenate([lw, mx.zeros((B, H, S), mx.float32)], axis=2)
         self.n = need
 
-    def write_into(self, slots: mx.array, keys: mx.array, values: mx.array, offset: int) -> None:
-        """Decode: the new token [B, H, 1, D] (position ``offset``, score 0) takes the slots [B, H, 1]."""
+    def write(
+        self, token: Token, losers: Union[mx.array, Choice], update: Optional[MergeUpdate] = None, *, compiled=False
+    ) -> None:
+        """Decode's one write: ``update`` added (:meth:`add`, its guards included), then the new ``token`` into
+        the slots ``losers`` [B, H, 1]: its key, value, position ``token.offset`` and score 0 (log-weight 0, its
+        key norm), where losers is a :class:`Choice`, the slots it picks in the same call.
+
+        ``compiled``: the same ops as one ``mx.compile`` call (a merge's ~25 scatters and elementwise ops cost
+        ~10 µs each eager); a layout that cannot be traced runs them eager (a choice: its ``fallback()``'s
+        losers). A choice always runs compiled, and needs no ``update`` and no log-weights or key norms.
+        """
+        offset = token.offset if isinstance(token.offset, mx.array) else mx.array(token.offset, dtype=mx.int32)
+        choice = losers if isinstance(losers, Choice) else None
+        if compiled or choice is not None:
+            fields = _BUFFERS
+            if self.log_weights is not None or self.key_norms is not None:
+                fields = tuple(f for f in _DECODE_FIELDS if getattr(self, f) is not None)
+            deltas = () if update is None else tuple(f for f in _UPDATE_FIELDS if getattr(update, f) is not None)
+            if choice is not None and (update is not None or fields is not _BUFFERS):
+                raise ValueError("a Choice of losers writes without an update, log-weights or key norms")
+            head = [] if choice else [losers, update.targets] if deltas else [losers]
+            dead = [] if choice is None or choice.dead is None else [choice.dead]
+            arrays = head + [getattr(self, f) for f in fields] + [getattr(update, f) for f in deltas] + dead
+            fn, read = _compiled_write(fields, deltas, choice)
+            try:
+                out = fn(token.keys, token.values, offset, *arrays)
+            except Exception:  # not traceable here (nothing written yet): the same ops, eager
+                out = None
+            if out is not None:
+                for f, x in zip(fields, out):
+                    setattr(self, f, x)
+                if read and self.key_norms is None:  # the choice read key norms: kept from now on (new token's too)
+                    self.norms_read(self._keys)
+                return
+            if choice is not None:
+                losers = choice.fallback()
+        if update is not None:
+            self.add(update)
+        self._put(losers, token.keys, token.values, offset)
+
+    def _put(self, slots: mx.array, keys: mx.array, values: mx.array, offset: mx.array) -> None:
+        """The new token [B, H, 1, D(v)] (position ``offset``, an int32 array; score 0) into ``slots`` [B, H, 1]."""
+        idx = slots[..., None]  # [B, H, 1, 1]
         if self.key_norms is not None:
             self.key_norms = mx.put_along_axis(self.key_norms, slots, key_norm(keys), axis=2)
-        self._keys, self.values, self.positions, self.scores = token_written(
-            (self._keys, self.values, self.positions, self.scores),
-            slots,
-            keys,
-            values,
-            mx.array(offset, dtype=mx.int32),
-        )
+        self._keys = mx.put_along_axis(self._keys, idx, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, idx, values, axis=2)
+        self.positions = mx.put_along_axis(self.positions, slots, offset, axis=2)
+        self.scores = mx.put_along_axis(self.scores, slots, mx.array(0.0, dtype=mx.float32), axis=2)
         if self.log_weights is not None:
             self.log_weights = mx.put_along_axis(self.log_weights, slots, mx.array(0.0, dtype=mx.float32), axis=2)
-
-    def add_and_write(self, u: MergeUpdate, slots: mx.array, keys: mx.array, values: mx.array, offset: int) -> None:
-        """Decode with a merge: :meth:`add` then :meth:`write_into`, the same ops as one compiled call (one target
-        and one slot [B, H, 1] per row; their ~25 scatters and elementwise ops cost ~10 µs each when eager)."""
-        fields = tuple(f for f in _DECODE_FIELDS if getattr(self, f) is not None)
-        changed = tuple(getattr(u, f) is not None for f in _UPDATE_FIELDS)
-        arrays = [getattr(self, f) for f in fields] + [getattr(u, f) for f, c in zip(_UPDATE_FIELDS, changed) if c]
-        try:
-            out = _merge_write(fields, changed)(
-                u.targets, slots, keys, values, mx.array(offset, dtype=mx.int32), *arrays
-            )
-        except Exception:  # not traceable here (nothing written yet): the same two calls, eager
-            self.add(u)
-            self.write_into(slots, keys, values, offset)
-            return
-        for f, x in zip(fields, out):
-            setattr(self, f, x)
-
-    def replace(self, keys: mx.array, values: mx.array, positions: mx.array, scores: mx.array) -> None:
-        """Take buffers a fused decode step wrote (same shapes; no log-weights or key norms tracked)."""
-        self._keys, self.values, self.positions, self.scores = keys, values, positions, scores
 
     def compact(self, losers: mx.array) -> None:
         """Remove the slots ``losers`` [B, H, E]; survivors move, in temporal order, to [0, n - E)."""

@@ -147,10 +147,10 @@ class CacheState:
         if log_weights is not None and not self._slots.track_log_weights:
             raise KVPolicyError("state carries attention log-weights, but this cache's policy does not use them")
         self._check_same_policy(meta)
-        saved = (self._save(), self.attention_hook, getattr(self, "_hook_missing", None))
+        saved, hook, hook_missing = self._save(), self.attention_hook, getattr(self, "_hook_missing", None)
         try:
             if v[0] is None:
-                self._slots.restore((None, None, None, None, 0))
+                self._slots.load(None, None, None, None)
             else:
                 keys, values, positions, scores = v[:4]
                 if not isinstance(keys, mx.array) or keys.ndim != 4:
@@ -160,14 +160,13 @@ class CacheState:
                 # the scores' invariant (as PolicyStep.scores keeps it): float32, NaN as 0, +-inf as the largest
                 if isinstance(scores, mx.array) and mx.issubdtype(scores.dtype, mx.floating):
                     scores = mx.nan_to_num(scores.astype(mx.float32), nan=0.0)
-                snap = (keys, values, positions, scores, keys.shape[2])
                 if (
                     log_weights is not None
                     and isinstance(log_weights, mx.array)
                     and mx.issubdtype(log_weights.dtype, mx.floating)
                 ):
                     log_weights = log_weights.astype(mx.float32)
-                self._slots.restore(snap if log_weights is None else snap + (log_weights,))
+                self._slots.load(keys, values, positions, scores, log_weights)
             self.offset = meta["offset"]
             check_restored(self._slots, self.offset, self.budget, settled=settled, where=self._where())
             if not all(isinstance(x, mx.array) for x in run.values()):
@@ -182,8 +181,8 @@ class CacheState:
             }
             self._restore_hook(meta, model)
         except BaseException:
-            self._restore(saved[0])
-            self.attention_hook, self._hook_missing = saved[1:]
+            self._restore(saved)
+            self.attention_hook, self._hook_missing = hook, hook_missing
             raise
 
     def _where(self) -> str:

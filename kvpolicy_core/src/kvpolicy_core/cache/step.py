@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 
@@ -30,7 +31,8 @@ from ..parts.base import (
 )
 from ..parts.shipped import is_shipped
 from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, loser_flags, nonfinite_flags
-from .compiled import compiled, compiled_evict_write, compiled_select, wants_compile
+from .compiled import compiled, compiled_select, wants_compile
+from .slots import Choice
 
 Counters = Dict[str, mx.array]
 #: part classes warned that they take ``view.offset`` as a Python int (once each)
@@ -57,6 +59,25 @@ def valid_by_construction(part) -> bool:
     return is_shipped(part)
 
 
+class Pending(NamedTuple):
+    """A part's value checks, evaluated with the others of the eviction in one host sync (:meth:`PolicyStep.
+    _raise_broken`) before anything is written."""
+
+    kind: str  #: the part: "selector" or "disposition"
+    flags: mx.array  #: the checks' outputs
+    #: flag i true means ``messages[i]`` is broken; or a callable taking the flags' values and returning the
+    #: broken rule's message or None (the disposition's check code, :meth:`PolicyStep._checked_update`)
+    messages: Union[List[str], Callable[[list], Optional[str]]]
+
+
+@dataclass
+class Compiling:
+    """Which decode calls may run compiled; each turns False for good once its compiled call failed."""
+
+    select: bool = True  #: the selector's choice (alone, or with the new token's write: :class:`.slots.Choice`)
+    dispose: bool = True  #: the disposition's update
+
+
 def dead_first(dead: mx.array, chosen: mx.array, n_evict: int) -> mx.array:
     """Losers [B, H, E]: the window-dead slots (dead [B, H, L]) first, then the selector's ``chosen``."""
     picked = mx.put_along_axis(mx.zeros(dead.shape, mx.float32), chosen, mx.array(1.0), axis=2)
@@ -81,9 +102,7 @@ class PolicyStep:
         #: MLX evaluates it (e.g. a gather with float indices) is caught inside the transaction (prefill and
         #: the first decode steps, where a sync costs nothing noticeable); later steps add no host sync
         self.eager_checks = 4
-        #: (selector, disposition) may run compiled on decode steps; False after a compiled call failed
-        self._compiled_ok = [True, True]
-        #: decode evictions may run as one compiled call (:meth:`evict_and_write`): core's selector with drop
+        self.compiling = Compiling()
         #: which parts' decode outputs are valid by construction (decided once: the parts do not change)
         self.trusted = {
             kind: valid_by_construction(getattr(policy, kind)) for kind in ("scorer", "selector", "disposition")
@@ -95,6 +114,8 @@ class PolicyStep:
             type(scorer).on_append is Scorer.on_append
             or (self.trusted["scorer"] and getattr(scorer, "signal", "proxy") != "proxy")
         )
+        #: a decode eviction's choice may be made inside the new token's write (:class:`.slots.Choice`): core's
+        #: selector with drop
         self.fuses_drop = (
             type(policy.disposition).dispose is Disposition.dispose
             and self.ranked_selection
@@ -241,27 +262,36 @@ class PolicyStep:
     def _raise_broken(self, pending) -> List[list]:
         """Evaluate every pending value check of this eviction in one host sync; raise the first broken rule.
 
-        ``pending``: (kind, flags mx.array, messages) per part, in the order the parts ran; ``messages`` a list
-        (flag i true: ``messages[i]`` is broken) or a callable taking the flags' values and returning the broken
-        rule's message or None (the disposition's check code, :meth:`_checked_update`). Returns the values.
+        ``pending``: a :class:`Pending` per part, in the order the parts ran. Returns the flags' values.
         """
-        flags = [f for _, f, _ in pending]
+        flags = [p.flags for p in pending]
         if not flags:
             return []
         try:
             mx.eval(*flags)
         except Exception:  # an error MLX raises only at evaluation: name the part whose output it is
-            for kind, f, _ in pending:
-                self.evaluated(kind, "output", f)
+            for p in pending:
+                self.evaluated(p.kind, "output", p.flags)
             raise
         values = [f.tolist() for f in flags]  # evaluated: read back without another graph op
-        for (kind, _, messages), got in zip(pending, values):
-            broken = messages(got) if callable(messages) else next((m for m, bad in zip(messages, got) if bad), None)
+        for p, got in zip(pending, values):
+            m = p.messages
+            broken = m(got) if callable(m) else next((msg for msg, bad in zip(m, got) if bad), None)
             if broken:
                 raise PluginError(broken)
         return values
 
-    def losers(self, view: CacheView, n_evict: int):
+    def choice(self, L: int, head_shard: Tuple[int, int], dead: Optional[mx.array], view) -> Optional[Choice]:
+        """A decode eviction's losers as a :class:`.slots.Choice` that the new token's write makes in its own
+        compiled call, where the choice needs no checks and drop no losers (:attr:`fuses_drop`), else None.
+
+        For a full store of ``L`` slots without log-weights or key norms; ``head_shard``: the view's (head_offset,
+        heads_total); ``dead``: its window-dead slots or None; ``view()``: the view, for the fallback."""
+        if not (self.fuses_drop and self.compiling.select and self.policy.selector.leaves_a_loser(L)):
+            return None
+        return Choice(self.policy.selector, head_shard, dead, lambda: self._unfused(view()))
+
+    def losers(self, view: CacheView, n_evict: int) -> Tuple[mx.array, list]:
         """Losers [B, H, n_evict] int32 (window-dead slots first, then the selector's choice) and the
         pending value checks to pass to :meth:`dispose`, which evaluates them before anything is written.
 
@@ -275,11 +305,11 @@ class PolicyStep:
         # core's own selector at decode: valid by construction (window-dead slots first, then the lowest
         # unprotected score), so no checks and no host sync
         trusted = n_evict == 1 and self.trusted["selector"] and selector.leaves_a_loser(L)
-        if self.ranked_selection and wants_compile(self.needs.compile_selector, n_evict) and self._compiled_ok[0]:
+        if self.ranked_selection and wants_compile(self.needs.compile_selector, n_evict) and self.compiling.select:
             try:  # the choice (and its value flags unless trusted) in one compiled graph
                 losers, flags = compiled_select(selector, n_sink, with_flags=not trusted)(view, n_evict)
             except Exception:  # not compilable (or a part error): the eager call below decides
-                self._compiled_ok[0] = False
+                self.compiling.select = False
         if losers is None:
             losers = self.call("selector", selector.select, view, n_evict)
         losers = self._index_meta("selector", "losers", losers, (*view.scores.shape[:2], n_evict))
@@ -289,7 +319,7 @@ class PolicyStep:
             flags = loser_flags(losers, view.positions, n_sink, view.dead)
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
         pending = [
-            (
+            Pending(
                 "selector",
                 flags,
                 [
@@ -305,31 +335,13 @@ class PolicyStep:
                 losers = dead_first(view.dead, losers, n_evict)
         return losers, pending
 
-    def evict_and_write(
-        self,
-        keys: mx.array,
-        values: mx.array,
-        buffers,
-        offset: int,
-        head_shard: Tuple[int, int],
-        dead: Optional[mx.array] = None,
-    ):
-        """A decode eviction that drops its loser, fused with the new token's write: the new (keys, values,
-        positions, scores) from one compiled call, or None where this does not apply (then :meth:`losers`,
-        :meth:`dispose` and ``SlotStore.write_into`` do the same step in three calls).
-
-        ``buffers``: (keys, values, positions, scores) of a full slot store with no per-slot log-weights or key
-        norms; ``head_shard``: the view's (head_offset, heads_total); ``dead``: the view's window-dead slots or
-        None. Applies to core's selector, whose choice is valid by construction (no checks to read), with the
-        drop disposition (no update, no counters); the result is the three-call step's, array for array.
-        """
-        if not (self.fuses_drop and self._compiled_ok[0] and self.policy.selector.leaves_a_loser(buffers[3].shape[-1])):
-            return None
-        try:
-            return compiled_evict_write(self.policy.selector)(keys, values, buffers, offset, head_shard, dead)
-        except Exception:  # not compilable: the three-call step decides (and reports a part's error)
-            self._compiled_ok[0] = False
-            return None
+    def _unfused(self, view: CacheView) -> mx.array:
+        """A :class:`.slots.Choice`'s losers where its compiled call failed: from now on chosen by :meth:`losers`
+        (which reports a part's error; drop reads no losers, so its checks are evaluated here)."""
+        self.compiling.select = False
+        losers, pending = self.losers(view, 1)
+        self._raise_broken(pending)
+        return losers
 
     def dispose(self, view: CacheView, losers: mx.array, offset, pending=()) -> Tuple[Optional[MergeUpdate], Counters]:
         """The disposition's update for the survivors (or None) and the counters it reports.
@@ -352,12 +364,12 @@ class PolicyStep:
         trusted = self.trusted["disposition"] and losers.shape[-1] == 1
         try:
             update, in_graph, done = None, None, False
-            if wants_compile(self.needs.compile_disposition, losers.shape[-1]) and self._compiled_ok[1]:
+            if wants_compile(self.needs.compile_disposition, losers.shape[-1]) and self.compiling.dispose:
                 try:
                     update, in_graph = compiled(disposition, checks=not trusted)(view, losers, key)
                     done = True
                 except Exception:  # not compilable (or a part error): the eager call below decides
-                    self._compiled_ok[1] = False
+                    self.compiling.dispose = False
             if not done:
                 update = self.call("disposition", disposition.dispose, view, losers, key)
             if update is not None:
@@ -387,7 +399,8 @@ class PolicyStep:
             return update, counts
         # the update's check code (the last pending check) is 0: every delta is 0 (e.g. no loser merged), nothing
         # to write (the counters still count)
-        return (None if values[-1][0] == 0 else update), counts
+        code = values[-1][0]  # the update's check code: the last pending check's one value
+        return (None if code == 0 else update), counts
 
     def _counts(self, stats, rows: Optional[int] = None) -> Counters:
         """A disposition's counters as int32 scalars (summed over a batch), or per row ``[rows]``.
@@ -428,7 +441,7 @@ class PolicyStep:
         its pending value check (targets in range, finite deltas for finite rows), whose code also says whether the
         update changes anything (:func:`~kvpolicy_core.cache.checks.update_checks`).
 
-        ``in_graph``: (check code, finite d_log_weights) when the compiled decode path already traced
+        ``in_graph``: the :class:`~.checks.UpdateChecks` when the compiled decode path already traced
         :func:`~kvpolicy_core.cache.checks.update_checks` into the disposition's graph; else computed here.
         ``check_values=False`` (a trusted update): the metadata checks only, and None for the pending check.
         """
@@ -467,7 +480,7 @@ class PolicyStep:
         pairs = [(x, bases[name]) for name, x in deltas]
         if in_graph is None:
             in_graph = checked_update(targets, L, pairs, u.d_log_weights)
-        code, lw = in_graph
+        code, lw = in_graph.code, in_graph.d_log_weights
         names = [name for name, _ in deltas]
 
         def broken(got) -> Optional[str]:  # the code's value -> the first broken rule, or None
@@ -482,4 +495,4 @@ class PolicyStep:
                         )
             return None
 
-        return u._replace(targets=targets, d_log_weights=lw), ("disposition", code, broken)
+        return u._replace(targets=targets, d_log_weights=lw), Pending("disposition", code, broken)

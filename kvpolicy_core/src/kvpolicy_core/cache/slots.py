@@ -365,7 +365,8 @@ class SlotStore:
 
         ``compiled``: the same ops as one ``mx.compile`` call (a merge's ~25 scatters and elementwise ops cost
         ~10 µs each eager); a layout that cannot be traced runs them eager (a choice: its ``fallback()``'s
-        losers). A choice always runs compiled, and needs no ``update`` and no log-weights or key norms.
+        losers). A choice always runs compiled, and needs no ``update`` and no log-weights or key norms; one whose
+        selector read ``view.key_norms`` makes the store keep them from then on (:meth:`norms_read`).
         """
         offset = token.offset if isinstance(token.offset, mx.array) else mx.array(token.offset, dtype=mx.int32)
         choice = losers if isinstance(losers, Choice) else None

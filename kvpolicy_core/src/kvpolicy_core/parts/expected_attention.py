@@ -28,9 +28,12 @@ the model's attention scale (kvpress writes c = 1/sqrt(D), the same for the mode
     s_{h,j} = (a_{h,j} + eps) * ||v_j||          (use_vnorm; else a_{h,j} + eps)
     s_{h,j} = max_j' s_{h,j'} + 1                for sinks (pos_j < n_sink), as kvpress pads them
 
-Every slot is rescored at every update from that update's run statistics. Cost per layer: a prompt chunk
-O(S·D²·Hq) for the statistics plus O(L·D²·Hq) for the covariance term; a decode step O(L·D·Hq) (N = 1: no
-covariance), the order of one step of attention. A run with no query past the sinks keeps the scores as they are.
+Every slot is rescored at each prompt chunk from the run's statistics, and at every ``rescore_every``-th decode
+step from that step's query (N = 1; default 0: never, the decode token enters with its row's highest score,
+:mod:`.rescore`, so the prompt's scores, the last chunk's, decide the evictions as kvpress's prefill compression
+does). Cost per layer: a prompt chunk O(S·D²·Hq) for the statistics plus O(L·D²·Hq) for the covariance term; a
+rescoring decode step O(L·D·Hq) (N = 1: no covariance), the order of one step of attention; a held decode step
+O(L). A run with no query past the sinks keeps the scores as they are.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import mlx.core as mx
 
 from .attention_scorer import masked_softmax
 from .base import CacheView, Scorer
+from .rescore import at_decode
 from .shipped import shipped
 
 
@@ -90,10 +94,12 @@ def expected_attention(
     [B, H, L], mu [B, Hq, D], sigma [B, Hq, D, D] or None (no covariance term) -> s [B, H, L] float32."""
     B, H, L, D = keys.shape
     G = mu.shape[1] // H
-    k = keys.astype(mx.float32)[:, :, None]  # [B, H, 1, L, D]
-    z = (k @ mu.reshape(B, H, G, D, 1))[..., 0] * scale  # [B, H, G, L]
-    if sigma is not None:
-        z = z + ((k @ sigma.reshape(B, H, G, D, D)) * k).sum(axis=-1) * (scale * scale / 2)
+    k = keys.astype(mx.float32)
+    z = k @ mu.reshape(B, H, G, D).swapaxes(-1, -2) * scale  # [B, H, L, G]: one pass over the keys
+    if sigma is not None:  # k_j^T Sigma_g k_j for every g: k @ [Sigma_1 .. Sigma_G] [B, H, D, G·D]
+        ks = k @ sigma.reshape(B, H, G, D, D).transpose(0, 1, 3, 2, 4).reshape(B, H, D, G * D)
+        z = z + (ks.reshape(B, H, L, G, D) * k[:, :, :, None, :]).sum(axis=-1) * (scale * scale / 2)
+    z = z.swapaxes(-1, -2)  # [B, H, G, L]
     sink = positions < n_sink  # [B, H, L]
     a = masked_softmax(z, ~sink[:, :, None]).mean(axis=2)  # [B, H, L]
     s = a + epsilon
@@ -128,15 +134,16 @@ class ExpectedAttentionScorer(Scorer):
         rope_traditional: bool = False,
         n_future: int = 512,
         n_sink: int = 4,
+        rescore_every: int = 0,
         use_covariance: bool = True,
         use_vnorm: bool = True,
         epsilon: float = 0.0,
     ) -> None:
         if n_future < 1:
             raise ValueError(f"n_future must be >= 1 (got {n_future})")
-        self.freqs = mx.array(list(rope_freqs or ()), dtype=mx.float32)
+        self.freqs = mx.array([float(f) for f in rope_freqs or ()], dtype=mx.float32)
         self.traditional = bool(rope_traditional)
-        self.n_future, self.n_sink = int(n_future), int(n_sink)
+        self.n_future, self.n_sink, self.rescore_every = int(n_future), int(n_sink), int(rescore_every)
         self.use_covariance, self.use_vnorm, self.epsilon = bool(use_covariance), bool(use_vnorm), float(epsilon)
 
     @classmethod
@@ -146,47 +153,64 @@ class ExpectedAttentionScorer(Scorer):
             rope_traditional=getattr(config, "rope_traditional", False),
             n_future=getattr(config, "future_positions", 512),
             n_sink=config.n_sink,
+            rescore_every=getattr(config, "rescore_interval", 0),
             use_covariance=getattr(config, "uses_covariance", True),
             use_vnorm=getattr(config, "uses_vnorm", True),
         )
 
-    def _unrotated(self, queries: mx.array, positions: mx.array) -> mx.array:
-        """u_i = R_{-p_i} q_i: queries [B, Hq, S, D] at positions [Bq, 1, S] -> float32 [B, Hq, S, D]."""
-        q = queries.astype(mx.float32)
-        if self.freqs.size == 0:
-            return q
-        angles = positions.astype(mx.float32)[..., None] * self.freqs  # [Bq, 1, S, m]
-        return rotate_pairs(q, mx.cos(angles), -mx.sin(angles), self.traditional)
-
     def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:
-        S = queries.shape[2]
         offset = view.offset if isinstance(view.offset, mx.array) else mx.array(view.offset, dtype=mx.int32)
         offset = offset.astype(mx.int32).reshape(-1, 1, 1)  # [Bq, 1, 1]
-        qpos = offset - S + mx.arange(S, dtype=mx.int32)  # [Bq, 1, S]
-        u = self._unrotated(queries, qpos)
-        w = (qpos >= self.n_sink).astype(mx.float32)  # [Bq, 1, S]: queries past the sinks
         run = view.run if view.run is not None else {}
-        n = w.sum(axis=-1) + run.get("ea_n", 0.0)  # [Bq, 1]
-        total = (u * w[..., None]).sum(axis=2) + run.get("ea_sum", 0.0)  # [B, Hq, D]
-        covariance = self.use_covariance and (S > 1 or "ea_sxx" in run)  # one query alone: Sigma = 0
+        args = (view.keys, view.values, view.positions, view.scores, queries, offset, self.freqs)
+        opts = (float(scale), self.n_future, self.n_sink, self.traditional, self.use_covariance, self.use_vnorm)
+        if queries.shape[2] == 1 and "ea_n" not in run:  # a decode step: one compiled graph, no covariance
+            fresh = lambda: _scored_compiled(*args, None, None, None, *opts, self.epsilon)[0]  # noqa: E731
+            return at_decode(fresh, view.scores, view.positions, view.offset, self.rescore_every)
+        prior = (run.get("ea_n"), run.get("ea_sum"), run.get("ea_sxx"))
+        scores, n, total, sxx = scored(*args, *prior, *opts, self.epsilon)
         run["ea_n"], run["ea_sum"] = n, total
-        count = mx.maximum(n, 1.0)[..., None]  # [Bq, 1, 1]
-        mu = total / count
-        cbar, sbar = (
-            mean_rotation(offset, self.n_future, self.freqs)
-            if self.freqs.size
-            else (mx.zeros((1, 1, 0)), mx.zeros((1, 1, 0)))
-        )
-        mu_f = rotate_pairs(mu, cbar, sbar, self.traditional)
-        sigma_f = None
-        if covariance:
-            sxx = (u * w[..., None]).swapaxes(-1, -2) @ u + run.get("ea_sxx", 0.0)  # [B, Hq, D, D]
+        if sxx is not None:
             run["ea_sxx"] = sxx
-            sigma = sxx / count[..., None] - mu[..., :, None] * mu[..., None, :]
-            c, s = cbar[:, :, None], sbar[:, :, None]  # [Bq, 1, 1, m]
-            half = rotate_pairs(sigma, c, s, self.traditional)  # Sigma Rbar^T
-            sigma_f = rotate_pairs(half.swapaxes(-1, -2), c, s, self.traditional).swapaxes(-1, -2)  # Rbar Sigma Rbar^T
-        scores = expected_attention(
-            view.keys, view.values, view.positions, mu_f, sigma_f, scale, self.n_sink, self.use_vnorm, self.epsilon
-        )
-        return mx.where((n > 0)[..., None], scores, view.scores)
+        return scores
+
+
+def scored(
+    keys, values, positions, scores, queries, offset, freqs, prior_n, prior_sum, prior_sxx,
+    scale, n_future, n_sink, traditional, use_covariance, use_vnorm, epsilon,
+):  # fmt: skip
+    """One update of :class:`ExpectedAttentionScorer` (the module's equations): the new scores [B, H, L] and the
+    run's sums after it (``n`` [Bq, 1], ``sum`` [B, Hq, D], ``sxx`` [B, Hq, D, D] or None).
+
+    queries [B, Hq, S, D] at positions ``offset - S .. offset - 1`` (offset [Bq, 1, 1] int32), freqs [m]; ``prior_*``
+    the run's sums before this update (None: the run starts here)."""
+    S = queries.shape[2]
+    qpos = offset - S + mx.arange(S, dtype=mx.int32)  # [Bq, 1, S]
+    u = queries.astype(mx.float32)
+    if freqs.size:  # u_i = R_{-p_i} q_i
+        angles = qpos.astype(mx.float32)[..., None] * freqs  # [Bq, 1, S, m]
+        u = rotate_pairs(u, mx.cos(angles), -mx.sin(angles), traditional)
+    w = (qpos >= n_sink).astype(mx.float32)  # [Bq, 1, S]: queries past the sinks
+    uw = u * w[..., None]
+    n = w.sum(axis=-1) + (0.0 if prior_n is None else prior_n)  # [Bq, 1]
+    total = uw.sum(axis=2) + (0.0 if prior_sum is None else prior_sum)  # [B, Hq, D]
+    count = mx.maximum(n, 1.0)[..., None]  # [Bq, 1, 1]
+    mu = total / count
+    if freqs.size:
+        cbar, sbar = mean_rotation(offset, n_future, freqs)
+    else:
+        cbar = sbar = mx.zeros((1, 1, 0), dtype=mx.float32)
+    mu_f = rotate_pairs(mu, cbar, sbar, traditional)
+    sxx = sigma_f = None
+    if use_covariance and (S > 1 or prior_sxx is not None):  # one query alone: Sigma = 0
+        sxx = uw.swapaxes(-1, -2) @ u + (0.0 if prior_sxx is None else prior_sxx)  # [B, Hq, D, D]
+        sigma = sxx / count[..., None] - mu[..., :, None] * mu[..., None, :]
+        c, s = cbar[:, :, None], sbar[:, :, None]  # [Bq, 1, 1, m]
+        half = rotate_pairs(sigma, c, s, traditional)  # Sigma Rbar^T
+        sigma_f = rotate_pairs(half.swapaxes(-1, -2), c, s, traditional).swapaxes(-1, -2)  # Rbar Sigma Rbar^T
+    new = expected_attention(keys, values, positions, mu_f, sigma_f, scale, n_sink, use_vnorm, epsilon)
+    return mx.where((n > 0)[..., None], new, scores), n, total, sxx
+
+
+#: a decode step's update as one compiled graph (constants: the scale, n_future, n_sink and flags)
+_scored_compiled = mx.compile(scored)

@@ -8,9 +8,10 @@ batch row b and KV head h, over the L slots the cache holds after an update (ret
     s_j    = -cos(k_j, a) = -(k_j . a) / (max(||k_j||, 1e-8) * max(||a||, 1e-8))     s [B, H, L]
 
 so the slot whose key points most along the average direction scores lowest and is evicted first
-(kvpress's ``F.normalize``/``F.cosine_similarity`` epsilons). The anchor is recomputed over the current slots at
-every update (prompt chunk or decode step: O(L·D) per head, fewer operations than one step of attention), so it
-follows the cache as it changes (the KeyDiff paper's block-wise iterative compression, one update at a time).
+(kvpress's ``F.normalize``/``F.cosine_similarity`` epsilons). The anchor and every score are recomputed over the
+current slots at each prompt chunk and at every ``rescore_every``-th decode step (:mod:`.rescore`; three passes
+over the keys, O(L·D) per head), so they follow the cache as it changes (the KeyDiff paper's block-wise
+iterative compression, one update at a time).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .base import CacheView, Scorer
+from .rescore import at_decode
 from .shipped import shipped
 
 #: kvpress's epsilons: ``F.normalize`` (each key) and ``F.cosine_similarity`` (each norm)
@@ -29,12 +31,17 @@ def keydiff_scores(keys: mx.array, key_norms: mx.array = None) -> mx.array:
 
     ``key_norms`` [B, H, L] float32 (the cache's ``||k_j||`` when it keeps them) saves one pass over the keys."""
     k = keys.astype(mx.float32)
-    norms = mx.sqrt((k * k).sum(axis=-1)) if key_norms is None else key_norms
-    unit = k / mx.maximum(norms, NORMALIZE_EPS)[..., None]
-    anchor = unit.mean(axis=2)  # [B, H, D]
-    dots = (k @ anchor[..., None])[..., 0]  # [B, H, L]
-    a_norm = mx.sqrt((anchor * anchor).sum(axis=-1, keepdims=True))  # [B, H, 1]
+    norms = mx.sqrt((k * k).sum(axis=-1)) if key_norms is None else key_norms  # [B, H, L]
+    L = k.shape[2]
+    inv = 1.0 / mx.maximum(norms, NORMALIZE_EPS)
+    anchor = (inv[:, :, None, :] @ k) * (1.0 / L)  # [B, H, 1, D] = mean_j k_j / ||k_j|| (one pass, no unit keys)
+    dots = (k @ anchor.swapaxes(-1, -2))[..., 0]  # [B, H, L]
+    a_norm = mx.sqrt((anchor * anchor).sum(axis=-1))  # [B, H, 1]
     return -dots / (mx.maximum(norms, COSINE_EPS) * mx.maximum(a_norm, COSINE_EPS))
+
+
+#: a decode step's scores as one compiled graph (prompt chunks, whose L changes each time, run eagerly)
+_keydiff_compiled = mx.compile(keydiff_scores)
 
 
 @shipped
@@ -49,5 +56,15 @@ class KeyDiffScorer(Scorer):
     # turns a NaN from a non-finite key into 0), float32 and shaped as the view's: no value check needed
     batch_rows = True  # reads keys only: row b's scores are row b's alone
 
+    def __init__(self, rescore_every: int = 8) -> None:
+        self.rescore_every = int(rescore_every)
+
+    @classmethod
+    def from_config(cls, config) -> "KeyDiffScorer":
+        return cls(rescore_every=getattr(config, "rescore_interval", 8))
+
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
-        return keydiff_scores(view.keys, view.key_norms)
+        if new_keys.shape[2] > 1:
+            return keydiff_scores(view.keys, view.key_norms)
+        fresh = lambda: _keydiff_compiled(view.keys, view.key_norms)  # noqa: E731
+        return at_decode(fresh, view.scores, view.positions, view.offset, self.rescore_every)

@@ -36,6 +36,8 @@ from .policy_config import PolicyConfig
 
 #: The ``score`` values: the scorer families of the attention-scored methods.
 SCORES = ("attention", "keydiff", "expected_attention")
+#: ``rescore_every`` when not given, per score: decode steps between full rescorings (0: never at decode).
+RESCORE_DEFAULTS = {"keydiff": 8, "expected_attention": 0}
 #: Expected Attention's defaults (kvpress's): future positions averaged, covariance term, value-norm rescaling.
 EXPECTED_ATTENTION_DEFAULTS = {"n_future": 512, "covariance": True, "vnorm": True}
 
@@ -80,6 +82,13 @@ class AttentionPolicyConfig(PolicyConfig):
         description="score=expected_attention: multiply each expected attention by the token's value norm "
         "(None: true).",
     )
+    rescore_every: Optional[int] = Field(
+        None,
+        ge=0,
+        description="score=keydiff/expected_attention: rescore every slot at every k-th decode step (prompt chunks "
+        "always rescore; between, a new token enters with its row's highest score; 0: never at decode; "
+        "None: 8 keydiff, 0 expected_attention).",
+    )
     rope_freqs: Optional[Tuple[float, ...]] = Field(
         None,
         description="score=expected_attention: the layer's RoPE angle per position of each rotated pair "
@@ -109,6 +118,11 @@ class AttentionPolicyConfig(PolicyConfig):
                     f"{', '.join(given)}: signal, obs_window and pool apply to score='attention' "
                     f"(score={self.score!r} reads no attention weights)"
                 )
+        if self.score == "attention" and self.rescore_every is not None:
+            raise ValueError(
+                f"rescore_every={self.rescore_every}: applies to score='keydiff' or 'expected_attention' "
+                "(score='attention' adds each step's attention)"
+            )
         if self.score != "expected_attention":
             given = [k for k in ("n_future", "covariance", "vnorm", "rope_freqs") if getattr(self, k) is not None]
             given += ["rope_traditional"] if self.rope_traditional else []
@@ -118,6 +132,11 @@ class AttentionPolicyConfig(PolicyConfig):
                     f"score must be one of {', '.join(repr(s) for s in SCORES)}"
                 )
         return self
+
+    @property
+    def rescore_interval(self) -> int:
+        """Decode steps between full rescorings of the query-agnostic scores (0: never at decode)."""
+        return RESCORE_DEFAULTS.get(self.score, 0) if self.rescore_every is None else self.rescore_every
 
     @property
     def future_positions(self) -> int:

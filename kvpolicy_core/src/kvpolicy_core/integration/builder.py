@@ -12,6 +12,7 @@ from ..cache.policy_cache import PolicyCache
 from ..config.parse import KVCacheConfig, parse_config
 from ..config.policy import build_policy
 from ..errors import ConfigError, ModelError
+from ..parts.base import needs_of
 from ..runtime.sharding import shard_layout
 from .rope import model_ropes
 
@@ -123,7 +124,7 @@ class KVCacheBuilder:
         attention, shared-KV layers, hybrid or chunked caches) raise :class:`ModelError`.
         On a model split by mlx-lm's ``sharded_load`` each cache gets its global layer index
         and KV-head slice (:mod:`kvpolicy_core.runtime.sharding`). A scorer that declares
-        ``needs_rope`` (``score=expected_attention``) gets each layer's RoPE in that layer's config
+        ``Needs(rope=True)`` (``score=expected_attention``) gets each layer's RoPE in that layer's config
         (``rope_freqs``, ``rope_traditional``: :mod:`kvpolicy_core.integration.rope`), so the caches of layers
         with different RoPEs (Gemma 3's local and global layers) have different configs.
         """
@@ -156,9 +157,9 @@ class KVCacheBuilder:
 
 
 def _rope_policies(model, config: KVCacheConfig, policy, n_layers: int) -> list:
-    """The policy of each layer: ``policy`` itself, or, for a scorer that ``needs_rope``, one built from the config
+    """The policy of each layer: ``policy`` itself, or, for a scorer that needs ``rope``, one built from the config
     with that layer's ``rope_freqs``/``rope_traditional`` (shared by the layers with the same RoPE)."""
-    if not getattr(policy.scorer, "needs_rope", False):
+    if not needs_of(policy.scorer).rope:
         return [policy] * n_layers
     built = {}
     out = []

@@ -49,6 +49,8 @@ class Needs:
     trim_exact   scorer    a token's score depends on that token alone, never on later tokens or
                            queries: only then can the cache drop its newest tokens exactly
                            (``PolicyCache.trim``, mlx-lm's prompt cache and speculative decoding)
+    rope         scorer    the layer's RoPE (``rope_freqs``, ``rope_traditional`` in its config), read from
+                           the model's attention module by ``KVCacheBuilder.for_model``
     ============ ========= =========================================================================
 
     Key norms need no declaration: ``view.key_norms`` is always there (the cache computes them on first
@@ -59,6 +61,7 @@ class Needs:
     log_weights: bool = False
     batch_rows: bool = False
     trim_exact: bool = False
+    rope: bool = False
 
 
 #: the 0.2 per-class flags -> the :class:`Needs` field each one became (still read, with a DeprecationWarning)
@@ -68,7 +71,7 @@ OLD_FLAGS = {
     "batch_rows": "batch_rows",
     "trim_exact": "trim_exact",
 }
-_SCORER_ONLY = ("attention", "trim_exact")
+_SCORER_ONLY = ("attention", "trim_exact", "rope")
 _warned: set = set()
 
 

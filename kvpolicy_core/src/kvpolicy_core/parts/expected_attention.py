@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from .attention_scorer import masked_softmax
-from .base import CacheView, Scorer
+from .base import CacheView, Needs, Scorer
 from .rescore import at_decode
 from .shipped import shipped
 
@@ -116,17 +116,16 @@ class ExpectedAttentionScorer(Scorer):
 
     Needs the attention hook (the model's queries) and the layer's RoPE (``rope_freqs``/``rope_traditional``,
     filled per layer by :meth:`KVCacheBuilder.for_model <kvpolicy_core.integration.builder.KVCacheBuilder.for_model>`
-    from the model's attention module: ``needs_rope``). ``rope_freqs=None``: the model's queries are not rotated
+    from the model's attention module: ``Needs(rope=True)``). ``rope_freqs=None``: the model's queries are not rotated
     (a model without RoPE). The run's state (``view.run``): ``ea_n`` [Bq, 1] the queries counted, ``ea_sum``
     [B, Hq, D] their sum and, with the covariance, ``ea_sxx`` [B, Hq, D, D] the sum of u u^T (before RoPE).
     """
 
-    needs_attention = True
-    #: the cache's builder gives this scorer each layer's RoPE frequencies through the config (rope_freqs)
-    needs_rope = True
+    #: the model's queries (attention hook); each layer's RoPE frequencies through the config (rope_freqs),
+    #: filled by the builder; per-row offsets and positions broadcast (view.offset [B, 1, 1])
+    needs = Needs(attention=True, rope=True, batch_rows=True)
     # shipped (kvpolicy_core.parts.shipped): decode scores are a softmax (finite, non-negative: non-finite logits
     # excluded) times value norms, float32 and shaped as the view's; the cache sanitises NaN from non-finite values
-    batch_rows = True  # view.offset [B, 1, 1]: query and future positions are per row
 
     def __init__(
         self,

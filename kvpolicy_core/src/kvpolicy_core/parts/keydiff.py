@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import CacheView, Scorer
+from .base import CacheView, Needs, Scorer
 from .rescore import at_decode
 from .shipped import shipped
 
@@ -54,7 +54,7 @@ class KeyDiffScorer(Scorer):
 
     # shipped (kvpolicy_core.parts.shipped): every decode score is a cosine in [-1, 1] of finite keys (the cache
     # turns a NaN from a non-finite key into 0), float32 and shaped as the view's: no value check needed
-    batch_rows = True  # reads keys only: row b's scores are row b's alone
+    needs = Needs(batch_rows=True)  # reads keys only: row b's scores are row b's alone
 
     def __init__(self, rescore_every: int = 8) -> None:
         self.rescore_every = int(rescore_every)

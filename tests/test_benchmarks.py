@@ -32,6 +32,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
         ("long_context.py", "long_context_smoke.json"),
         ("paper_merge_growth.py", "paper_merge_growth_smoke.json"),
         ("validation_cost.py", "validation_cost_smoke.json"),
+        ("real_shapes.py", "real_shapes_smoke.json"),
     ],
 )
 def test_benchmark_smoke(tmp_path, script, result):
@@ -233,3 +234,21 @@ def test_harness_interleaves_kinds_round_by_round_and_names_results(tmp_path):
     assert (args.rounds, args.seed, result_name("b", args), result_name("b")) == (3, 0, "b_t_smoke", "b")
     data = json.loads(write_json(result_name("b", args), {"x": 1}, args.out).read_text())
     assert data["x"] == 1 and data["versions"]["blas"] is not None and data["command"].startswith("python")
+
+
+@pytest.mark.parametrize(
+    "mode, result",
+    [("--context", "real_shapes_context_smoke.json"), ("--layer-prefill", "real_shapes_layer_prefill_smoke.json")],
+)
+def test_real_shapes_modes_smoke_record_the_load(tmp_path, mode, result):
+    """real_shapes.py's decode-at-context and per-layer prefill modes run and record the machine's load averages."""
+    args = [mode, "128"] if mode == "--context" else [mode]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "real_shapes.py"), "--smoke", *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / result).read_text())
+    assert data["versions"]["blas"] is not None and len(data["load_avg"]["start"]) == 3 and data["cpu_count"] >= 1

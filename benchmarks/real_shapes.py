@@ -8,6 +8,7 @@
     python benchmarks/real_shapes.py --context 16384,32768 --ratios 4,8 --layers 16   # decode at a long context
     python benchmarks/real_shapes.py --layer-prefill --prompts 2048,8192 --ratios 4,8   # one layer's prefill cost
     python benchmarks/real_shapes.py --smoke                            # a tiny config, a few seconds
+    python benchmarks/real_shapes.py --markdown benchmarks/results/real_shapes_llama3.2-1b_4L_2k-8k.json  # tables
 
 The model is mlx-lm's own (``mlx_lm.models.<family>.Model``) built from a real config with random fp32 weights
 (speed does not depend on them) and fewer layers (``--layers``; the cost per layer is what matters, and the per-layer
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import json
 import os
 import statistics
 import time
@@ -548,6 +550,54 @@ def plot(blocks, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def markdown(payload) -> str:
+    """The markdown table of a result file of :func:`main` (docs/speed.md): per context, each method's prefill and
+    decode tokens/s with their ratios to the full cache and to RotatingKVCache at the same budget, and the KV bytes at
+    their largest during prefill against the bound (budget + chunk) of K/V."""
+    out = []
+    for b in payload["blocks"]:
+        if "rows" not in b:
+            continue
+        pre = "prefill_tps" in b["rows"][0]
+        load = b.get("load", payload.get("load_avg", {}).get("end", [float("nan")]))[0]
+        out.append(
+            f"\n{payload['config']}, {payload['layers']} of {payload['real_layers']} layers, context {b['prompt']}"
+            f" (load {load:.1f}; head {b['head_ms']:.0f} ms per token)\n"
+        )
+        head = "| method | ratio |"
+        head += " prefill tok/s | x full (wall, CPU) | x rotating (wall, CPU) |" if pre else ""
+        head += " decode tok/s | x full (paired, CPU) | x full at real depth | x rotating (paired, CPU) |"
+        head += " KV peak in prefill (MiB) | x bound |" if pre else ""
+        out += [head, "|" + " --- |" * (head.count("|") - 1)]
+        for r in b["rows"]:
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:g}x"
+            cells = [r["method"] if r["budget"] is None else f"{r['method']} ({r['budget']})", ratio]
+            if pre:
+                cells += [f"{r['prefill_tps']:.1f}", f"{r['prefill_vs_full']:.2f}, {r['prefill_cpu_vs_full']:.2f}"]
+                cells += [
+                    f"{r['prefill_vs_rotating']:.2f}, {r['prefill_cpu_vs_rotating']:.2f}"
+                    if "prefill_vs_rotating" in r
+                    else "-"
+                ]
+            fp = r["decode_vs_full_paired"]["median"]
+            cells += [
+                f"{r['decode_tps']:.3f}",
+                f"{fp:.2f}, {r['decode_cpu_vs_full']:.2f}",
+                f"{r['decode_vs_full_at_real_depth']:.2f}",
+            ]
+            rp = r.get("decode_vs_rotating_paired")
+            cells += [f"{rp['median']:.2f}, {r['decode_cpu_vs_rotating']:.2f}" if rp else "-"]
+            if pre:
+                cells += [f"{r['kv_peak_bytes'] / 2**20:.1f}"]
+                cells += [
+                    f"{r['kv_peak_vs_bound']:.2f} (full {r['full_kv_peak_vs_bound']:.2f})"
+                    if "kv_peak_vs_bound" in r
+                    else "-"
+                ]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def machine(load: dict) -> dict:
     """The load on the machine while the benchmark ran (1, 5 and 15 minute load averages at its start and after
     the last prompt length) and its CPU count: the ratios are paired against load, the absolute numbers are not."""
@@ -575,7 +625,13 @@ def main(argv=None):
         action="store_true",
         help="only the per-layer prefill diagnostic (one decoder layer over the prompt, chunk by chunk)",
     )
+    p.add_argument(
+        "--markdown", default="", help="print the markdown tables of this result file (docs/speed.md) and stop"
+    )
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return
     if args.smoke:
         args.config, args.layers, args.prompts, args.ratios = "tiny", 2, "64,128", "4,8"
         args.chunk, args.decode, args.block = 32, 4, 2

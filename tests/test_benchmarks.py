@@ -252,3 +252,19 @@ def test_real_shapes_modes_smoke_record_the_load(tmp_path, mode, result):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / result).read_text())
     assert data["versions"]["blas"] is not None and len(data["load_avg"]["start"]) == 3 and data["cpu_count"] >= 1
+
+
+def test_real_shapes_markdown_prints_the_table_of_a_result_file(tmp_path):
+    """``--markdown FILE``: the table of docs/speed.md from a result file, one row per method and budget."""
+    run = [sys.executable, str(BENCH / "real_shapes.py")]
+    proc = subprocess.run([*run, "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run(
+        [*run, "--markdown", str(tmp_path / "real_shapes_smoke.json")], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0].startswith("| method | ratio | prefill tok/s")
+    assert [r.split(" | ")[0] for r in rows[1:8]] == ["| full"] + [
+        f"| {m} ({b})" for b in (16, 8) for m in ("rotating", "h2o", "cam")
+    ]

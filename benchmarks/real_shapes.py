@@ -551,14 +551,28 @@ def plot(blocks, path: Path, title: str) -> None:
 
 
 def markdown(payload) -> str:
-    """The markdown table of a result file of :func:`main` (docs/speed.md): per context, each method's prefill and
+    """The markdown tables of a result file of :func:`main` (docs/speed.md): per context, each method's prefill and
     decode tokens/s with their ratios to the full cache and to RotatingKVCache at the same budget, and the KV bytes at
-    their largest during prefill against the bound (budget + chunk) of K/V."""
+    their largest during prefill against the bound (budget + chunk) of K/V; for ``--layer-prefill``, one layer's
+    prefill seconds and speed relative to the full cache."""
     out = []
     for b in payload["blocks"]:
-        if "rows" not in b:
+        if "layer_prefill" in b:  # --layer-prefill: one layer's prefill, seconds and speed relative to full
+            c, f = b["layer_prefill"], b["layer_prefill"]["full"]
+            out += [
+                f"\n{payload['config']}, one layer's prefill of {b['prompt']} tokens in chunks of {payload['chunk']}, "
+                f"median of {payload.get('rounds', 1)} rounds (load {b.get('load', [float('nan')])[0]:.1f})\n",
+                "| method | wall s | x full | CPU s | x full (CPU) |",
+                "| --- | --- | --- | --- | --- |",
+            ]
+            out += [
+                f"| {s} | {v['wall_s']:.2f} | {f['wall_s'] / v['wall_s']:.2f} | {v['cpu_s']:.2f} | "
+                f"{f['cpu_s'] / v['cpu_s']:.2f} |"
+                for s, v in c.items()
+            ]
             continue
         pre = "prefill_tps" in b["rows"][0]
+        rot = any("decode_vs_rotating_paired" in r for r in b["rows"])
         load = b.get("load", payload.get("load_avg", {}).get("end", [float("nan")]))[0]
         out.append(
             f"\n{payload['config']}, {payload['layers']} of {payload['real_layers']} layers, context {b['prompt']}"
@@ -566,7 +580,9 @@ def markdown(payload) -> str:
         )
         head = "| method | ratio |"
         head += " prefill tok/s | x full (wall, CPU) | x rotating (wall, CPU) |" if pre else ""
-        head += " decode tok/s | x full (paired, CPU) | x full at real depth | x rotating (paired, CPU) |"
+        head += " decode tok/s | x full (paired, CPU) | x full at real depth |" + (
+            " x rotating (paired, CPU) |" if rot else ""
+        )
         head += " KV peak in prefill (MiB) | x bound |" if pre else ""
         out += [head, "|" + " --- |" * (head.count("|") - 1)]
         for r in b["rows"]:
@@ -586,7 +602,7 @@ def markdown(payload) -> str:
                 f"{r['decode_vs_full_at_real_depth']:.2f}",
             ]
             rp = r.get("decode_vs_rotating_paired")
-            cells += [f"{rp['median']:.2f}, {r['decode_cpu_vs_rotating']:.2f}" if rp else "-"]
+            cells += [f"{rp['median']:.2f}, {r['decode_cpu_vs_rotating']:.2f}" if rp else "-"] if rot else []
             if pre:
                 cells += [f"{r['kv_peak_bytes'] / 2**20:.1f}"]
                 cells += [

@@ -8,6 +8,7 @@
     python benchmarks/real_shapes.py --context 16384,32768 --ratios 4,8 --layers 16   # decode at a long context
     python benchmarks/real_shapes.py --layer-prefill --prompts 2048,8192 --ratios 4,8   # one layer's prefill cost
     python benchmarks/real_shapes.py --smoke                            # a tiny config, a few seconds
+    python benchmarks/real_shapes.py --markdown benchmarks/results/real_shapes_llama3.2-1b_4L_2k-8k.json  # tables
 
 The model is mlx-lm's own (``mlx_lm.models.<family>.Model``) built from a real config with random fp32 weights
 (speed does not depend on them) and fewer layers (``--layers``; the cost per layer is what matters, and the per-layer
@@ -31,20 +32,22 @@ and, per budget ratio r (budget = prompt / r), ``RotatingKVCache(budget, keep=4)
   after each chunk above what it was before the prefill (anything a cache keeps alive); and the process's peak
   (``mx.get_peak_memory``, attention activations included) above the same baseline.
 
-Writes benchmarks/results/real_shapes_<config>_<layers>L_<prompts>.json and a .png of the ratios.
+Writes benchmarks/results/real_shapes[_context]_<config>_<layers>L_<prompts>[_<tag>].json (the command, versions,
+BLAS, the load averages and CPU count added) and a .png of the ratios; ``--layer-prefill`` writes
+real_shapes_layer_prefill_<config>_<prompts>.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib
+import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from _common import RESULTS, mx, write_json
+from _common import mx, parser, result_name, write_json
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
@@ -517,34 +520,108 @@ def print_table(rows, prompt_len):
 
 
 def plot(blocks, path: Path, title: str) -> None:
-    """Per prompt length: decode and prefill tokens/s as ratios to the full cache, one bar per (method, budget)."""
+    """Per prompt length (context): decode and (when measured) prefill tokens/s as ratios to the full cache, one bar
+    per (method, budget)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(blocks), 2, figsize=(12, 3.2 * len(blocks)), squeeze=False)
+    keys = [("decode_vs_full", "decode")] + (
+        [("prefill_vs_full", "prefill")] if all("prefill_vs_full" in r for b in blocks for r in b["rows"]) else []
+    )
+    fig, axes = plt.subplots(len(blocks), len(keys), figsize=(6 * len(keys), 3.2 * len(blocks)), squeeze=False)
     colors = {"rotating": "tab:gray", "h2o": "tab:blue", "cam": "tab:orange"}
-    for (ax_d, ax_p), b in zip(axes, blocks):
+    for row_axes, b in zip(axes, blocks):
         rows = [r for r in b["rows"] if r["budget"] is not None]
         ratios = sorted({r["ratio"] for r in rows})
         for j, m in enumerate(("rotating", "h2o", "cam")):
             sel = [next((r for r in rows if r["method"] == m and r["ratio"] == q), None) for q in ratios]
             xs = [i + (j - 1) * 0.27 for i in range(len(ratios))]
-            for ax, key in ((ax_d, "decode_vs_full"), (ax_p, "prefill_vs_full")):
+            for ax, (key, _) in zip(row_axes, keys):
                 ax.bar(xs, [0 if r is None else r[key] for r in sel], 0.27, color=colors[m], label=m)
-        for ax, what in ((ax_d, "decode"), (ax_p, "prefill")):
+        for ax, (_, what) in zip(row_axes, keys):
             ax.axhline(1.0, color="k", lw=0.8)
             ax.set_xticks(range(len(ratios)), [f"{q:g}x" for q in ratios])
-            ax.set(ylabel=f"{what} tok/s / full", title=f"{title}, prompt {b['prompt']}: {what}")
-        ax_d.legend(fontsize=7)
+            ax.set(ylabel=f"{what} tok/s / full", title=f"{title}, context {b['prompt']}: {what}")
+        row_axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def markdown(payload) -> str:
+    """The markdown tables of a result file of :func:`main` (docs/speed.md): per context, each method's prefill and
+    decode tokens/s with their ratios to the full cache and to RotatingKVCache at the same budget, and the KV bytes at
+    their largest during prefill against the bound (budget + chunk) of K/V; for ``--layer-prefill``, one layer's
+    prefill seconds and speed relative to the full cache."""
+    out = []
+    for b in payload["blocks"]:
+        if "layer_prefill" in b:  # --layer-prefill: one layer's prefill, seconds and speed relative to full
+            c, f = b["layer_prefill"], b["layer_prefill"]["full"]
+            out += [
+                f"\n{payload['config']}, one layer's prefill of {b['prompt']} tokens in chunks of {payload['chunk']}, "
+                f"median of {payload.get('rounds', 1)} rounds (load {b.get('load', [float('nan')])[0]:.1f})\n",
+                "| method | wall s | x full | CPU s | x full (CPU) |",
+                "| --- | --- | --- | --- | --- |",
+            ]
+            out += [
+                f"| {s} | {v['wall_s']:.2f} | {f['wall_s'] / v['wall_s']:.2f} | {v['cpu_s']:.2f} | "
+                f"{f['cpu_s'] / v['cpu_s']:.2f} |"
+                for s, v in c.items()
+            ]
+            continue
+        pre = "prefill_tps" in b["rows"][0]
+        rot = any("decode_vs_rotating_paired" in r for r in b["rows"])
+        load = b.get("load", payload.get("load_avg", {}).get("end", [float("nan")]))[0]
+        out.append(
+            f"\n{payload['config']}, {payload['layers']} of {payload['real_layers']} layers, context {b['prompt']}"
+            f" (load {load:.1f}; head {b['head_ms']:.0f} ms per token)\n"
+        )
+        head = "| method | ratio |"
+        head += " prefill tok/s | x full (wall, CPU) | x rotating (wall, CPU) |" if pre else ""
+        head += " decode tok/s | x full (paired, CPU) | x full at real depth |" + (
+            " x rotating (paired, CPU) |" if rot else ""
+        )
+        head += " KV peak in prefill (MiB) | x bound |" if pre else ""
+        out += [head, "|" + " --- |" * (head.count("|") - 1)]
+        for r in b["rows"]:
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:g}x"
+            cells = [r["method"] if r["budget"] is None else f"{r['method']} ({r['budget']})", ratio]
+            if pre:
+                cells += [f"{r['prefill_tps']:.1f}", f"{r['prefill_vs_full']:.2f}, {r['prefill_cpu_vs_full']:.2f}"]
+                cells += [
+                    f"{r['prefill_vs_rotating']:.2f}, {r['prefill_cpu_vs_rotating']:.2f}"
+                    if "prefill_vs_rotating" in r
+                    else "-"
+                ]
+            fp = r["decode_vs_full_paired"]["median"]
+            cells += [
+                f"{r['decode_tps']:.3f}",
+                f"{fp:.2f}, {r['decode_cpu_vs_full']:.2f}",
+                f"{r['decode_vs_full_at_real_depth']:.2f}",
+            ]
+            rp = r.get("decode_vs_rotating_paired")
+            cells += [f"{rp['median']:.2f}, {r['decode_cpu_vs_rotating']:.2f}" if rp else "-"] if rot else []
+            if pre:
+                cells += [f"{r['kv_peak_bytes'] / 2**20:.1f}"]
+                cells += [
+                    f"{r['kv_peak_vs_bound']:.2f} (full {r['full_kv_peak_vs_bound']:.2f})"
+                    if "kv_peak_vs_bound" in r
+                    else "-"
+                ]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def machine(load: dict) -> dict:
+    """The load on the machine while the benchmark ran (1, 5 and 15 minute load averages at its start and after
+    the last prompt length) and its CPU count: the ratios are paired against load, the absolute numbers are not."""
+    return {"load_avg": dict(load), "cpu_count": os.cpu_count()}
+
+
+def main(argv=None):
+    p = parser(__doc__, rounds=1, rounds_help="prefill rounds per method (median)")
     p.add_argument("--config", default="llama3.2-1b", choices=[c for c in CONFIGS if c != "tiny"])
     p.add_argument("--layers", type=int, default=4, help="layers built (the config's real count is far more)")
     p.add_argument("--prompts", default="2048", help="comma-separated prompt lengths")
@@ -553,7 +630,6 @@ def main():
     p.add_argument("--chunk", type=int, default=2048, help="prefill_step_size")
     p.add_argument("--decode", type=int, default=16, help="decode tokens timed per method")
     p.add_argument("--block", type=int, default=4, help="tokens per method per interleaved decode turn")
-    p.add_argument("--rounds", type=int, default=1, help="prefill rounds per method (median)")
     p.add_argument(
         "--context",
         default="",
@@ -565,10 +641,13 @@ def main():
         action="store_true",
         help="only the per-layer prefill diagnostic (one decoder layer over the prompt, chunk by chunk)",
     )
-    p.add_argument("--tag", default="", help="appended to the result file name")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
-    args = p.parse_args()
+    p.add_argument(
+        "--markdown", default="", help="print the markdown tables of this result file (docs/speed.md) and stop"
+    )
+    args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return
     if args.smoke:
         args.config, args.layers, args.prompts, args.ratios = "tiny", 2, "64,128", "4,8"
         args.chunk, args.decode, args.block = 32, 4, 2
@@ -585,15 +664,11 @@ def main():
         w = Run(model, s, warm, 16, 4)
         w.prefill(), w.decode_turn(2), w.close()
     family, fields, _ = CONFIGS[args.config]
-    name = (
-        "real_shapes_smoke"
-        if args.smoke
-        else (f"real_shapes_{args.config}_{args.layers}L_" + "-".join(f"{P // 1024}k" for P in prompts) + args.tag)
-    )
-    if args.context:
-        name = name.replace("real_shapes_", "real_shapes_context_")
-    if args.layer_prefill:
-        name = "real_shapes_layer_prefill_smoke" if args.smoke else name.replace(f"_{args.layers}L_", "_layer_prefill_")
+    kind = "_context" if args.context else "_layer_prefill" if args.layer_prefill else ""
+    shape = "" if args.smoke else f"_{args.config}" + ("" if args.layer_prefill else f"_{args.layers}L")
+    shape += "" if args.smoke else "_" + "-".join(f"{P // 1024}k" for P in prompts)
+    name = result_name(f"real_shapes{kind}{shape}", args)  # real_shapes[_context|_layer_prefill]_<config>_<N>L_<P>
+    load = {"start": os.getloadavg()}
     blocks = []
     for P in prompts:
         prompt = mx.random.randint(0, CONFIGS[args.config][1]["vocab_size"], (P,), key=mx.random.key(P))
@@ -611,8 +686,10 @@ def main():
                     f"full's speed)  CPU {c['cpu_s']:7.2f} s (x{f['cpu_s'] / c['cpu_s']:.2f})",
                     flush=True,
                 )
-            blocks.append({"prompt": P, "layer_prefill": costs})
-            out = write_json(name, {"config": args.config, "chunk": args.chunk, "blocks": blocks}, Path(args.out))
+            blocks.append({"prompt": P, "layer_prefill": costs, "load": os.getloadavg()})
+            load["end"] = os.getloadavg()
+            payload = {"config": args.config, "chunk": args.chunk, "rounds": args.rounds, "blocks": blocks}
+            out = write_json(name, {**payload, **machine(load)}, Path(args.out))
             continue
         if args.context:
             rows, head_ms = measure_context(model, P, specs, args.decode, args.block)
@@ -621,7 +698,8 @@ def main():
         rows = annotate(rows, P, args.chunk, per_token, args.layers, real_layers, head_ms)
         print(f"head (embedding, final norm, LM head, sampling): {head_ms:.1f} ms per token")
         print_table(rows, P)
-        blocks.append({"prompt": P, "head_ms": head_ms, "rows": rows})
+        blocks.append({"prompt": P, "head_ms": head_ms, "rows": rows, "load": os.getloadavg()})
+        load["end"] = os.getloadavg()
         payload = {
             "config": args.config,
             "family": family,
@@ -634,10 +712,12 @@ def main():
             "block": args.block,
             "rounds": args.rounds,
             "kv_bytes_per_token_layer": per_token,
+            "context_mode": bool(args.context),
             "blocks": blocks,
+            **machine(load),
         }
         out = write_json(name, payload, Path(args.out))  # after every prompt length: a long run keeps what it has
-    if not args.layer_prefill and not args.context:
+    if not args.layer_prefill:
         plot(blocks, Path(args.out) / f"{name}.png", f"{args.config} ({args.layers} layers)")
     print(f"wrote {out}")
 

@@ -33,6 +33,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
         ("long_context.py", "long_context_smoke.json"),
         ("paper_merge_growth.py", "paper_merge_growth_smoke.json"),
         ("validation_cost.py", "validation_cost_smoke.json"),
+        ("real_shapes.py", "real_shapes_smoke.json"),
     ],
 )
 def test_benchmark_smoke(tmp_path, script, result):
@@ -237,3 +238,37 @@ def test_harness_interleaves_kinds_round_by_round_and_names_results(tmp_path):
     assert (args.rounds, args.seed, result_name("b", args), result_name("b")) == (3, 0, "b_t_smoke", "b")
     data = json.loads(write_json(result_name("b", args), {"x": 1}, args.out).read_text())
     assert data["x"] == 1 and data["versions"]["blas"] is not None and data["command"].startswith("python")
+
+
+@pytest.mark.parametrize(
+    "mode, result",
+    [("--context", "real_shapes_context_smoke.json"), ("--layer-prefill", "real_shapes_layer_prefill_smoke.json")],
+)
+def test_real_shapes_modes_smoke_record_the_load(tmp_path, mode, result):
+    """real_shapes.py's decode-at-context and per-layer prefill modes run and record the machine's load averages."""
+    args = [mode, "128"] if mode == "--context" else [mode]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "real_shapes.py"), "--smoke", *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / result).read_text())
+    assert data["versions"]["blas"] is not None and len(data["load_avg"]["start"]) == 3 and data["cpu_count"] >= 1
+
+
+def test_real_shapes_markdown_prints_the_table_of_a_result_file(tmp_path):
+    """``--markdown FILE``: the table of docs/speed.md from a result file, one row per method and budget."""
+    run = [sys.executable, str(BENCH / "real_shapes.py")]
+    proc = subprocess.run([*run, "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run(
+        [*run, "--markdown", str(tmp_path / "real_shapes_smoke.json")], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0].startswith("| method | ratio | prefill tok/s")
+    assert [r.split(" | ")[0] for r in rows[1:8]] == ["| full"] + [
+        f"| {m} ({b})" for b in (16, 8) for m in ("rotating", "h2o", "cam")
+    ]

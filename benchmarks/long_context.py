@@ -4,6 +4,7 @@
     python benchmarks/long_context.py --size headline                # the 4k table of one model (~1 h)
     python benchmarks/long_context.py --size headline --model smollm2
     python benchmarks/long_context.py --lengths 8192 --tasks niah_single,niah_multikey --tag 8k
+    python benchmarks/long_context.py --model smollm2 --lengths 8192 --tasks niah_single --depths 0.3,0.5,0.7
     python benchmarks/long_context.py --size headline --export-jsonl benchmarks/results/long_context_4k.jsonl
     python benchmarks/long_context.py --smoke                        # tiny random model (the test suite)
 
@@ -15,23 +16,29 @@ Sizes (measured on 2 shared x86 cores, docs/long-context.md):
 - ``headline``: 4k tokens, pydoc and noise haystacks, all six tasks, one context each, full /
   StreamingLLM (mlx-lm's RotatingKVCache) / H2O / CaM at 4x and 8x, both protocols.
 
-Methods are names from METHODS or config strings; each bounded method gets budget = length / ratio.
+Methods are names from METHODS or config strings; each bounded method gets budget = length / ratio (a config
+string that sets its own ``budget=`` runs as given). ``--depths`` builds one context per depth (seed i, the
+statements at that share of the haystack) instead of ``--seeds`` random placements; every context's needle
+depth (first statement's start / context tokens) is in the JSON's config.
 On each task the full cache runs first; where it scores below --min-full (60) the other methods are
 skipped and the task is flagged (--no-skip-flagged runs them anyway).
-Writes long_context_<tag>.json (config, every answer, scores per task per haystack and pooled, the
-full cache's score next to every method, flagged tasks) and long_context_<tag>.png under
+Common arguments (--smoke, --out, --tag) and result names (long_context[_<tag>][_smoke]) from the benchmark
+harness (_common.py); without --tag a run is named by its size and model. Writes long_context_<tag>.json
+(config, every answer, scores per task per haystack and pooled, the full cache's score next to every method,
+flagged tasks, versions and BLAS) and long_context_<tag>.png under
 benchmarks/results/, the JSON after every context (a long run can be read while it runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import time
 from pathlib import Path
 
-from _common import RESULTS, write_json
+from _common import parser, result_name, write_json
 
 from kvpolicy_core.eval.tasks import ruler
 from kvpolicy_core.eval.tasks.ruler_runner import PROTOCOLS, format_table, record_first_chunk, run_context, summarize
@@ -77,6 +84,8 @@ MODEL_CHAT = {"gemma3": "none", "smollm2": "none"}
 
 def spec_for(name: str, budget: int) -> str:
     base = METHODS.get(name, name)
+    if "budget=" in base:  # a config string with its own budget runs as given, at every ratio
+        return base
     if base == "full":
         return "full"
     if base == "rotating":
@@ -91,7 +100,7 @@ def load(model: str, smoke: bool):
     if smoke:
         import tempfile
 
-        from kvpolicy_core.model.tiny import write_model_dir
+        from kvpolicy_core.testing.tiny_models import write_model_dir
 
         path = write_model_dir(Path(tempfile.mkdtemp(prefix="long-context-tiny-")), "llama", layers=2)
         m, tok = mlx_lm.load(str(path))
@@ -105,7 +114,7 @@ def load(model: str, smoke: bool):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, smoke_help="a tiny random-weight model, seconds (checks the program runs)")
     p.add_argument("--size", choices=sorted(SIZES), help="a preset of the options below (explicit options win)")
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
     p.add_argument("--lengths")
@@ -115,6 +124,9 @@ def main():
     p.add_argument("--ratios", help="compression ratios, comma list (budget = length / ratio)")
     p.add_argument("--protocols", help=", ".join(PROTOCOLS))
     p.add_argument("--seeds", type=int, help="contexts per (task, haystack, length)")
+    p.add_argument(
+        "--depths", help="comma list of needle depths in [0, 1]: one context per depth (seed i at depth i), not --seeds"
+    )
     p.add_argument("--preset", default=ruler.DEFAULT_PRESET, choices=sorted(ruler.PRESETS))
     p.add_argument("--chat", choices=sorted(ruler.CHATS), help="prompt format (default: the model's, MODEL_CHAT)")
     p.add_argument("--prefill-step", type=int, default=2048)
@@ -126,9 +138,6 @@ def main():
     )
     p.add_argument("--min-full", type=float, default=60.0)
     p.add_argument("--export-jsonl", help="also write the contexts (token ids) to this JSONL file")
-    p.add_argument("--tag", default="")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--report", nargs="+", metavar="JSON", help="print the markdown table of result files and stop")
     args = p.parse_args()
     if args.report:
@@ -151,25 +160,14 @@ def main():
     names = [m.strip() for m in args.methods.split(";" if ";" in args.methods else ",")]
     ratios = [float(r) for r in args.ratios.split(",")]
     protocols = args.protocols.split(",")
-    contexts = ruler.build_suite(
-        tok,
-        tasks,
-        lengths,
-        args.haystacks.split(","),
-        range(args.seeds),
-        model=Path(path).name,
-        chat=chat,
-        preset=args.preset,
-        params=SMOKE_PARAMS if args.smoke else None,
-    )
+    depths = [float(d) for d in args.depths.split(",")] if args.depths else None
+    contexts = build_contexts(tok, tasks, lengths, args.haystacks.split(","), args, Path(path).name, chat, depths)
     if args.export_jsonl:
         ruler.write_jsonl(args.export_jsonl, contexts)
         print(f"wrote {args.export_jsonl} ({len(contexts)} contexts)")
-    model_tag = "tiny" if args.smoke else Path(args.model).name.split("-")[0]
-    if args.smoke:
-        tag = "long_context_smoke"
-    else:
-        tag = f"long_context_{args.tag}" if args.tag else f"long_context_{size}_{model_tag}"
+    # long_context[_<tag>][_smoke]; without --tag a full run is named by its size and model
+    default_tag = "" if args.smoke else f"{size}_{Path(args.model).name.split('-')[0]}"
+    tag = result_name("long_context", tag=args.tag or default_tag, smoke=args.smoke)
     config = {
         "size": size,
         "model": path,
@@ -182,6 +180,8 @@ def main():
         "ratios": ratios,
         "protocols": protocols,
         "seeds": args.seeds,
+        "depths": depths,
+        "needle_depth": {c.id: round(c.spans[0][0] / len(c.context_ids), 3) for c in contexts if c.spans},
         "prefill_step": args.prefill_step,
         "params": {t: vars(ruler.preset_params(args.preset, t, Path(path).name)) for t in tasks},
     }
@@ -228,6 +228,43 @@ def main():
     if not args.smoke:
         plot(out / f"{tag}.png", summary, tasks, f"{Path(path).name}, {','.join(map(str, lengths))} tokens")
     print(f"wrote {out / (tag + '.json')} in {time.perf_counter() - start:.0f} s")
+
+
+def build_contexts(tok, tasks, lengths, haystacks, args, model_name, chat, depths):
+    """The suite's contexts; with ``depths``, context ``i`` of each (task, length, haystack) has seed ``i`` and
+    its statements at ``depths[i]`` of the haystack (``TaskParams.depth``), else ``args.seeds`` random ones."""
+    base = SMOKE_PARAMS if args.smoke else {}
+    if depths is None:
+        return ruler.build_suite(
+            tok,
+            tasks,
+            lengths,
+            haystacks,
+            range(args.seeds),
+            model=model_name,
+            chat=chat,
+            preset=args.preset,
+            params=base or None,
+        )
+    out = []
+    for task in tasks:
+        params = base.get(task) or ruler.preset_params(args.preset, task, model_name)
+        for length in lengths:
+            for hay in haystacks:
+                for i, d in enumerate(depths):
+                    out.append(
+                        ruler.build_context(
+                            tok,
+                            task,
+                            length,
+                            hay,
+                            i,
+                            model=model_name,
+                            chat=chat,
+                            params=dataclasses.replace(params, depth=d),
+                        )
+                    )
+    return out
 
 
 def markdown(rows, min_full: float = 60.0) -> str:

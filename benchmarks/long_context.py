@@ -138,13 +138,15 @@ def main():
     )
     p.add_argument("--min-full", type=float, default=60.0)
     p.add_argument("--export-jsonl", help="also write the contexts (token ids) to this JSONL file")
-    p.add_argument("--report", nargs="+", metavar="JSON", help="print the markdown table of result files and stop")
+    p.add_argument(
+        "--report", nargs="+", metavar="JSON", help="print one markdown table of result files (rows merged) and stop"
+    )
     args = p.parse_args()
     if args.report:
         for f in args.report:
             data = json.loads(Path(f).read_text())
-            print(f"{Path(f).name}: {data['config']['model']}, {data['seconds']:.0f} s\n")
-            print(markdown(data["rows"]) + "\n")
+            print(f"{Path(f).name}: {data['config']['model']}, {data['seconds']:.0f} s")
+        print("\n" + markdown(merge_rows(args.report)) + "\n")
         return
     size = "smoke" if args.smoke else (args.size or "quick")
     for k, v in SIZES[size].items():
@@ -267,50 +269,106 @@ def build_contexts(tok, tasks, lengths, haystacks, args, model_name, chat, depth
     return out
 
 
+def merge_rows(files) -> list:
+    """The rows of several result files as one list; a row asked twice (same context, method, protocol and
+    question, e.g. the full cache in two runs on the same contexts) is kept once, the first file's."""
+    seen, out = set(), []
+    for f in files:
+        for r in json.loads(Path(f).read_text())["rows"]:
+            key = (r["id"], r["model"], r["method"], r["protocol"], r["question"])
+            if key not in seen:
+                seen.add(key)
+                out.append(r)
+    return out
+
+
 def markdown(rows, min_full: float = 60.0) -> str:
-    """The docs' table of one result file: per protocol, one line per method, RULER scores per task (haystacks
-    pooled), their mean over the tasks the full cache can do (flagged tasks: full cache only, marked *), and the
-    share of the full cache's KV bytes a method holds after the context (query-agnostic)."""
+    """The docs' table of result rows: per (length, protocol), one line per method, the RULER score per task
+    with the haystacks pooled and, in brackets, per haystack (pydoc / noise); the mean over the tasks the full
+    cache can do (flagged tasks, full cache below ``min_full``: marked *, not in the mean), that mean minus the
+    full cache's on the same questions (same length and protocol), and the share of the full cache's KV bytes a
+    method holds after the context (query-agnostic). A haystack a method was not run on shows as -."""
     summary = summarize([{**r, "haystack": "all"} for r in rows], min_full)
+    per_hay = {(s["length"], s["protocol"], s["method"], s["haystack"]): s for s in summarize(rows, min_full)}
+    hays = [h for h in ("pydoc", "noise", "wordlist") if any(r["haystack"] == h for r in rows)]
+    hays += sorted({r["haystack"] for r in rows} - set(hays))
     tasks = [t for t in ruler.TASKS if any(r["task"] == t for r in rows)]
     flagged = {t for s in summary for t in s["flagged"]}
     kept = {}
     for r in rows:
         if r["protocol"] == "query-agnostic" and r.get("context_kv_bytes_full"):
-            kept.setdefault(r["method"], []).append(r["context_kv_bytes_kept"] / r["context_kv_bytes_full"])
-    head = (
-        "| protocol | method | " + " | ".join(t + (" *" if t in flagged else "") for t in tasks) + " | mean | KV kept |"
-    )
-    lines = [head, "|" + " --- |" * (len(tasks) + 4)]
-    for protocol in PROTOCOLS:
-        for s in sorted(
-            (s for s in summary if s["protocol"] == protocol),
-            key=lambda s: (
-                ORDER.get(s["method"].split(":")[0], len(ORDER)),
-                s["method"].split(":")[0],
-                -_budget(s["method"]),
-            ),
-        ):
-            cells = [f"{s['tasks'][t]:.1f}" if t in s["tasks"] else "" for t in tasks]
-            ok = [s["tasks"][t] for t in tasks if t not in flagged and t in s["tasks"]]
-            mean = f"{sum(ok) / len(ok):.1f}" if ok else ""
-            k = kept.get(s["method"])
-            lines.append(
-                f"| {protocol} | {s['method']} | "
-                + " | ".join(cells)
-                + f" | {mean} | "
-                + (f"{100 * sum(k) / len(k):.0f}%" if k else "")
-                + " |"
+            kept.setdefault((r["length"], r["method"]), []).append(
+                r["context_kv_bytes_kept"] / r["context_kv_bytes_full"]
             )
+    head = (
+        "| tokens | protocol | method | "
+        + " | ".join(t + (" *" if t in flagged else "") for t in tasks)
+        + " | mean | vs full | KV kept |"
+    )
+    lines = [head, "|" + " --- |" * (len(tasks) + 6)]
+
+    def mean_of(s):
+        ok = [s["tasks"][t] for t in tasks if t not in flagged and t in s["tasks"]]
+        return sum(ok) / len(ok) if ok else None
+
+    full_score = {
+        (r["length"], r["protocol"], r["id"], r["question"]): r["score"] for r in rows if r["method"] == "full"
+    }
+
+    def full_mean_on(s):
+        """The full cache's mean on the questions this method was asked (same length and protocol)."""
+        asked = [
+            r for r in rows if (r["length"], r["protocol"], r["method"]) == (s["length"], s["protocol"], s["method"])
+        ]
+        by_task = {}
+        for r in asked:
+            f = full_score.get((r["length"], r["protocol"], r["id"], r["question"]))
+            if f is None:
+                return None
+            by_task.setdefault(r["task"], []).append(f)
+        ok = [100 * sum(v) / len(v) for t, v in by_task.items() if t not in flagged]
+        return sum(ok) / len(ok) if ok else None
+
+    for s in sorted(
+        summary,
+        key=lambda s: (
+            s["length"],
+            PROTOCOLS.index(s["protocol"]) if s["protocol"] in PROTOCOLS else len(PROTOCOLS),
+            ORDER.get(s["method"].split(":")[0], len(ORDER)),
+            s["method"].split(":")[0],
+            -_budget(s["method"]),
+            s["method"],
+        ),
+    ):
+        cells = []
+        for t in tasks:
+            if t not in s["tasks"]:
+                cells.append("")
+                continue
+            by = [per_hay.get((s["length"], s["protocol"], s["method"], h)) for h in hays]
+            parts = [f"{b['tasks'][t]:.0f}" if b is not None and t in b["tasks"] else "-" for b in by]
+            cells.append(f"{s['tasks'][t]:.1f}" + (f" ({' / '.join(parts)})" if len(parts) > 1 else ""))
+        m, fm = mean_of(s), full_mean_on(s)
+        gap = f"{m - fm:+.1f}" if m is not None and fm is not None and s["method"] != "full" else ""
+        k = kept.get((s["length"], s["method"]))
+        lines.append(
+            f"| {s['length']} | {s['protocol']} | {s['method']} | "
+            + " | ".join(cells)
+            + (f" | {m:.1f} | " if m is not None else " |  | ")
+            + gap
+            + " | "
+            + (f"{100 * sum(k) / len(k):.0f}%" if k else "")
+            + " |"
+        )
     n_q = {
-        t: sum(1 for r in rows if r["task"] == t and r["method"] == "full" and r["protocol"] == "query-agnostic")
+        t: sum(1 for r in rows if r["task"] == t and r["method"] == "full" and r["protocol"] == rows[0]["protocol"])
         for t in tasks
     }
     lines.append("")
     lines.append(
-        "Questions per task (per method and protocol): "
-        + ", ".join(f"{t} {n}" for t, n in n_q.items())
-        + ". * the full cache scores below 60: flagged, the other methods not run."
+        "Scores: pooled over the haystacks (" + " / ".join(hays) + " in brackets). Questions per task with the full "
+        "cache: " + ", ".join(f"{t} {n}" for t, n in n_q.items()) + ". * the full cache scores below "
+        f"{min_full:.0f}: flagged, the other methods not run, not in the mean."
     )
     return "\n".join(lines)
 

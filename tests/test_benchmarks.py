@@ -233,3 +233,28 @@ def test_harness_interleaves_kinds_round_by_round_and_names_results(tmp_path):
     assert (args.rounds, args.seed, result_name("b", args), result_name("b")) == (3, 0, "b_t_smoke", "b")
     data = json.loads(write_json(result_name("b", args), {"x": 1}, args.out).read_text())
     assert data["x"] == 1 and data["versions"]["blas"] is not None and data["command"].startswith("python")
+
+
+def test_long_context_report_merges_files_and_compares_each_method_to_the_full_cache_on_its_questions(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import long_context
+
+    def row(ctx, hay, method, score):
+        return dict(id=ctx, task="niah_single", length=4096, haystack=hay, model="m", method=method, question=0,
+                    protocol="query-agnostic", score=score)  # fmt: skip
+
+    first = [row("a", "pydoc", "full", 1.0), row("b", "noise", "full", 0.0), row("a", "pydoc", "h2o:budget=1024", 1.0)]
+    second = [row("a", "pydoc", "full", 1.0), row("a", "pydoc", "cam:budget=1024", 0.0)]
+    second.append(row("b", "noise", "cam:budget=1024", 0.0))
+    files = []
+    for i, rows in enumerate((first, second)):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps({"rows": rows}))
+    merged = long_context.merge_rows(files)
+    assert len(merged) == 5  # the full cache's answer on context a is kept once
+    table = {
+        line.split(" | ")[2]: line.split(" | ")[3:] for line in long_context.markdown(merged, 40).splitlines()[2:5]
+    }
+    assert table["full"][:2] == ["50.0 (100 / 0)", "50.0"]
+    assert table["h2o:budget=1024"][:3] == ["100.0 (100 / -)", "100.0", "+0.0"]  # full on context a: 100
+    assert table["cam:budget=1024"][:3] == ["0.0 (0 / 0)", "0.0", "-50.0"]

@@ -20,8 +20,9 @@ Methods are names from METHODS or config strings; each bounded method gets budge
 string that sets its own ``budget=`` runs as given). ``--depths`` builds one context per depth (seed i, the
 statements at that share of the haystack) instead of ``--seeds`` random placements; every context's needle
 depth (first statement's start / context tokens) is in the JSON's config.
-On each task the full cache runs first; where it scores below --min-full (60) the other methods are
-skipped and the task is flagged (--no-skip-flagged runs them anyway).
+On each task the full cache runs first (``--full-from`` takes its answers from earlier result files instead,
+where they hold the same context and questions: rows marked ``reused``); where it scores below --min-full (60)
+the other methods are skipped and the task is flagged (--no-skip-flagged runs them anyway).
 Common arguments (--smoke, --out, --tag) and result names (long_context[_<tag>][_smoke]) from the benchmark
 harness (_common.py); without --tag a run is named by its size and model. Writes long_context_<tag>.json
 (config, every answer, scores per task per haystack and pooled, the full cache's score next to every method,
@@ -137,6 +138,13 @@ def main():
         help="run only the full cache on a task it scores below --min-full on (default: on)",
     )
     p.add_argument("--min-full", type=float, default=60.0)
+    p.add_argument(
+        "--full-from",
+        nargs="+",
+        metavar="JSON",
+        help="reuse the full cache's answers from these result files where they hold the same context and "
+        "questions (its prefill is deterministic), instead of running it again",
+    )
     p.add_argument("--export-jsonl", help="also write the contexts (token ids) to this JSONL file")
     p.add_argument(
         "--report", nargs="+", metavar="JSON", help="print one markdown table of result files (rows merged) and stop"
@@ -198,6 +206,9 @@ def main():
             flush=True,
         )
 
+    earlier_full = []
+    for f in args.full_from or []:
+        earlier_full += [r for r in json.loads(Path(f).read_text())["rows"] if r["method"] == "full"]
     flagged = []
     for key in dict.fromkeys((c.task, c.length) for c in contexts):  # one task and length at a time
         group = [c for c in contexts if (c.task, c.length) == key]
@@ -210,6 +221,16 @@ def main():
                     bounded.append(s)
         done = len(rows)
         for ctx in group:  # the full cache first: it decides whether the task is worth the other methods
+            reused = [
+                r for r in earlier_full if r["id"] == ctx.id and r["model"] == ctx.model and r["protocol"] in protocols
+            ]
+            if len(reused) == len(protocols) * len(ctx.questions) and all(
+                r["answers"] == ctx.questions[r["question"]].answers and r["context_tokens"] == len(ctx.context_ids)
+                for r in reused
+            ):
+                for r in reused:
+                    log({**r, "reused": True})
+                continue
             run_context(model, tok, ctx, "full", protocols, args.prefill_step, records[ctx.id], log=log)
         full = [r["score"] for r in rows[done:]]
         if args.skip_flagged and 100 * sum(full) / len(full) < args.min_full:

@@ -258,3 +258,20 @@ def test_long_context_report_merges_files_and_compares_each_method_to_the_full_c
     assert table["full"][:2] == ["50.0 (100 / 0)", "50.0"]
     assert table["h2o:budget=1024"][:3] == ["100.0 (100 / -)", "100.0", "+0.0"]  # full on context a: 100
     assert table["cam:budget=1024"][:3] == ["0.0 (0 / 0)", "0.0", "-50.0"]
+
+
+def test_long_context_reuses_the_full_caches_answers_only_on_the_same_contexts(tmp_path):
+    def run(out, *extra):
+        cmd = [sys.executable, str(BENCH / "long_context.py"), "--smoke", "--protocols", "query-agnostic"]
+        proc = subprocess.run(cmd + ["--out", str(out), *extra], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((out / "long_context_smoke.json").read_text())["rows"]
+
+    first = run(tmp_path / "a", "--methods", "full", "--tasks", "niah_multikey")
+    again = run(tmp_path / "b", "--methods", "full,h2o", "--tasks", "niah_multikey,vt", "--full-from",
+                str(tmp_path / "a" / "long_context_smoke.json"))  # fmt: skip
+    full = [r for r in again if r["method"] == "full"]
+    assert [r["output"] for r in full if r["task"] == "niah_multikey"] == [r["output"] for r in first]
+    assert all(r.get("reused") for r in full if r["task"] == "niah_multikey")
+    assert not any(r.get("reused") for r in full if r["task"] == "vt")  # not in the earlier file: run
+    assert any(r["method"].startswith("h2o") for r in again)

@@ -25,7 +25,11 @@ SHIPPED_METHODS = [
     "cam:merge=sim_weighted",
     "cam:merge=mass_blend,signal=proxy",
     "random:salt=3",
+    "h2o:score=keydiff",  # query-agnostic: key dissimilarity, no attention hook
+    "cam:score=expected_attention",  # query-agnostic: expected attention of future queries (hook, layer RoPE)
 ]
+#: The query-agnostic scorers with the other disposition (the host-sync count covers every pair).
+QUERY_AGNOSTIC_PAIRS = ["cam:score=keydiff", "h2o:score=expected_attention"]
 #: CaM's variants (merge rules, gate, keys).
 CAM_METHODS = [m for m in SHIPPED_METHODS if m.startswith("cam")]
 

@@ -9,7 +9,7 @@ transaction) are skipped. A plugin's parts keep their checks, and with them thei
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import SHIPPED_METHODS, feed, random_kv, tiny_gemma3, tiny_llama, with_fields
+from helpers import QUERY_AGNOSTIC_PAIRS, SHIPPED_METHODS, feed, random_kv, tiny_gemma3, tiny_llama, with_fields
 from host_syncs import HostSyncs
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import KVCache
@@ -66,7 +66,7 @@ def batch_syncs(model, config):
     return per_step
 
 
-@pytest.mark.parametrize("method", SHIPPED_METHODS)
+@pytest.mark.parametrize("method", SHIPPED_METHODS + QUERY_AGNOSTIC_PAIRS)
 def test_no_host_sync_on_a_decode_step_of_a_shipped_method(model, method):
     config = with_fields(method, FIELDS)
     caches = KVCacheBuilder.for_model(model, config)

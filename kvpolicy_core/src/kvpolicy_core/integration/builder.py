@@ -13,6 +13,7 @@ from ..config.parse import KVCacheConfig, parse_config
 from ..config.policy import build_policy
 from ..errors import ConfigError, ModelError
 from ..runtime.sharding import shard_layout
+from .rope import model_ropes
 
 _ORIGINAL = "_kvpolicy_original_make_cache"
 _HOOK = "_kvpolicy_attention_hook"
@@ -121,7 +122,10 @@ class KVCacheBuilder:
         signal or a sliding-window layer. Models kvpolicy cannot serve correctly (latent
         attention, shared-KV layers, hybrid or chunked caches) raise :class:`ModelError`.
         On a model split by mlx-lm's ``sharded_load`` each cache gets its global layer index
-        and KV-head slice (:mod:`kvpolicy_core.runtime.sharding`).
+        and KV-head slice (:mod:`kvpolicy_core.runtime.sharding`). A scorer that declares
+        ``needs_rope`` (``score=expected_attention``) gets each layer's RoPE in that layer's config
+        (``rope_freqs``, ``rope_traditional``: :mod:`kvpolicy_core.integration.rope`), so the caches of layers
+        with different RoPEs (Gemma 3's local and global layers) have different configs.
         """
         config = parse_config(config)
         layers = _layers(model)
@@ -132,6 +136,7 @@ class KVCacheBuilder:
         check_supported(model, natives, layers)
         policy = build_policy(config)
         layout = shard_layout(model)
+        policies = _rope_policies(model, config, policy, len(natives))
         caches = []
         for i, native in enumerate(natives):
             if type(native) is RotatingKVCache and config.layers == "unbounded":
@@ -140,7 +145,7 @@ class KVCacheBuilder:
                 window = native.max_size if type(native) is RotatingKVCache else None
                 # the model's global layer index (a pipeline rank holds layers from layer_offset on)
                 caches.append(
-                    PolicyCache(policy, layer=layout.layer_offset + i, window=window, head_shard=layout.tensor)
+                    PolicyCache(policies[i], layer=layout.layer_offset + i, window=window, head_shard=layout.tensor)
                 )
         if needs_hook(caches):  # the caches hold the install: it ends when the last of them is gone
             hook = attention.install(model)
@@ -148,6 +153,21 @@ class KVCacheBuilder:
                 if isinstance(c, PolicyCache):
                     c.attention_hook = hook
         return caches
+
+
+def _rope_policies(model, config: KVCacheConfig, policy, n_layers: int) -> list:
+    """The policy of each layer: ``policy`` itself, or, for a scorer that ``needs_rope``, one built from the config
+    with that layer's ``rope_freqs``/``rope_traditional`` (shared by the layers with the same RoPE)."""
+    if not getattr(policy.scorer, "needs_rope", False):
+        return [policy] * n_layers
+    built = {}
+    out = []
+    for freqs, traditional in model_ropes(model, n_layers):
+        if (freqs, traditional) not in built:
+            layer_config = parse_config(config, rope_freqs=freqs, rope_traditional=traditional)
+            built[(freqs, traditional)] = build_policy(layer_config)
+        out.append(built[(freqs, traditional)])
+    return out
 
 
 def attach(model, config: Any):

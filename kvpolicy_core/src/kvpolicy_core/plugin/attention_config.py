@@ -11,15 +11,35 @@ means the signal's default: ``observed`` -> 32 and 15 (measured on the retrieval
 docs/methods/h2o.md), ``proxy`` -> 0 (every query) and 1 (no pooling), which is exactly
 the specification's cumulative scorer, so ``signal=proxy`` is the v0.1 behaviour and
 ``signal=proxy,recent=0`` the specification's reproduction.
+
+``score``: what scores a token. ``"attention"`` (the default) the attention the model pays it (the fields above);
+the query-agnostic scorers need no question (docs/methods/query-agnostic.md): ``"keydiff"`` its key's
+dissimilarity to the average key (:mod:`~kvpolicy_core.parts.keydiff`, no attention hook) and
+``"expected_attention"`` the attention future queries are expected to pay it, from the statistics of the model's
+queries (:mod:`~kvpolicy_core.parts.expected_attention`; its options ``n_future``, ``covariance``, ``vnorm``).
+``signal``, ``obs_window`` and ``pool`` apply to ``score="attention"`` only.
+
+``rope_freqs``/``rope_traditional``: the layer's RoPE (the angle per position of each rotated pair, and the pair
+layout), which ``score="expected_attention"`` needs to move query statistics to future positions.
+:meth:`KVCacheBuilder.for_model <kvpolicy_core.integration.builder.KVCacheBuilder.for_model>` fills them for each
+layer from the model's attention module (so each layer's cache has its own config); ``None`` means the queries are
+not rotated (a model without RoPE).
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Tuple
 
 from pydantic import Field, model_validator
 
 from .policy_config import PolicyConfig
+
+#: The ``score`` values: the scorer families of the attention-scored methods.
+SCORES = ("attention", "keydiff", "expected_attention")
+#: ``rescore_every`` when not given, per score: decode steps between full rescorings (0: never at decode).
+RESCORE_DEFAULTS = {"keydiff": 8, "expected_attention": 0}
+#: Expected Attention's defaults (kvpress's): future positions averaged, covariance term, value-norm rescaling.
+EXPECTED_ATTENTION_DEFAULTS = {"n_future": 512, "covariance": True, "vnorm": True}
 
 #: (obs_window, pool) used when the field is None, per signal.
 WINDOW_DEFAULTS = {"observed": (32, 15), "proxy": (0, 1)}
@@ -43,11 +63,92 @@ class AttentionPolicyConfig(PolicyConfig):
         description="Max-pool width over neighbouring positions for chunk scores (odd; 1: none; None: 15 observed, 1 proxy).",  # noqa: E501
     )
 
+    score: Literal["attention", "keydiff", "expected_attention"] = Field(
+        "attention",
+        description="What scores a token: 'attention' the attention it receives; the query-agnostic 'keydiff' "
+        "(key dissimilarity to the mean key) and 'expected_attention' (attention expected from future queries).",
+    )
+    n_future: Optional[int] = Field(
+        None,
+        ge=1,
+        description="score=expected_attention: future query positions the RoPE rotation is averaged over (None: 512).",
+    )
+    covariance: Optional[bool] = Field(
+        None,
+        description="score=expected_attention: include the query covariance term (None: true).",
+    )
+    vnorm: Optional[bool] = Field(
+        None,
+        description="score=expected_attention: multiply each expected attention by the token's value norm "
+        "(None: true).",
+    )
+    rescore_every: Optional[int] = Field(
+        None,
+        ge=0,
+        description="score=keydiff/expected_attention: rescore every slot at every k-th decode step (prompt chunks "
+        "always rescore; between, a new token enters with its row's highest score; 0: never at decode; "
+        "None: 8 keydiff, 0 expected_attention).",
+    )
+    rope_freqs: Optional[Tuple[float, ...]] = Field(
+        None,
+        description="score=expected_attention: the layer's RoPE angle per position of each rotated pair "
+        "(filled per layer by KVCacheBuilder.for_model; None: queries not rotated).",
+    )
+    rope_traditional: bool = Field(
+        False,
+        description="score=expected_attention: the RoPE pair layout (true: interleaved pairs; filled by the builder).",
+    )
+
     @model_validator(mode="after")
     def _odd_pool(self):
         if self.pool is not None and self.pool % 2 == 0:
             raise ValueError(f"pool must be odd (a centred window of neighbours); got pool={self.pool}")
         return self
+
+    @model_validator(mode="after")
+    def _fields_of_the_score(self):
+        if self.score != "attention":
+            given = [
+                f"{k}={v}"
+                for k, v in (("signal", "proxy"), ("obs_window", self.obs_window), ("pool", self.pool))
+                if (k == "signal" and self.signal == "proxy") or (k != "signal" and v is not None)
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: signal, obs_window and pool apply to score='attention' "
+                    f"(score={self.score!r} reads no attention weights)"
+                )
+        if self.score == "attention" and self.rescore_every is not None:
+            raise ValueError(
+                f"rescore_every={self.rescore_every}: applies to score='keydiff' or 'expected_attention' "
+                "(score='attention' adds each step's attention)"
+            )
+        if self.score != "expected_attention":
+            given = [k for k in ("n_future", "covariance", "vnorm", "rope_freqs") if getattr(self, k) is not None]
+            given += ["rope_traditional"] if self.rope_traditional else []
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: apply to score='expected_attention' (got score={self.score!r}); "
+                    f"score must be one of {', '.join(repr(s) for s in SCORES)}"
+                )
+        return self
+
+    @property
+    def rescore_interval(self) -> int:
+        """Decode steps between full rescorings of the query-agnostic scores (0: never at decode)."""
+        return RESCORE_DEFAULTS.get(self.score, 0) if self.rescore_every is None else self.rescore_every
+
+    @property
+    def future_positions(self) -> int:
+        return EXPECTED_ATTENTION_DEFAULTS["n_future"] if self.n_future is None else self.n_future
+
+    @property
+    def uses_covariance(self) -> bool:
+        return EXPECTED_ATTENTION_DEFAULTS["covariance"] if self.covariance is None else self.covariance
+
+    @property
+    def uses_vnorm(self) -> bool:
+        return EXPECTED_ATTENTION_DEFAULTS["vnorm"] if self.vnorm is None else self.vnorm
 
     @property
     def obs_window_rows(self) -> int:
@@ -59,7 +160,10 @@ class AttentionPolicyConfig(PolicyConfig):
 
     @property
     def scorer_name(self) -> str:
-        """``cumulative_attention`` when every query counts and nothing is pooled, else ``observation_window``."""
+        """``keydiff`` or ``expected_attention`` for those scores; for ``score="attention"``:
+        ``cumulative_attention`` when every query counts and nothing is pooled, else ``observation_window``."""
+        if self.score != "attention":
+            return self.score
         if self.obs_window_rows == 0 and self.pool_width == 1:
             return "cumulative_attention"
         return "observation_window"

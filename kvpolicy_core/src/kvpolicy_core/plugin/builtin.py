@@ -6,6 +6,8 @@ from pydantic import Field
 
 from ..parts.cumulative_attention import CumulativeAttentionScorer
 from ..parts.drop import DropDisposition
+from ..parts.expected_attention import ExpectedAttentionScorer
+from ..parts.keydiff import KeyDiffScorer
 from ..parts.lowest_score import LowestScoreSelector
 from ..parts.observation_window import ObservationWindowScorer
 from ..parts.random_score import RandomScorer
@@ -26,6 +28,8 @@ def register_scorers(register):
     register("cumulative_attention", CumulativeAttentionScorer)
     register("random", RandomScorer)
     register("observation_window", ObservationWindowScorer)
+    register("keydiff", KeyDiffScorer)
+    register("expected_attention", ExpectedAttentionScorer)
 
 
 @hookimpl

@@ -1,0 +1,70 @@
+"""KeyDiff scorer (arXiv 2504.15364; kvpress ``KeyDiffPress``): keep the keys least like the average key.
+
+Query-agnostic: it reads only the cached keys, so it needs no attention hook and no question. Per
+batch row b and KV head h, over the L slots the cache holds after an update (retained + new)::
+
+    khat_j = k_j / max(||k_j||, 1e-12)                        k [B, H, L, D] as stored (RoPE-rotated)
+    a      = (1/L) sum_j khat_j                                the anchor, [B, H, D]
+    s_j    = -cos(k_j, a) = -(k_j . a) / (max(||k_j||, 1e-8) * max(||a||, 1e-8))     s [B, H, L]
+
+so the slot whose key points most along the average direction scores lowest and is evicted first
+(kvpress's ``F.normalize``/``F.cosine_similarity`` epsilons). The anchor and every score are recomputed over the
+current slots at each prompt chunk and at every ``rescore_every``-th decode step (:mod:`.rescore`; three passes
+over the keys, O(L·D) per head), so they follow the cache as it changes (the KeyDiff paper's block-wise
+iterative compression, one update at a time).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .base import CacheView, Scorer
+from .rescore import at_decode
+from .shipped import shipped
+
+#: kvpress's epsilons: ``F.normalize`` (each key) and ``F.cosine_similarity`` (each norm)
+NORMALIZE_EPS, COSINE_EPS = 1e-12, 1e-8
+
+
+def keydiff_scores(keys: mx.array, key_norms: mx.array = None) -> mx.array:
+    """keys [B, H, L, D] -> s [B, H, L] float32 = -cos(k_j, mean_j khat_j) (the module's equation).
+
+    ``key_norms`` [B, H, L] float32 (the cache's ``||k_j||`` when it keeps them) saves one pass over the keys."""
+    k = keys.astype(mx.float32)
+    norms = mx.sqrt((k * k).sum(axis=-1)) if key_norms is None else key_norms  # [B, H, L]
+    L = k.shape[2]
+    inv = 1.0 / mx.maximum(norms, NORMALIZE_EPS)
+    anchor = (inv[:, :, None, :] @ k) * (1.0 / L)  # [B, H, 1, D] = mean_j k_j / ||k_j|| (one pass, no unit keys)
+    dots = (k @ anchor.swapaxes(-1, -2))[..., 0]  # [B, H, L]
+    a_norm = mx.sqrt((anchor * anchor).sum(axis=-1))  # [B, H, 1]
+    return -dots / (mx.maximum(norms, COSINE_EPS) * mx.maximum(a_norm, COSINE_EPS))
+
+
+#: a decode step's scores as one compiled graph (prompt chunks, whose L changes each time, run eagerly)
+_keydiff_compiled = mx.compile(keydiff_scores)
+
+
+@shipped
+class KeyDiffScorer(Scorer):
+    """``s_j = -cos(k_j, anchor)`` over the current slots, recomputed at every update (see the module).
+
+    Shapes: cached keys [B, H, L, D] -> scores [B, H, L] float32. A token's score depends on every other
+    retained key (the anchor), so trimming the newest tokens is not exact (``trim_exact`` False).
+    """
+
+    # shipped (kvpolicy_core.parts.shipped): every decode score is a cosine in [-1, 1] of finite keys (the cache
+    # turns a NaN from a non-finite key into 0), float32 and shaped as the view's: no value check needed
+    batch_rows = True  # reads keys only: row b's scores are row b's alone
+
+    def __init__(self, rescore_every: int = 8) -> None:
+        self.rescore_every = int(rescore_every)
+
+    @classmethod
+    def from_config(cls, config) -> "KeyDiffScorer":
+        return cls(rescore_every=getattr(config, "rescore_interval", 8))
+
+    def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
+        if new_keys.shape[2] > 1:
+            return keydiff_scores(view.keys, view.key_norms)
+        fresh = lambda: _keydiff_compiled(view.keys, view.key_norms)  # noqa: E731
+        return at_decode(fresh, view.scores, view.positions, view.offset, self.rescore_every)

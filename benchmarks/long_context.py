@@ -44,8 +44,16 @@ from _common import parser, result_name, write_json
 from kvpolicy_core.eval.tasks import ruler
 from kvpolicy_core.eval.tasks.ruler_runner import PROTOCOLS, format_table, record_first_chunk, run_context, summarize
 
-METHODS = {"full": "full", "streamingllm": "rotating", "h2o": "h2o", "cam": "cam"}
-ORDER = {"full": 0, "rotating": 1, "h2o": 2, "cam": 3}  # table rows
+#: kvzip+METHOD: METHOD with the context cut at once by KVzip's reconstruction score (docs/methods/compress-once.md)
+METHODS = {
+    "full": "full",
+    "streamingllm": "rotating",
+    "h2o": "h2o",
+    "cam": "cam",
+    "kvzip+h2o": "kvzip+h2o",
+    "kvzip+cam": "kvzip+cam",
+}
+ORDER = {"full": 0, "rotating": 1, "h2o": 2, "cam": 3, "kvzip+h2o": 4, "kvzip+cam": 5}  # table rows
 SIZES = {
     "quick": dict(
         lengths="4096",

@@ -50,6 +50,10 @@ def _with_budget(spec: Any, budget: Optional[int]) -> Any:
         return f"rotating:budget={budget}"
     from ..config.parse import parse_config
 
+    if kind == "compress-once":
+        from ..integration.compress_once import CompressOnceSpec
+
+        return CompressOnceSpec(value.scorer, parse_config(value.config, budget=budget))
     return parse_config(value, budget=budget)
 
 
@@ -304,12 +308,14 @@ def cmd_cache_prompt(args) -> int:
         args.prompt_cache_file,
         model_path=str(Path(path).resolve()),
         prefill_step_size=args.prefill_step_size,
+        compress_once=args.compress_once,
     )
     if args.json:
         print(json.dumps(summary))
     else:
         print(
-            f"[{summary['method']}:budget={summary['budget']}] {summary['tokens_seen']} tokens seen, "
+            f"[{summary['compress_once'] + '+' if summary['compress_once'] else ''}"
+            f"{summary['method']}:budget={summary['budget']}] {summary['tokens_seen']} tokens seen, "
             f"{summary['tokens_kept']} kept per layer (KV x{summary['compression_ratio']}) -> "
             f"{summary['prompt_cache_file']}"
         )
@@ -335,6 +341,12 @@ def _add_cache_prompt_parser(sub, model_args) -> None:
     c.add_argument("--budget", type=int, help="override the budget")
     c.add_argument(
         "--prefill-step-size", type=int, default=2048, help="tokens per prefill chunk, as mlx-lm's (default 2048)"
+    )
+    c.add_argument(
+        "--compress-once",
+        choices=["kvzip"],
+        help="score the whole document by reconstruction (KVzip) and cut it to the budget at once, instead of "
+        "streaming it through the method (docs/methods/compress-once.md)",
     )
     c.add_argument("--json", action="store_true", help="print the summary as JSON")
     model_args(c)

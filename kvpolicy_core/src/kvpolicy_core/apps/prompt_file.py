@@ -48,10 +48,22 @@ def question_ids(tokenizer, text: str) -> List[int]:
 
 
 def cache_prompt(
-    model, tokenizer, text: str, config: Any, path, *, model_path: str, prefill_step_size: int = 2048, progress=None
+    model,
+    tokenizer,
+    text: str,
+    config: Any,
+    path,
+    *,
+    model_path: str,
+    prefill_step_size: int = 2048,
+    progress=None,
+    compress_once: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Prefill ``text`` through policy caches built from ``config`` and save them to ``path`` (``.safetensors``).
 
+    ``compress_once`` (``"kvzip"``; or a ``config`` written ``"kvzip+METHOD"``): the document is prefilled into
+    full caches, scored by reconstruction and cut to the budget at once
+    (:func:`~kvpolicy_core.integration.compress_once.compress_context`) instead of streamed through the policy.
     Returns the summary recorded in the file's metadata. ``model_path`` is recorded for mlx-lm's
     ``generate``, which loads the model from it.
     """
@@ -63,6 +75,7 @@ def cache_prompt(
     from ..errors import KVPolicyError
     from ..eval.perplexity import kv_bytes
     from ..integration.builder import KVCacheBuilder
+    from ..integration.compress_once import compress_context, repeat_prompt, split_spec
     from ..integration.persistence import write_atomically
 
     path = Path(path)
@@ -70,20 +83,31 @@ def cache_prompt(
         raise KVPolicyError(f"{path}: prompt-cache files must end in .safetensors")
     if prefill_step_size < 1:
         raise KVPolicyError(f"prefill_step_size must be >= 1 (got {prefill_step_size})")
+    once = split_spec(config)
+    if once is not None:
+        if compress_once not in (None, once.scorer):
+            raise KVPolicyError(f"--compress-once {compress_once} contradicts the method {once.to_string()}")
+        compress_once, config = once.scorer, once.config
     config = parse_config(config)
     ids = document_ids(tokenizer, text)
     if not ids:
         raise KVPolicyError("the document has no tokens")
-    caches = KVCacheBuilder.for_model(model, config)
-    for _ in generate_step(
-        mx.array(ids),
-        model,
-        max_tokens=0,
-        prompt_cache=caches,
-        prefill_step_size=prefill_step_size,
-        prompt_progress_callback=progress,
-    ):
-        pass
+    if compress_once is not None:
+        repeat = repeat_prompt(tokenizer)
+        caches = compress_context(
+            model, ids, config, scorer=compress_once, prefill_step=prefill_step_size, repeat=repeat
+        ).caches
+    else:
+        caches = KVCacheBuilder.for_model(model, config)
+        for _ in generate_step(
+            mx.array(ids),
+            model,
+            max_tokens=0,
+            prompt_cache=caches,
+            prefill_step_size=prefill_step_size,
+            prompt_progress_callback=progress,
+        ):
+            pass
     for c in caches:  # the compressed state every question starts from (saving settles it too)
         getattr(c, "settle", lambda: None)()
     kept, full = kv_bytes(caches)
@@ -94,6 +118,7 @@ def cache_prompt(
     summary = {
         "method": config.method,
         "budget": config.policy.budget,
+        "compress_once": compress_once or "",
         "tokens_seen": len(ids),
         "tokens_kept": max(sizes, default=0),  # the most any layer keeps
         "compression_ratio": round(full / kept, 4) if kept else 1.0,

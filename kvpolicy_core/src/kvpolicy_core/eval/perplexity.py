@@ -1,8 +1,10 @@
 """Perplexity with a bounded cache (the StreamingLLM recipe) and the baseline caches to compare.
 
 A *cache spec* is a kvpolicy config (``"cam:budget=128"``), ``"full"`` (mlx-lm's
-``KVCache`` on every layer) or ``"rotating:budget=N"`` (mlx-lm's
-``RotatingKVCache(N, keep=4)`` on every layer: StreamingLLM's sinks + window).
+``KVCache`` on every layer), ``"rotating:budget=N"`` (mlx-lm's
+``RotatingKVCache(N, keep=4)`` on every layer: StreamingLLM's sinks + window) or a compress-once
+method ``"kvzip+h2o:budget=N"`` (:mod:`kvpolicy_core.integration.compress_once`: the whole context is
+scored before it is cut, so it has no streaming caches; the long-context suite runs it).
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from ..cache.policy_cache import PolicyCache
 from ..config.parse import KVCacheConfig, parse_config, parse_config_string
 from ..errors import ConfigError
 from ..integration.builder import KVCacheBuilder
+from ..integration.compress_once import split_spec
 
 BASELINES = ("full", "rotating")
 
 
 def parse_spec(spec: Any):
-    """A cache spec -> ("full", None) | ("rotating", budget) | ("policy", KVCacheConfig)."""
+    """A cache spec -> ("full", None) | ("rotating", budget) | ("policy", KVCacheConfig)
+    | ("compress-once", CompressOnceSpec)."""
     if isinstance(spec, KVCacheConfig):
         return "policy", spec
+    once = split_spec(spec)
+    if once is not None:
+        return "compress-once", once
     if isinstance(spec, str):
         head = spec.strip().partition(":")[0].strip()
         if head == "full":
@@ -51,7 +58,7 @@ def spec_label(spec: Any) -> str:
         return "full"
     if kind == "rotating":
         return f"rotating:budget={value}"
-    return value.to_string()
+    return value.to_string()  # a KVCacheConfig or a CompressOnceSpec
 
 
 def make_caches(model, spec: Any) -> List[Any]:
@@ -61,6 +68,11 @@ def make_caches(model, spec: Any) -> List[Any]:
         return [KVCache() for _ in model.layers]
     if kind == "rotating":
         return [RotatingKVCache(max_size=value, keep=4) for _ in model.layers]
+    if kind == "compress-once":
+        raise ConfigError(
+            f"{value.to_string()}: a compress-once method scores a whole context before it keeps anything, so it "
+            "has no streaming caches; run it with the long-context suite (--task ruler) or kvpolicy cache-prompt"
+        )
     return KVCacheBuilder.for_model(model, value)
 
 

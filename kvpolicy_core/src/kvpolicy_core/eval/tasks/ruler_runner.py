@@ -13,6 +13,12 @@ Bounded caches stay bounded while the question and the answer are fed (they evic
 new token). Decoding stops at a stop id, after ``max_new_tokens`` tokens, or once every answer is in
 the output (a score can only grow with more text, so this changes no score).
 
+A compress-once method (``"kvzip+h2o:budget=N"``, :mod:`kvpolicy_core.integration.compress_once`) runs the
+same protocols with the context cut at once instead of streamed: query-agnostic, the context is prefilled
+into full caches, scored by reconstruction and cut to the budget, then every question is asked of copies of
+that one compressed cache (``prefill_seconds`` includes the scoring); question-in-prompt, each question's
+prompt but its last token is compressed the same way, and the last token starts the answer.
+
 Shared work, exact by construction: the first ``prefill_step`` tokens of a context reach every cache
 empty, so their keys, values and queries do not depend on the method (nor on the protocol, nor on the
 question). They are computed once per context (:func:`~.needle.record_prefill`) and replayed into each
@@ -29,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ...cache.policy_cache import PolicyCache
+from ...integration.compress_once import compress_context, repeat_prompt, split_spec
 from ..perplexity import kv_bytes, make_caches, parse_spec, spec_label
 from .needle import needle_kept, record_prefill, replay_prefill, replayable
 from .ruler import Context, score
@@ -118,7 +125,8 @@ def method_label(spec: Any) -> str:
     """The spec's label with its budget always written (a config string leaves out a default budget)."""
     kind, value = parse_spec(spec)
     label = spec_label(spec)
-    budget = getattr(getattr(value, "policy", None), "budget", None) if kind == "policy" else None
+    config = value.config if kind == "compress-once" else value if kind == "policy" else None
+    budget = getattr(getattr(config, "policy", None), "budget", None)
     if budget is not None and "budget=" not in label:
         label += f"{',' if ':' in label else ':'}budget={budget}"
     return label
@@ -128,29 +136,8 @@ def _statement_positions(ctx: Context) -> List[int]:
     return [p for a, b in ctx.spans for p in range(a, b)]
 
 
-def run_context(
-    model,
-    tokenizer,
-    ctx: Context,
-    spec: Any,
-    protocols: Sequence[str] = PROTOCOLS,
-    prefill_step: int = DEFAULT_PREFILL_STEP,
-    record: Optional[List[tuple]] = None,
-    early_stop: bool = True,
-    log=None,
-) -> List[Dict[str, Any]]:
-    """Every question of ``ctx`` under ``spec`` in each protocol; one row per (protocol, question)."""
-    for p in protocols:
-        if p not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)} (got {p!r})")
-    if prefill_step < 1:
-        raise ValueError(f"prefill_step must be >= 1 (got {prefill_step})")
-    n = shared_prefix(ctx, prefill_step)
-    start = time.perf_counter()
-    base = first_chunk_caches(model, spec, ctx, prefill_step, record)
-    base_seconds = time.perf_counter() - start
-    label = method_label(spec)
-    rows: List[Dict[str, Any]] = []
+def _row_maker(ctx: Context, label: str, rows: List[Dict[str, Any]], log):
+    """``row(protocol, i, got, caches, seconds, extra)``: appends one result row (and logs it)."""
 
     def row(protocol, i, got, caches, seconds, extra):
         q = ctx.questions[i]
@@ -179,6 +166,82 @@ def run_context(
         rows.append(r)
         if log:
             log(r)
+
+    return row
+
+
+def _run_compressed(model, tokenizer, ctx: Context, once, protocols, prefill_step, early_stop, label, log):
+    """:func:`run_context` for a compress-once method (module docstring)."""
+    repeat = repeat_prompt(tokenizer)
+    rows: List[Dict[str, Any]] = []
+    row = _row_maker(ctx, label, rows, log)
+    answers = lambda q: q.answers if early_stop else None
+
+    def compress(ids):
+        return compress_context(model, ids, once.config, scorer=once.scorer, prefill_step=prefill_step, repeat=repeat)
+
+    def ask(caches, ids, i):
+        q = ctx.questions[i]
+        return greedy(
+            model, tokenizer, caches, ids, q.max_new_tokens, ctx.stop_ids, prefill_step, answers(q), ctx.metric
+        )
+
+    if "query-agnostic" in protocols:
+        t = time.perf_counter()
+        caches = compress(ctx.context_ids).caches
+        prefill_seconds = time.perf_counter() - t
+        kept_frac = needle_kept(caches, _statement_positions(ctx)) if ctx.spans else None
+        ctx_kept, ctx_full = kv_bytes(caches)
+        extra = {
+            "prefill_seconds": round(prefill_seconds, 2),
+            "statements_kept": kept_frac,
+            "context_kv_bytes_kept": ctx_kept,
+            "context_kv_bytes_full": ctx_full,
+        }
+        for i, q in enumerate(ctx.questions):
+            t = time.perf_counter()
+            asked = copy_caches(caches)
+            got = ask(asked, q.question_ids, i)
+            row("query-agnostic", i, got, asked, time.perf_counter() - t, extra)
+        del caches
+    if "question-in-prompt" in protocols:
+        for i in range(len(ctx.questions)):
+            t = time.perf_counter()
+            prompt = ctx.full_prompt_ids(i)
+            asked = compress(prompt[:-1]).caches
+            got = ask(asked, prompt[-1:], i)
+            row("question-in-prompt", i, got, asked, time.perf_counter() - t, {})
+    return rows
+
+
+def run_context(
+    model,
+    tokenizer,
+    ctx: Context,
+    spec: Any,
+    protocols: Sequence[str] = PROTOCOLS,
+    prefill_step: int = DEFAULT_PREFILL_STEP,
+    record: Optional[List[tuple]] = None,
+    early_stop: bool = True,
+    log=None,
+) -> List[Dict[str, Any]]:
+    """Every question of ``ctx`` under ``spec`` in each protocol; one row per (protocol, question)."""
+    for p in protocols:
+        if p not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)} (got {p!r})")
+    if prefill_step < 1:
+        raise ValueError(f"prefill_step must be >= 1 (got {prefill_step})")
+    label = method_label(spec)
+    once = split_spec(spec)
+    if once is not None:
+        return _run_compressed(model, tokenizer, ctx, once, protocols, prefill_step, early_stop, label, log)
+    n = shared_prefix(ctx, prefill_step)
+    start = time.perf_counter()
+    base = first_chunk_caches(model, spec, ctx, prefill_step, record)
+    base_seconds = time.perf_counter() - start
+    rows: List[Dict[str, Any]] = []
+
+    row = _row_maker(ctx, label, rows, log)
 
     answers = lambda q: q.answers if early_stop else None
     if "query-agnostic" in protocols:

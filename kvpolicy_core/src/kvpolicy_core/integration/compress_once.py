@@ -1,0 +1,206 @@
+"""Compress once: a whole context prefilled, scored by reconstruction (KVzip), cut to the method's budget at once.
+
+Streaming methods evict after every prefill chunk, before later text exists. Here the context ``x`` (``L``
+tokens) is first prefilled into full caches (mlx-lm's ``KVCache``, chunked as ``generate_step`` chunks a
+prompt), every context token is scored per (layer, KV head) by :mod:`.reconstruction` (KVzip, arXiv 2505.23416),
+and each layer's policy cache is loaded with the kept tokens::
+
+    keep^{(l)}[h] = the budget positions j < L of largest key^{(l)}[h, j] (ties: earlier first), where
+    key^{(l)}[h, j] = +inf for j < n_sink (sinks), -inf for j outside a window layer's next window, else
+                      score^{(l)}[h, j]
+
+Each head holds exactly ``budget`` tokens (keys, values, absolute positions ``keep`` in temporal order,
+scores ``score[keep]`` float32) and ``offset = L``, so the next token continues at position ``L`` exactly as
+after a full prefill (mlx-lm rotates queries by ``cache.offset``). From then on the cache runs its method as
+usual: the scorer adds to the kept tokens' scores and the disposition handles later evictions. The one-shot
+cut drops the losers (KVzip's rule) for every method; CaM merges from its next eviction on. The spec's
+``recent`` window is not protected at the cut (it protects the newest tokens of later evictions).
+
+Cost: one full prefill plus the reconstruction (about the same again). Memory: the full context's K/V are held
+until the cut, unlike a streaming method, which never holds more than budget + one chunk.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, List, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from ..cache.policy_cache import PolicyCache
+from ..config.parse import parse_config
+from ..errors import ConfigError
+from .builder import KVCacheBuilder
+from .reconstruction import reconstruction_scores, repeat_chunks
+
+SCORERS = ("kvzip",)
+#: KVzip's repeat prompts (kvpress's wording)
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclass(frozen=True)
+class RepeatPrompt:
+    """Token ids of the reconstruction prompts: ``first`` before chunk 0, ``later`` (then the previous chunk's
+    last ``tail`` tokens) before each later chunk, ``suffix`` (the assistant turn's opening) before the chunk."""
+
+    first: Tuple[int, ...] = ()
+    later: Tuple[int, ...] = ()
+    suffix: Tuple[int, ...] = ()
+    tail: int = 8
+
+
+def repeat_prompt(tokenizer) -> RepeatPrompt:
+    """KVzip's repeat prompts tokenized for ``tokenizer``; with a chat template, the user turn that holds the
+    context is closed and an assistant turn opened before the repeated text (as kvpress does)."""
+    suffix = "\n"
+    if getattr(tokenizer, "has_chat_template", False):
+        marker = "<kvpolicy-repeat>"
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+        )
+        suffix = text[text.index(marker) + len(marker) :]
+
+    def enc(s: str) -> Tuple[int, ...]:
+        return tuple(tokenizer.encode(s, add_special_tokens=False))
+
+    return RepeatPrompt(first=enc(FIRST_PROMPT), later=enc(LATER_PROMPT), suffix=enc(suffix))
+
+
+@dataclass
+class Compressed:
+    """What :func:`compress_context` made: the caches, and the scores and kept positions per layer (host copies)."""
+
+    caches: List[Any]
+    scores: List[np.ndarray] = field(default_factory=list)  # [B, H, L] float32 per layer
+    kept: List[np.ndarray] = field(default_factory=list)  # [B, H, budget] int32 per layer
+
+
+def prefill_full(model, ids: Sequence[int], prefill_step: int) -> List[KVCache]:
+    """``ids`` through full caches, chunked as ``generate_step`` does: chunks of ``prefill_step`` over all but
+    the last token, then the last token alone."""
+    caches = [KVCache() for _ in model.layers]
+    ids = list(ids)
+    done = 0
+    while len(ids) - done > 1:
+        n = min(prefill_step, len(ids) - done - 1)
+        model(mx.array(ids[done : done + n], dtype=mx.uint32)[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        done += n
+    model(mx.array(ids[done:], dtype=mx.uint32)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def selection_keys(score: np.ndarray, n_sink: int, window) -> np.ndarray:
+    """The ranking of the module docstring: ``score`` [B, H, L] with sinks +inf, window-dead positions -inf."""
+    key = score.astype(np.float64).copy()
+    L = score.shape[-1]
+    key[..., : min(n_sink, L)] = np.inf
+    if window is not None:
+        key[..., : max(0, L - window + 1)] = -np.inf  # the query at L sees positions > L - window
+    return key
+
+
+def kept_positions(key: np.ndarray, budget: int) -> np.ndarray:
+    """int32 [B, H, budget]: per head the ``budget`` largest keys (ties: earlier position), in temporal order."""
+    order = np.argsort(-key, axis=-1, kind="stable")[..., :budget]
+    return np.sort(order, axis=-1).astype(np.int32)
+
+
+def load_kept(cache: PolicyCache, keys: mx.array, values: mx.array, positions: np.ndarray, scores: np.ndarray, L):
+    """Load the kept tokens into an empty policy cache through its public ``state`` (checked on restore)."""
+    idx = mx.array(positions)
+    meta = json.loads(cache.meta_state[0])
+    meta["offset"] = int(L)
+    cache.state = (
+        mx.take_along_axis(keys, idx[..., None], axis=2),
+        mx.take_along_axis(values, idx[..., None], axis=2),
+        idx,
+        mx.array(np.take_along_axis(scores, positions, axis=-1).astype(np.float32)),
+        json.dumps(meta),
+    )
+
+
+def compress_context(
+    model,
+    context_ids: Sequence[int],
+    spec: Any,
+    *,
+    scorer: str = "kvzip",
+    prefill_step: int = 2048,
+    repeat: RepeatPrompt = RepeatPrompt(),
+    chunk: int = 2048,
+) -> Compressed:
+    """Prefill ``context_ids`` (L tokens), score them by reconstruction, and build ``spec``'s policy caches
+    holding ``budget`` tokens per head with ``offset = L`` (module docstring). ``repeat``: the reconstruction
+    prompts (:func:`repeat_prompt` for a tokenizer; by default none: the chunk is replayed as it is).
+
+    Raises :class:`~kvpolicy_core.errors.ConfigError` for an unknown scorer, a budget not below the context
+    length, a bad ``prefill_step``/``chunk``, or a model whose caches would not all be policy caches."""
+    if scorer not in SCORERS:
+        raise ConfigError(f"compress-once scorer must be one of {', '.join(SCORERS)} (got {scorer!r})")
+    for name, v in (("prefill_step", prefill_step), ("chunk", chunk)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"compress-once {name} must be an int >= 1 (got {v!r})")
+    config = parse_config(spec)
+    budget, n_sink = config.policy.budget, config.policy.n_sink
+    ids = [int(t) for t in context_ids]
+    L = len(ids)
+    if budget >= L:
+        raise ConfigError(
+            f"budget: compress-once keeps budget tokens of the context, so budget must be below the context "
+            f"length (got budget={budget} for {L} tokens); use the full cache for a context this short"
+        )
+    caches = KVCacheBuilder.for_model(model, config)
+    natives = [i for i, c in enumerate(caches) if not isinstance(c, PolicyCache)]
+    if natives:
+        raise ConfigError(
+            f"layers: compress-once builds a policy cache for every layer, but layers={config.layers!r} leaves "
+            f"layer(s) {natives[:4]} native; use layers=all"
+        )
+    full = prefill_full(model, ids, prefill_step)
+    contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
+    chunks = repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, chunk, repeat.tail)
+    scores = [np.array(s) for s in reconstruction_scores(model, contexts, chunks)]
+    out = Compressed(caches)
+    for cache, (k, v), s in zip(caches, contexts, scores):
+        kept = kept_positions(selection_keys(s, n_sink, cache.window), budget)
+        load_kept(cache, k, v, kept, s, L)
+        out.scores.append(s)
+        out.kept.append(kept)
+    del full, contexts
+    mx.eval([c.state for c in caches])
+    return out
+
+
+@dataclass(frozen=True)
+class CompressOnceSpec:
+    """A method run compress-once: ``scorer`` (``"kvzip"``) cuts the context to ``config``'s budget at once."""
+
+    scorer: str
+    config: Any  # a KVCacheConfig
+
+    def to_string(self) -> str:
+        return f"{self.scorer}+{self.config.to_string()}"
+
+
+def split_spec(spec: Any):
+    """``"kvzip+h2o:budget=1024"`` (or a :class:`CompressOnceSpec`) -> ``CompressOnceSpec("kvzip", config)``;
+    any other spec -> None.
+
+    Raises :class:`ConfigError` for an unknown scorer before the ``+`` or a bad method after it."""
+    if isinstance(spec, CompressOnceSpec):
+        return spec
+    if not isinstance(spec, str) or "+" not in spec.partition(":")[0]:
+        return None
+    scorer, _, rest = spec.strip().partition("+")
+    if scorer not in SCORERS:
+        raise ConfigError(
+            f"compress-once scorer must be one of {', '.join(SCORERS)} (got {scorer!r} in {spec!r}; "
+            "a compress-once method is written SCORER+METHOD, e.g. kvzip+h2o:budget=1024)"
+        )
+    return CompressOnceSpec(scorer, parse_config(rest))

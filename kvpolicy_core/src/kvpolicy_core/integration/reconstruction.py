@@ -1,0 +1,91 @@
+"""KVzip's context-reconstruction score: how much each context key is attended while the model repeats the context.
+
+After the context (``L`` tokens) is prefilled into full caches, the model is fed, chunk by chunk, a repeat
+prompt followed by the context chunk again. Chunk ``c`` is the token sequence ``r_c = prompt_c ++ suffix ++
+x[a_c:b_c]`` (``R_c`` tokens, positions ``L .. L + R_c - 1``); its queries attend causally over the whole
+context plus ``r_c`` so far (nothing of an earlier chunk: the reconstruction tokens are never kept). With
+``w^{(l,c)}`` the model's own attention weights of layer ``l`` in chunk ``c``::
+
+    w^{(l,c)}[h, g, t, j] = softmax_j(scale * q_{h,g,t} . k_{h,j} + mask[t, j])     [H, G, R_c, L + R_c]
+    score^{(l)}[h, j]     = max_c max_g max_t w^{(l,c)}[h, g, t, j],   j < L          [H, L]
+
+(``H`` KV heads, ``G`` query heads per KV head). The mask is the layer's own: causal for global layers, causal
+within the sliding window for window layers (the model asks the cache for it, as during the prefill). The
+softmax runs over every key the query really attends (the full context and the repeat tokens so far), which is
+the model's attention; kvpress's implementation normalises over the sinks, the chunk's own context span and the
+repeat tokens only.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import create_attention_mask
+
+from ..attention import hook as attention
+from ..attention.weights import attention_with_weights
+
+
+class ReconstructionCache:
+    """One layer's cache during the reconstruction pass: the full context (kept as is) plus the chunk being fed.
+
+    ``update_and_fetch(k, v)`` returns ``[context ++ k]`` and stores nothing; the attention hook routes the
+    layer's attention here (:meth:`attend`), which computes it with its weights and keeps the running maximum
+    over query heads and query positions of the weights each context key receives (``score`` [B, H, L] float32).
+    """
+
+    kvpolicy_attention = "single"  #: the attention hook calls :meth:`attend` for this cache
+
+    def __init__(self, keys: mx.array, values: mx.array) -> None:
+        self.context_keys, self.context_values = keys, values  # [B, H, L, D], [B, H, L, Dv]
+        self.offset = keys.shape[2]  # L: the reconstruction tokens' positions start after the context
+        self.score = mx.zeros(keys.shape[:3], dtype=mx.float32)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """keys [B, H, S, D] of the chunk -> the context's and the chunk's keys and values [B, H, L + S, D]."""
+        return (
+            mx.concatenate([self.context_keys, keys], axis=2),
+            mx.concatenate([self.context_values, values], axis=2),
+        )
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        """The mask of N chunk queries over ``L + N`` keys, as mlx-lm's ``KVCache`` makes it."""
+        return create_attention_mask(N, self.offset, return_array, window_size)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, fused):
+        """queries [B, Hq, S, D] -> the attention output [B, Hq, S, Dv]; the score takes the max of the weights."""
+        out, weights = attention_with_weights(queries, keys, values, scale, mask)  # weights [B, H, G, S, L + S]
+        seen = weights[..., : self.offset].astype(mx.float32).max(axis=(2, 3))  # [B, H, L]
+        self.score = mx.maximum(self.score, seen)
+        return out
+
+    def before_attention(self, queries, scale, mask):  # the hook's batch route (not taken: "single")
+        return mask
+
+
+def repeat_chunks(
+    context_ids: Sequence[int], first: Sequence[int], later: Sequence[int], suffix: Sequence[int], chunk: int, tail: int
+) -> List[List[int]]:
+    """The reconstruction inputs: ``first ++ suffix ++ x[0:chunk]``, then for each next chunk
+    ``later ++ (the previous chunk's last tail tokens) ++ suffix ++ x[a:a + chunk]`` (KVzip's prompts)."""
+    ids = list(context_ids)
+    out = []
+    for a in range(0, len(ids), chunk):
+        prompt = list(first) if a == 0 else list(later) + ids[max(0, a - tail) : a]
+        out.append(prompt + list(suffix) + ids[a : a + chunk])
+    return out
+
+
+def reconstruction_scores(model, contexts: Sequence[tuple], chunks: Sequence[Sequence[int]]) -> List[mx.array]:
+    """``score^{(l)}`` [B, H, L] float32 per layer (module docstring) for the context K/V ``contexts``
+    (one ``(keys, values)`` per layer, [B, H, L, D]) and the reconstruction inputs ``chunks``."""
+    caches = [ReconstructionCache(k, v) for k, v in contexts]
+    hook = attention.install(model)
+    try:
+        for ids in chunks:
+            model(mx.array(list(ids), dtype=mx.uint32)[None], cache=caches)
+            mx.eval([c.score for c in caches])
+    finally:
+        hook.remove()
+    return [c.score for c in caches]

@@ -1,0 +1,229 @@
+"""Compress once (KVzip): the reconstruction score as documented, exactly budget tokens kept per head with the sinks,
+decoding continuing exactly from the kept set, a prompt-cache file that continues bit for bit in a new process,
+the long-context suite running it, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx_lm.models.llama as llama_module
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvpolicy_core.errors import ConfigError
+from kvpolicy_core.integration.compress_once import RepeatPrompt, compress_context, split_spec
+from kvpolicy_core.integration.reconstruction import repeat_chunks
+from kvpolicy_core.testing.tiny_models import tiny_llama, tiny_model
+
+L = 60
+IDS = [int(t) for t in np.random.RandomState(3).randint(1, 90, size=L)]
+REPEAT = RepeatPrompt(first=(7, 8, 9), later=(10, 11), suffix=(12,), tail=3)
+CHUNK = 25  # three reconstruction chunks
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(n_kv_heads=2, n_heads=4, layers=2, seed=1)
+
+
+@pytest.fixture(scope="module")
+def compressed(model):
+    return compress_context(model, IDS, "h2o:budget=20,n_sink=3", prefill_step=128, repeat=REPEAT, chunk=CHUNK)
+
+
+def _reference_scores(model, monkeypatch) -> list:
+    """NumPy: each reconstruction chunk fed after the context in one causal pass; softmax of the recorded queries
+    and keys; the max over query heads of a group and the chunk's rows of the weights on each context key."""
+    seen = []
+    original = llama_module.scaled_dot_product_attention
+
+    def record(queries, keys, values, cache, scale, mask, *a, **k):
+        seen.append((np.array(queries.astype(mx.float32), np.float64), np.array(keys, np.float64), scale))
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+
+    monkeypatch.setattr(llama_module, "scaled_dot_product_attention", record)
+    best = None
+    for chunk in repeat_chunks(IDS, REPEAT.first, REPEAT.later, REPEAT.suffix, CHUNK, REPEAT.tail):
+        seen.clear()
+        caches = [KVCache() for _ in model.layers]
+        mx.eval(model(mx.array(IDS + chunk, dtype=mx.uint32)[None], cache=caches))
+        per_layer = []
+        for q, k, scale in seen:
+            _, Hq, T, _ = q.shape
+            H = k.shape[1]
+            logits = scale * np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, Hq // H, axis=1))
+            logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
+            w = np.exp(logits - logits.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            w = w[:, :, L:, :L].reshape(1, H, Hq // H, T - L, L)
+            per_layer.append(w.max(axis=(2, 3)))
+        best = per_layer if best is None else [np.maximum(a, b) for a, b in zip(best, per_layer)]
+    return best
+
+
+def test_reconstruction_score_matches_a_numpy_reference(model, compressed, monkeypatch):
+    want = _reference_scores(model, monkeypatch)
+    assert len(compressed.scores) == len(want) == 2
+    for got, ref in zip(compressed.scores, want):
+        assert got.shape == ref.shape == (1, 2, L)
+        np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
+        assert ref.max() > 0.05  # the reconstruction attends the context (not an all-zero match)
+
+
+def test_each_head_keeps_exactly_budget_tokens_the_sinks_and_the_top_scores(compressed):
+    for layer, (cache, s) in enumerate(zip(compressed.caches, compressed.scores)):
+        assert cache.offset == L and cache.n == 20
+        keys, _, positions, scores, _ = cache.state
+        assert keys.shape[2] == 20
+        pos = np.array(positions)
+        for h in range(2):
+            rest = np.argsort(-s[0, h, 3:], kind="stable")[:17] + 3
+            want = np.sort(np.concatenate([[0, 1, 2], rest]))
+            assert pos[0, h].tolist() == want.tolist(), (layer, h)
+            np.testing.assert_array_equal(np.array(scores)[0, h], s[0, h, want].astype(np.float32))
+        assert not np.array_equal(pos[0, 0], pos[0, 1]) or layer  # heads choose their own tokens
+
+
+class _Kept:
+    """A plain cache of given keys/values at a given offset (new tokens appended): the hand-built reference."""
+
+    def __init__(self, keys, values, offset):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, k, v):
+        self.keys = mx.concatenate([self.keys, k], axis=2)
+        self.values = mx.concatenate([self.values, v], axis=2)
+        self.offset += k.shape[2]
+        return self.keys, self.values
+
+    def make_mask(self, N, window_size=None, return_array=False):
+        return None
+
+
+def test_next_decode_step_equals_a_cache_built_by_hand_from_the_kept_set(model, compressed):
+    full = [KVCache() for _ in model.layers]
+    model(mx.array(IDS[:-1], dtype=mx.uint32)[None], cache=full)
+    model(mx.array(IDS[-1:], dtype=mx.uint32)[None], cache=full)
+
+    def hand(offset):
+        out = []
+        for c, kept in zip(full, compressed.kept):
+            idx = mx.array(kept)[..., None]
+            keys, values = (mx.take_along_axis(x[..., :L, :], idx, 2) for x in (c.keys, c.values))
+            out.append(_Kept(keys, values, offset))
+        return out
+
+    tok = mx.array([[42]], dtype=mx.uint32)
+    got = model(tok, cache=compressed.caches)
+    assert all(c.offset == L + 1 for c in compressed.caches)
+    want = model(tok, cache=hand(L))  # the next query is rotated to position L
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+    # the same kept set at another offset gives other logits: the positions matter
+    assert not np.allclose(np.array(model(tok, cache=hand(20))), np.array(want), atol=1e-4)
+
+
+def test_window_layers_keep_their_live_window():
+    gemma = tiny_model("gemma3_text")  # window 8 on layers 0 and 2
+    out = compress_context(gemma, IDS, "cam:budget=20,n_sink=2", prefill_step=128, chunk=CHUNK)
+    for cache, kept in zip(out.caches, out.kept):
+        assert cache.offset == L and cache.n == 20
+        if cache.window is not None:  # the positions the next query can see are all kept
+            assert set(range(L - cache.window + 1, L)) <= set(kept[0, 0].tolist())
+        else:
+            assert {0, 1} <= set(kept[0, 0].tolist())
+    logits = gemma(mx.array([[5]], dtype=mx.uint32), cache=out.caches)
+    assert np.isfinite(np.array(logits)).all()
+
+
+def test_bad_input_is_refused_with_the_field_named(model):
+    with pytest.raises(ConfigError, match="budget"):
+        compress_context(model, IDS, "h2o:budget=60,n_sink=3")
+    with pytest.raises(ConfigError, match="scorer must be one of kvzip"):
+        compress_context(model, IDS, "h2o:budget=20", scorer="snapkv")
+    with pytest.raises(ConfigError, match="chunk"):
+        compress_context(model, IDS, "h2o:budget=20", chunk=0)
+    with pytest.raises(ConfigError, match="SCORER\\+METHOD"):
+        split_spec("zip+h2o:budget=20")
+    assert split_spec("h2o:budget=20") is None
+    from kvpolicy_core.eval.perplexity import make_caches
+
+    with pytest.raises(ConfigError, match="long-context suite"):
+        make_caches(model, "kvzip+h2o:budget=20")
+
+
+_CONTINUE = """
+from kvpolicy_core.runtime.blas import load_optimized_blas
+load_optimized_blas(quiet=True)  # the BLAS this test process runs with (conftest)
+import sys, mlx.core as mx, numpy as np, mlx_lm
+from kvpolicy_core.apps.prompt_file import load_prompt_file
+model, tok = mlx_lm.load(sys.argv[1])
+caches, _, info = load_prompt_file(sys.argv[2], model)
+ids = mx.array([int(t) for t in sys.argv[3].split(",")], dtype=mx.uint32)[None]
+np.save(sys.argv[4], np.array(model(ids, cache=caches)[0, -1]))
+"""
+
+
+def test_prompt_file_continues_bit_for_bit_in_a_new_process(tiny_model_dir, tmp_path):
+    import mlx_lm
+
+    from kvpolicy_core.apps.prompt_file import cache_prompt, document_ids, file_metadata
+    from kvpolicy_core.integration.compress_once import repeat_prompt
+
+    model, tok = mlx_lm.load(str(tiny_model_dir))
+    doc = "the secret number is 4821. " + "the quick brown fox jumps over the lazy dog. " * 3
+    path = tmp_path / "doc.safetensors"
+    summary = cache_prompt(
+        model, tok, doc, "h2o:budget=40,n_sink=2", path, model_path=str(tiny_model_dir), compress_once="kvzip"
+    )
+    ids = document_ids(tok, doc)
+    assert summary["compress_once"] == "kvzip" and summary["tokens_kept"] == 40
+    assert file_metadata(path)[1]["compress_once"] == "kvzip"
+    here = compress_context(model, ids, "h2o:budget=40,n_sink=2", repeat=repeat_prompt(tok)).caches
+    question = [int(t) for t in tok.encode("what is the number?")]
+    want = np.array(model(mx.array(question, dtype=mx.uint32)[None], cache=here)[0, -1])
+    out = tmp_path / "logits.npy"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONTINUE, str(tiny_model_dir), str(path), ",".join(map(str, question)), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    np.testing.assert_array_equal(np.load(out), want)
+
+
+def test_cache_prompt_cli_compresses_once(tiny_model_dir, tmp_path, capsys):
+    from kvpolicy_core.apps.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the secret number is 4821. " * 6)
+    path = tmp_path / "c.safetensors"
+    args = ["cache-prompt", "--model", str(tiny_model_dir), "--file", str(doc), "--prompt-cache-file", str(path)]
+    assert main(args + ["--method", "cam:budget=32,n_sink=2", "--compress-once", "kvzip", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["compress_once"] == "kvzip" and summary["tokens_kept"] == 32 and summary["tokens_seen"] > 100
+    assert main(args + ["--method", "kvzip+h2o:budget=30,n_sink=2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_kept"] == 30
+
+
+def test_ruler_runner_asks_every_question_of_one_compressed_cache(tiny_model_dir):
+    import mlx_lm
+
+    from kvpolicy_core.eval.tasks.ruler import TaskParams, build_suite
+    from kvpolicy_core.eval.tasks.ruler_runner import format_table, run_suite, summarize
+
+    model, tok = mlx_lm.load(str(tiny_model_dir))
+    params = {"niah_multikey": TaskParams(keys=3, questions=2, digits=4)}
+    suite = build_suite(tok, ["niah_multikey"], [640], ["noise"], [0], params=params)
+    specs = ["full", "h2o:budget=160,n_sink=2", "kvzip+h2o:budget=160,n_sink=2"]
+    rows = run_suite(model, tok, suite, specs, ["query-agnostic", "question-in-prompt"], prefill_step=128)
+    ours = [r for r in rows if r["method"] == "kvzip+h2o:budget=160,n_sink=2"]
+    assert len(ours) == 2 * len(suite[0].questions)
+    assert all(r["kv_bytes_kept"] < r["kv_bytes_full"] for r in ours)
+    agnostic = [r for r in ours if r["protocol"] == "query-agnostic"]
+    assert len({r["prefill_seconds"] for r in agnostic}) == 1  # one compression for every question
+    assert "kvzip+h2o" in format_table(summarize(rows), ["niah_multikey"])

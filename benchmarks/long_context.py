@@ -241,6 +241,7 @@ def main():
                 continue
             run_context(model, tok, ctx, "full", protocols, args.prefill_step, records[ctx.id], log=log)
         full = [r["score"] for r in rows[done:]]
+        save(out, tag, config, rows, time.perf_counter() - start, flagged)  # the full cache's answers count too
         if args.skip_flagged and 100 * sum(full) / len(full) < args.min_full:
             flagged.append({"task": key[0], "length": key[1], "full": round(100 * sum(full) / len(full), 1)})
             print(

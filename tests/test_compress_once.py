@@ -16,7 +16,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvpolicy_core.errors import ConfigError
 from kvpolicy_core.integration.compress_once import RepeatPrompt, compress_context, split_spec
-from kvpolicy_core.integration.reconstruction import repeat_chunks
+from kvpolicy_core.integration.reconstruction import ReconstructionCache, repeat_chunks
 from kvpolicy_core.testing.tiny_models import tiny_llama, tiny_model
 
 L = 60
@@ -67,6 +67,11 @@ def _reference_scores(model, monkeypatch) -> list:
 
 def test_reconstruction_score_matches_a_numpy_reference(model, compressed, monkeypatch):
     want = _reference_scores(model, monkeypatch)
+    monkeypatch.undo()
+    monkeypatch.setattr(ReconstructionCache, "rows", 7)  # query rows in blocks (a chunk has 25-30 rows)
+    blocked = compress_context(model, IDS, "h2o:budget=20,n_sink=3", prefill_step=128, repeat=REPEAT, chunk=CHUNK)
+    for got, ref in zip(blocked.scores, want):
+        np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
     assert len(compressed.scores) == len(want) == 2
     for got, ref in zip(compressed.scores, want):
         assert got.shape == ref.shape == (1, 2, L)

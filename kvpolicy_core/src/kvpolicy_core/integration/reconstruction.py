@@ -36,6 +36,7 @@ class ReconstructionCache:
     """
 
     kvpolicy_attention = "single"  #: the attention hook calls :meth:`attend` for this cache
+    rows = 256  #: query rows whose attention weights are computed at once
 
     def __init__(self, keys: mx.array, values: mx.array) -> None:
         self.context_keys, self.context_values = keys, values  # [B, H, L, D], [B, H, L, Dv]
@@ -54,14 +55,33 @@ class ReconstructionCache:
         return create_attention_mask(N, self.offset, return_array, window_size)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, fused):
-        """queries [B, Hq, S, D] -> the attention output [B, Hq, S, Dv]; the score takes the max of the weights."""
-        out, weights = attention_with_weights(queries, keys, values, scale, mask)  # weights [B, H, G, S, L + S]
-        seen = weights[..., : self.offset].astype(mx.float32).max(axis=(2, 3))  # [B, H, L]
-        self.score = mx.maximum(self.score, seen)
-        return out
+        """queries [B, Hq, S, D] -> the attention output [B, Hq, S, Dv]; the score takes the max of the weights.
+
+        Computed ``rows`` query rows at a time and evaluated per block (a host sync: this pass is one-shot, not
+        a decode step), so a layer's [B, H, G, S, L + S] weights never exist at once (peak memory: one block)."""
+        S, T = queries.shape[2], keys.shape[2]
+        outs = []
+        for r0 in range(0, S, self.rows):
+            r1 = min(S, r0 + self.rows)
+            out, weights = attention_with_weights(queries[:, :, r0:r1], keys, values, scale, _rows(mask, r0, r1, S, T))
+            seen = weights[..., : self.offset].astype(mx.float32).max(axis=(2, 3))  # [B, H, L]
+            self.score = mx.maximum(self.score, seen)
+            mx.eval(self.score, out)
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
     def before_attention(self, queries, scale, mask):  # the hook's batch route (not taken: "single")
         return mask
+
+
+def _rows(mask, r0: int, r1: int, S: int, T: int):
+    """Query rows ``r0:r1`` of the mask of S queries (the last S of T positions) over T keys."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):  # "causal": query row i (position T - S + i) sees keys j <= T - S + i
+        q = mx.arange(T - S + r0, T - S + r1)[:, None]
+        return mx.arange(T)[None] <= q
+    return mask[..., r0:r1, :] if mask.shape[-2] == S else mask
 
 
 def repeat_chunks(

@@ -4,6 +4,7 @@
     python benchmarks/long_context.py --size headline                # the 4k table of one model (~1 h)
     python benchmarks/long_context.py --size headline --model smollm2
     python benchmarks/long_context.py --lengths 8192 --tasks niah_single,niah_multikey --tag 8k
+    python benchmarks/long_context.py --model smollm2 --lengths 8192 --tasks niah_single --depths 0.3,0.5,0.7
     python benchmarks/long_context.py --size headline --export-jsonl benchmarks/results/long_context_4k.jsonl
     python benchmarks/long_context.py --smoke                        # tiny random model (the test suite)
 
@@ -15,23 +16,30 @@ Sizes (measured on 2 shared x86 cores, docs/long-context.md):
 - ``headline``: 4k tokens, pydoc and noise haystacks, all six tasks, one context each, full /
   StreamingLLM (mlx-lm's RotatingKVCache) / H2O / CaM at 4x and 8x, both protocols.
 
-Methods are names from METHODS or config strings; each bounded method gets budget = length / ratio.
-On each task the full cache runs first; where it scores below --min-full (60) the other methods are
-skipped and the task is flagged (--no-skip-flagged runs them anyway).
-Writes long_context_<tag>.json (config, every answer, scores per task per haystack and pooled, the
-full cache's score next to every method, flagged tasks) and long_context_<tag>.png under
+Methods are names from METHODS or config strings; each bounded method gets budget = length / ratio (a config
+string that sets its own ``budget=`` runs as given). ``--depths`` builds one context per depth (seed i, the
+statements at that share of the haystack) instead of ``--seeds`` random placements; every context's needle
+depth (first statement's start / context tokens) is in the JSON's config.
+On each task the full cache runs first (``--full-from`` takes its answers from earlier result files instead,
+where they hold the same context and questions: rows marked ``reused``); where it scores below --min-full (60)
+the other methods are skipped and the task is flagged (--no-skip-flagged runs them anyway).
+Common arguments (--smoke, --out, --tag) and result names (long_context[_<tag>][_smoke]) from the benchmark
+harness (_common.py); without --tag a run is named by its size and model. Writes long_context_<tag>.json
+(config, every answer, scores per task per haystack and pooled, the full cache's score next to every method,
+flagged tasks, versions and BLAS) and long_context_<tag>.png under
 benchmarks/results/, the JSON after every context (a long run can be read while it runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import time
 from pathlib import Path
 
-from _common import RESULTS, write_json
+from _common import parser, result_name, write_json
 
 from kvpolicy_core.eval.tasks import ruler
 from kvpolicy_core.eval.tasks.ruler_runner import PROTOCOLS, format_table, record_first_chunk, run_context, summarize
@@ -85,6 +93,8 @@ MODEL_CHAT = {"gemma3": "none", "smollm2": "none"}
 
 def spec_for(name: str, budget: int) -> str:
     base = METHODS.get(name, name)
+    if "budget=" in base:  # a config string with its own budget runs as given, at every ratio
+        return base
     if base == "full":
         return "full"
     if base == "rotating":
@@ -99,7 +109,7 @@ def load(model: str, smoke: bool):
     if smoke:
         import tempfile
 
-        from kvpolicy_core.model.tiny import write_model_dir
+        from kvpolicy_core.testing.tiny_models import write_model_dir
 
         path = write_model_dir(Path(tempfile.mkdtemp(prefix="long-context-tiny-")), "llama", layers=2)
         m, tok = mlx_lm.load(str(path))
@@ -113,7 +123,7 @@ def load(model: str, smoke: bool):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, smoke_help="a tiny random-weight model, seconds (checks the program runs)")
     p.add_argument("--size", choices=sorted(SIZES), help="a preset of the options below (explicit options win)")
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
     p.add_argument("--lengths")
@@ -123,6 +133,9 @@ def main():
     p.add_argument("--ratios", help="compression ratios, comma list (budget = length / ratio)")
     p.add_argument("--protocols", help=", ".join(PROTOCOLS))
     p.add_argument("--seeds", type=int, help="contexts per (task, haystack, length)")
+    p.add_argument(
+        "--depths", help="comma list of needle depths in [0, 1]: one context per depth (seed i at depth i), not --seeds"
+    )
     p.add_argument("--preset", default=ruler.DEFAULT_PRESET, choices=sorted(ruler.PRESETS))
     p.add_argument("--chat", choices=sorted(ruler.CHATS), help="prompt format (default: the model's, MODEL_CHAT)")
     p.add_argument("--prefill-step", type=int, default=2048)
@@ -133,17 +146,23 @@ def main():
         help="run only the full cache on a task it scores below --min-full on (default: on)",
     )
     p.add_argument("--min-full", type=float, default=60.0)
+    p.add_argument(
+        "--full-from",
+        nargs="+",
+        metavar="JSON",
+        help="reuse the full cache's answers from these result files where they hold the same context and "
+        "questions (its prefill is deterministic), instead of running it again",
+    )
     p.add_argument("--export-jsonl", help="also write the contexts (token ids) to this JSONL file")
-    p.add_argument("--tag", default="")
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--report", nargs="+", metavar="JSON", help="print the markdown table of result files and stop")
+    p.add_argument(
+        "--report", nargs="+", metavar="JSON", help="print one markdown table of result files (rows merged) and stop"
+    )
     args = p.parse_args()
     if args.report:
         for f in args.report:
             data = json.loads(Path(f).read_text())
-            print(f"{Path(f).name}: {data['config']['model']}, {data['seconds']:.0f} s\n")
-            print(markdown(data["rows"]) + "\n")
+            print(f"{Path(f).name}: {data['config']['model']}, {data['seconds']:.0f} s")
+        print("\n" + markdown(merge_rows(args.report)) + "\n")
         return
     size = "smoke" if args.smoke else (args.size or "quick")
     for k, v in SIZES[size].items():
@@ -159,25 +178,14 @@ def main():
     names = [m.strip() for m in args.methods.split(";" if ";" in args.methods else ",")]
     ratios = [float(r) for r in args.ratios.split(",")]
     protocols = args.protocols.split(",")
-    contexts = ruler.build_suite(
-        tok,
-        tasks,
-        lengths,
-        args.haystacks.split(","),
-        range(args.seeds),
-        model=Path(path).name,
-        chat=chat,
-        preset=args.preset,
-        params=SMOKE_PARAMS if args.smoke else None,
-    )
+    depths = [float(d) for d in args.depths.split(",")] if args.depths else None
+    contexts = build_contexts(tok, tasks, lengths, args.haystacks.split(","), args, Path(path).name, chat, depths)
     if args.export_jsonl:
         ruler.write_jsonl(args.export_jsonl, contexts)
         print(f"wrote {args.export_jsonl} ({len(contexts)} contexts)")
-    model_tag = "tiny" if args.smoke else Path(args.model).name.split("-")[0]
-    if args.smoke:
-        tag = "long_context_smoke"
-    else:
-        tag = f"long_context_{args.tag}" if args.tag else f"long_context_{size}_{model_tag}"
+    # long_context[_<tag>][_smoke]; without --tag a full run is named by its size and model
+    default_tag = "" if args.smoke else f"{size}_{Path(args.model).name.split('-')[0]}"
+    tag = result_name("long_context", tag=args.tag or default_tag, smoke=args.smoke)
     config = {
         "size": size,
         "model": path,
@@ -190,6 +198,8 @@ def main():
         "ratios": ratios,
         "protocols": protocols,
         "seeds": args.seeds,
+        "depths": depths,
+        "needle_depth": {c.id: round(c.spans[0][0] / len(c.context_ids), 3) for c in contexts if c.spans},
         "prefill_step": args.prefill_step,
         "params": {t: vars(ruler.preset_params(args.preset, t, Path(path).name)) for t in tasks},
     }
@@ -204,6 +214,9 @@ def main():
             flush=True,
         )
 
+    earlier_full = []
+    for f in args.full_from or []:
+        earlier_full += [r for r in json.loads(Path(f).read_text())["rows"] if r["method"] == "full"]
     flagged = []
     for key in dict.fromkeys((c.task, c.length) for c in contexts):  # one task and length at a time
         group = [c for c in contexts if (c.task, c.length) == key]
@@ -216,8 +229,19 @@ def main():
                     bounded.append(s)
         done = len(rows)
         for ctx in group:  # the full cache first: it decides whether the task is worth the other methods
+            reused = [
+                r for r in earlier_full if r["id"] == ctx.id and r["model"] == ctx.model and r["protocol"] in protocols
+            ]
+            if len(reused) == len(protocols) * len(ctx.questions) and all(
+                r["answers"] == ctx.questions[r["question"]].answers and r["context_tokens"] == len(ctx.context_ids)
+                for r in reused
+            ):
+                for r in reused:
+                    log({**r, "reused": True})
+                continue
             run_context(model, tok, ctx, "full", protocols, args.prefill_step, records[ctx.id], log=log)
         full = [r["score"] for r in rows[done:]]
+        save(out, tag, config, rows, time.perf_counter() - start, flagged)  # the full cache's answers count too
         if args.skip_flagged and 100 * sum(full) / len(full) < args.min_full:
             flagged.append({"task": key[0], "length": key[1], "full": round(100 * sum(full) / len(full), 1)})
             print(
@@ -238,50 +262,143 @@ def main():
     print(f"wrote {out / (tag + '.json')} in {time.perf_counter() - start:.0f} s")
 
 
+def build_contexts(tok, tasks, lengths, haystacks, args, model_name, chat, depths):
+    """The suite's contexts; with ``depths``, context ``i`` of each (task, length, haystack) has seed ``i`` and
+    its statements at ``depths[i]`` of the haystack (``TaskParams.depth``), else ``args.seeds`` random ones."""
+    base = SMOKE_PARAMS if args.smoke else {}
+    if depths is None:
+        return ruler.build_suite(
+            tok,
+            tasks,
+            lengths,
+            haystacks,
+            range(args.seeds),
+            model=model_name,
+            chat=chat,
+            preset=args.preset,
+            params=base or None,
+        )
+    out = []
+    for task in tasks:
+        params = base.get(task) or ruler.preset_params(args.preset, task, model_name)
+        for length in lengths:
+            for hay in haystacks:
+                for i, d in enumerate(depths):
+                    out.append(
+                        ruler.build_context(
+                            tok,
+                            task,
+                            length,
+                            hay,
+                            i,
+                            model=model_name,
+                            chat=chat,
+                            params=dataclasses.replace(params, depth=d),
+                        )
+                    )
+    return out
+
+
+def merge_rows(files) -> list:
+    """The rows of several result files as one list; a row asked twice (same context, method, protocol and
+    question, e.g. the full cache in two runs on the same contexts) is kept once, the first file's."""
+    seen, out = set(), []
+    for f in files:
+        for r in json.loads(Path(f).read_text())["rows"]:
+            key = (r["id"], r["model"], r["method"], r["protocol"], r["question"])
+            if key not in seen:
+                seen.add(key)
+                out.append(r)
+    return out
+
+
 def markdown(rows, min_full: float = 60.0) -> str:
-    """The docs' table of one result file: per protocol, one line per method, RULER scores per task (haystacks
-    pooled), their mean over the tasks the full cache can do (flagged tasks: full cache only, marked *), and the
-    share of the full cache's KV bytes a method holds after the context (query-agnostic)."""
+    """The docs' table of result rows: per (length, protocol), one line per method, the RULER score per task
+    with the haystacks pooled and, in brackets, per haystack (pydoc / noise); the mean over the tasks the full
+    cache can do (flagged tasks, full cache below ``min_full``: marked *, not in the mean), that mean minus the
+    full cache's on the same questions (same length and protocol), and the share of the full cache's KV bytes a
+    method holds after the context (query-agnostic). A haystack a method was not run on shows as -."""
     summary = summarize([{**r, "haystack": "all"} for r in rows], min_full)
+    per_hay = {(s["length"], s["protocol"], s["method"], s["haystack"]): s for s in summarize(rows, min_full)}
+    hays = [h for h in ("pydoc", "noise", "wordlist") if any(r["haystack"] == h for r in rows)]
+    hays += sorted({r["haystack"] for r in rows} - set(hays))
     tasks = [t for t in ruler.TASKS if any(r["task"] == t for r in rows)]
     flagged = {t for s in summary for t in s["flagged"]}
     kept = {}
     for r in rows:
         if r["protocol"] == "query-agnostic" and r.get("context_kv_bytes_full"):
-            kept.setdefault(r["method"], []).append(r["context_kv_bytes_kept"] / r["context_kv_bytes_full"])
-    head = (
-        "| protocol | method | " + " | ".join(t + (" *" if t in flagged else "") for t in tasks) + " | mean | KV kept |"
-    )
-    lines = [head, "|" + " --- |" * (len(tasks) + 4)]
-    for protocol in PROTOCOLS:
-        for s in sorted(
-            (s for s in summary if s["protocol"] == protocol),
-            key=lambda s: (
-                ORDER.get(s["method"].split(":")[0], len(ORDER)),
-                s["method"].split(":")[0],
-                -_budget(s["method"]),
-            ),
-        ):
-            cells = [f"{s['tasks'][t]:.1f}" if t in s["tasks"] else "" for t in tasks]
-            ok = [s["tasks"][t] for t in tasks if t not in flagged and t in s["tasks"]]
-            mean = f"{sum(ok) / len(ok):.1f}" if ok else ""
-            k = kept.get(s["method"])
-            lines.append(
-                f"| {protocol} | {s['method']} | "
-                + " | ".join(cells)
-                + f" | {mean} | "
-                + (f"{100 * sum(k) / len(k):.0f}%" if k else "")
-                + " |"
+            kept.setdefault((r["length"], r["method"]), []).append(
+                r["context_kv_bytes_kept"] / r["context_kv_bytes_full"]
             )
+    head = (
+        "| tokens | protocol | method | "
+        + " | ".join(t + (" *" if t in flagged else "") for t in tasks)
+        + " | mean | vs full | KV kept |"
+    )
+    lines = [head, "|" + " --- |" * (len(tasks) + 6)]
+
+    def mean_of(s):
+        ok = [s["tasks"][t] for t in tasks if t not in flagged and t in s["tasks"]]
+        return sum(ok) / len(ok) if ok else None
+
+    full_score = {
+        (r["length"], r["protocol"], r["id"], r["question"]): r["score"] for r in rows if r["method"] == "full"
+    }
+
+    def full_mean_on(s):
+        """The full cache's mean on the questions this method was asked (same length and protocol)."""
+        asked = [
+            r for r in rows if (r["length"], r["protocol"], r["method"]) == (s["length"], s["protocol"], s["method"])
+        ]
+        by_task = {}
+        for r in asked:
+            f = full_score.get((r["length"], r["protocol"], r["id"], r["question"]))
+            if f is None:
+                return None
+            by_task.setdefault(r["task"], []).append(f)
+        ok = [100 * sum(v) / len(v) for t, v in by_task.items() if t not in flagged]
+        return sum(ok) / len(ok) if ok else None
+
+    for s in sorted(
+        summary,
+        key=lambda s: (
+            s["length"],
+            PROTOCOLS.index(s["protocol"]) if s["protocol"] in PROTOCOLS else len(PROTOCOLS),
+            ORDER.get(s["method"].split(":")[0], len(ORDER)),
+            s["method"].split(":")[0],
+            -_budget(s["method"]),
+            s["method"],
+        ),
+    ):
+        cells = []
+        for t in tasks:
+            if t not in s["tasks"]:
+                cells.append("")
+                continue
+            by = [per_hay.get((s["length"], s["protocol"], s["method"], h)) for h in hays]
+            parts = [f"{b['tasks'][t]:.0f}" if b is not None and t in b["tasks"] else "-" for b in by]
+            cells.append(f"{s['tasks'][t]:.1f}" + (f" ({' / '.join(parts)})" if len(parts) > 1 else ""))
+        m, fm = mean_of(s), full_mean_on(s)
+        gap = f"{m - fm:+.1f}" if m is not None and fm is not None and s["method"] != "full" else ""
+        k = kept.get((s["length"], s["method"]))
+        lines.append(
+            f"| {s['length']} | {s['protocol']} | {s['method']} | "
+            + " | ".join(cells)
+            + (f" | {m:.1f} | " if m is not None else " |  | ")
+            + gap
+            + " | "
+            + (f"{100 * sum(k) / len(k):.0f}%" if k else "")
+            + " |"
+        )
     n_q = {
-        t: sum(1 for r in rows if r["task"] == t and r["method"] == "full" and r["protocol"] == "query-agnostic")
+        t: sum(1 for r in rows if r["task"] == t and r["method"] == "full" and r["protocol"] == rows[0]["protocol"])
         for t in tasks
     }
     lines.append("")
     lines.append(
-        "Questions per task (per method and protocol): "
-        + ", ".join(f"{t} {n}" for t, n in n_q.items())
-        + ". * the full cache scores below 60: flagged, the other methods not run."
+        "Scores: pooled over the haystacks (" + " / ".join(hays) + " in brackets). Questions per task with the full "
+        "cache: " + ", ".join(f"{t} {n}" for t, n in n_q.items()) + ". * the full cache scores below "
+        f"{min_full:.0f}: flagged, the other methods not run, not in the mean."
     )
     return "\n".join(lines)
 

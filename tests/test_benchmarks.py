@@ -272,3 +272,45 @@ def test_real_shapes_markdown_prints_the_table_of_a_result_file(tmp_path):
     assert [r.split(" | ")[0] for r in rows[1:8]] == ["| full"] + [
         f"| {m} ({b})" for b in (16, 8) for m in ("rotating", "h2o", "cam")
     ]
+
+
+def test_long_context_report_merges_files_and_compares_each_method_to_the_full_cache_on_its_questions(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import long_context
+
+    def row(ctx, hay, method, score):
+        return dict(id=ctx, task="niah_single", length=4096, haystack=hay, model="m", method=method, question=0,
+                    protocol="query-agnostic", score=score)  # fmt: skip
+
+    first = [row("a", "pydoc", "full", 1.0), row("b", "noise", "full", 0.0), row("a", "pydoc", "h2o:budget=1024", 1.0)]
+    second = [row("a", "pydoc", "full", 1.0), row("a", "pydoc", "cam:budget=1024", 0.0)]
+    second.append(row("b", "noise", "cam:budget=1024", 0.0))
+    files = []
+    for i, rows in enumerate((first, second)):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps({"rows": rows}))
+    merged = long_context.merge_rows(files)
+    assert len(merged) == 5  # the full cache's answer on context a is kept once
+    table = {
+        line.split(" | ")[2]: line.split(" | ")[3:] for line in long_context.markdown(merged, 40).splitlines()[2:5]
+    }
+    assert table["full"][:2] == ["50.0 (100 / 0)", "50.0"]
+    assert table["h2o:budget=1024"][:3] == ["100.0 (100 / -)", "100.0", "+0.0"]  # full on context a: 100
+    assert table["cam:budget=1024"][:3] == ["0.0 (0 / 0)", "0.0", "-50.0"]
+
+
+def test_long_context_reuses_the_full_caches_answers_only_on_the_same_contexts(tmp_path):
+    def run(out, *extra):
+        cmd = [sys.executable, str(BENCH / "long_context.py"), "--smoke", "--protocols", "query-agnostic"]
+        proc = subprocess.run(cmd + ["--out", str(out), *extra], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((out / "long_context_smoke.json").read_text())["rows"]
+
+    first = run(tmp_path / "a", "--methods", "full", "--tasks", "niah_multikey")
+    again = run(tmp_path / "b", "--methods", "full,h2o", "--tasks", "niah_multikey,vt", "--full-from",
+                str(tmp_path / "a" / "long_context_smoke.json"))  # fmt: skip
+    full = [r for r in again if r["method"] == "full"]
+    assert [r["output"] for r in full if r["task"] == "niah_multikey"] == [r["output"] for r in first]
+    assert all(r.get("reused") for r in full if r["task"] == "niah_multikey")
+    assert not any(r.get("reused") for r in full if r["task"] == "vt")  # not in the earlier file: run
+    assert any(r["method"].startswith("h2o") for r in again)

@@ -91,6 +91,25 @@ def test_suite_has_cwe_once_per_seed_and_bad_inputs_are_clear(tok):
         TaskParams(keys=0)
 
 
+def test_depth_puts_the_needle_at_that_share_of_the_haystack(tok):
+    for hay in ("pydoc", ruler.NOISE):
+        spans = {}
+        for d in (0.0, 0.3, 0.7, 1.0):
+            ctx = build_context(tok, "niah_single", 900, hay, seed=2, params=TaskParams(answer="echo", depth=d))
+            (a, b), n = ctx.spans[0], len(ctx.context_ids)
+            assert "special magic numbers" in tok.decode(ctx.context_ids[a:b])
+            spans[d] = (a, b, n)
+        first, last = spans[0.0][0], spans[1.0][1]
+        head = build_context(tok, "niah_single", 900, hay, seed=2, params=TaskParams(answer="echo", depth=0.0))
+        assert "the numbers afterwards." in tok.decode(head.context_ids[:first])[-30:]  # right after the instruction
+        assert last == spans[1.0][2] - len(tok.encode("\n", add_special_tokens=False))  # right before the end
+        for d in (0.3, 0.7):
+            assert abs((spans[d][0] - first) / (spans[d][2] - first) - d) < 0.08, (hay, d, spans[d])
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="TaskParams.depth"):
+            TaskParams(depth=bad)
+
+
 def test_scores_are_rulers_substring_matches():
     assert score("  The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
     assert score("ABCDE fghij", ["abcde", "FGHIJ"]) == 1.0  # case-insensitive

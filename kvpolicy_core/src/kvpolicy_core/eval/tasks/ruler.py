@@ -245,6 +245,9 @@ class TaskParams:
     margin: int = 8  #: max_new_tokens = tokens of the answers + margin
     answer: str = "ruler"  #: niah answer prefix: "ruler" (RULER's) or "echo" (the statement's words)
     chain: str = "ruler"  #: vt statements: "ruler" ("VAR B = VAR A.") or "forward" ("VAR A is assigned to VAR B.")
+    #: where the statements go: None = seeded random points; d in [0, 1] = every statement after
+    #: round(d * U) of the U haystack units (0: first thing in the haystack, 1: last), in order
+    depth: Optional[float] = None
 
     def __post_init__(self):
         for name in (
@@ -269,6 +272,10 @@ class TaskParams:
             raise ValueError(f"TaskParams.chain: must be 'ruler' or 'forward' (got {self.chain!r})")
         if self.answer not in ("ruler", "echo"):
             raise ValueError(f"TaskParams.answer: must be 'ruler' or 'echo' (got {self.answer!r})")
+        if self.depth is not None and (
+            isinstance(self.depth, bool) or not isinstance(self.depth, (int, float)) or not 0 <= self.depth <= 1
+        ):
+            raise ValueError(f"TaskParams.depth: must be None or a number in [0, 1] (got {self.depth!r})")
         if "{key}" not in self.statement or "{value}" not in self.statement:
             raise ValueError(f"TaskParams.statement: needs {{key}} and {{value}} (got {self.statement!r})")
 
@@ -464,10 +471,16 @@ def _niah_prompts(p: TaskParams, task: str):
     return head, question
 
 
-def _layout(rng: random.Random, n_units: int, groups: List[List[List[int]]]) -> List[Tuple[int, List[int]]]:
-    """Insertion points for statement groups: each group's statements in order, at distinct sorted points."""
+def _layout(
+    rng: random.Random, n_units: int, groups: List[List[List[int]]], depth: Optional[float] = None
+) -> List[Tuple[int, List[int]]]:
+    """Insertion points for statement groups: each group's statements in order, at distinct sorted points
+    (``depth`` given: every statement at point ``round(depth * n_units)``, in order)."""
     placed = []
     for group in groups:
+        if depth is not None:
+            placed.extend((round(depth * n_units), stmt) for stmt in group)
+            continue
         points = (
             sorted(rng.sample(range(n_units + 1), len(group))) if n_units + 1 >= len(group) else [n_units] * len(group)
         )
@@ -569,7 +582,7 @@ def build_context(
     if fixed >= length:
         raise ValueError(f"{task}: length {length} leaves no room for a haystack (fixed parts take {fixed} tokens)")
     units = _haystack_units(tokenizer, haystack, rng, length - fixed)
-    placed = _layout(rng, len(units), groups)
+    placed = _layout(rng, len(units), groups, p.depth)
     ids = list(head_ids)
     spans: List[Tuple[int, int]] = []
     prev = 0

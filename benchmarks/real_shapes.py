@@ -366,28 +366,7 @@ class ContextRun(Run):
 def measure_context(model, N: int, specs, decode: int, block: int):
     """Decode turns (and :class:`Head`'s) over :class:`ContextRun` caches at context ``N`` -> (rows, head ms)."""
     runs = {s: ContextRun(model, s, N, decode + block + 1) for s in specs}
-    runs["head"] = Head(model)
-    turns = specs + ["head"]
-    for turn in range(max(1, decode // block)):
-        for s in turns[turn % len(turns) :] + turns[: turn % len(turns)]:
-            runs[s].decode_turn(block)
-    head_ms = 1e3 * statistics.median(runs.pop("head").decode_wall)
-    rows = []
-    for s in specs:
-        run = runs[s]
-        run.close()
-        rows.append(
-            {
-                "spec": s,
-                "decode_tps": 1.0 / statistics.median(run.decode_wall),
-                "decode_ms": 1e3 * statistics.median(run.decode_wall),
-                "decode_cpu_ms": 1e3 * statistics.median(run.decode_cpu),
-                "decode_turns_ms": [1e3 * x for x in run.decode_wall],
-                "decode_turns_cpu_ms": [1e3 * x for x in run.decode_cpu],
-                "load": os.getloadavg()[0],
-            }
-        )
-    return rows, head_ms
+    return decode_rows(model, runs, specs, decode, block, lambda s, run: {})
 
 
 def measure(model, prompt, specs, chunk, decode, block, rounds):
@@ -408,6 +387,30 @@ def measure(model, prompt, specs, chunk, decode, block, rounds):
                 f"peak {runs[s].peak / 2**20:7.0f} MiB  load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
+    rows, head_ms = decode_rows(
+        model,
+        runs,
+        specs,
+        decode,
+        block,
+        lambda s, run: {
+            "prefill_s": statistics.median(prefills[s]),
+            "prefill_rounds_s": prefills[s],
+            "prefill_tps": prompt.size / statistics.median(prefills[s]),
+            "prefill_cpu_ms_per_token": 1e3 * run.ttft_cpu / prompt.size,
+            "kv_peak_bytes": run.mem["kv_peak"],
+            "resident_after_chunk_bytes": max(run.resident, default=0),
+            "peak_above_baseline_bytes": run.peak,
+        },
+    )
+    del runs
+    gc.collect()
+    return rows, head_ms
+
+
+def decode_rows(model, runs: dict, specs, decode: int, block: int, extra) -> tuple:
+    """Interleaved decode turns of ``runs`` (and :class:`Head`'s: the non-layer cost) -> (one row per spec with
+    ``extra(spec, run)``'s fields, head ms per token); closes the runs."""
     runs["head"] = Head(model)
     turns = specs + ["head"]
     for turn in range(max(1, decode // block)):
@@ -421,23 +424,15 @@ def measure(model, prompt, specs, chunk, decode, block, rounds):
         rows.append(
             {
                 "spec": s,
-                "prefill_s": statistics.median(prefills[s]),
-                "prefill_rounds_s": prefills[s],
-                "prefill_tps": prompt.size / statistics.median(prefills[s]),
-                "prefill_cpu_ms_per_token": 1e3 * run.ttft_cpu / prompt.size,
+                **extra(s, run),
                 "decode_tps": 1.0 / statistics.median(run.decode_wall),
                 "decode_ms": 1e3 * statistics.median(run.decode_wall),
                 "decode_cpu_ms": 1e3 * statistics.median(run.decode_cpu),
                 "decode_turns_ms": [1e3 * x for x in run.decode_wall],
                 "decode_turns_cpu_ms": [1e3 * x for x in run.decode_cpu],
-                "kv_peak_bytes": run.mem["kv_peak"],
-                "resident_after_chunk_bytes": max(run.resident, default=0),
-                "peak_above_baseline_bytes": run.peak,
                 "load": os.getloadavg()[0],
             }
         )
-    del runs
-    gc.collect()
     return rows, head_ms
 
 

@@ -279,34 +279,12 @@ class SlotStore:
         n, keys, (rank, size) = self.n, self._keys, head_shard
         H = keys.shape[1]
         norms = self._norms()
-        if n == keys.shape[2]:  # the buffer is full (decode's steady state): no slice nodes
-            return CacheView(
-                keys,
-                self.values,
-                self.positions,
-                self.scores,
-                offset,
-                n_new,
-                dead,
-                rank * H,
-                size * H,
-                self.log_weights,
-                run,
-                norms,
-            )
+        values, positions = self.values, self.positions
+        if n != keys.shape[2]:  # a full buffer (decode's steady state) is viewed whole: no slice nodes
+            keys, values, positions = keys[..., :n, :], values[..., :n, :], positions[..., :n]
+            norms = None if norms is None else norms[..., :n]
         return CacheView(
-            keys[..., :n, :],
-            self.values[..., :n, :],
-            self.positions[..., :n],
-            self.scores,
-            offset,
-            n_new,
-            dead,
-            rank * H,
-            size * H,
-            self.log_weights,
-            run,
-            None if norms is None else norms[..., :n],
+            keys, values, positions, self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights, run, norms
         )
 
     def valid(self) -> Tuple[mx.array, mx.array]:

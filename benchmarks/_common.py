@@ -47,6 +47,7 @@ from _harness import (  # noqa: E402,F401  (the harness, re-exported)
     summarize,
     timed,
     timed_step,
+    with_budget,
     write_json,
 )
 

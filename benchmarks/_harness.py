@@ -75,6 +75,14 @@ class Stopwatch:
         return time.process_time() - self.cpu0
 
 
+def with_budget(spec: str, budget: int) -> str:
+    """A method's config string at ``budget`` (``full`` has none): ``h2o`` -> ``h2o:budget=256``,
+    ``cam:merge=drop`` -> ``cam:merge=drop,budget=256``, ``rotating`` -> ``rotating:budget=256``."""
+    if spec == "full":
+        return "full"
+    return f"{spec}{',' if ':' in spec else ':'}budget={budget}"
+
+
 def timed_step(fn: Callable[[], object]):
     """``(wall seconds, cpu seconds, fn())`` of one call."""
     sw = Stopwatch()

@@ -39,7 +39,7 @@ import re
 import time
 from pathlib import Path
 
-from _common import parser, result_name, write_json
+from _common import parser, result_name, with_budget, write_json
 
 from kvpolicy_core.eval.tasks import ruler
 from kvpolicy_core.eval.tasks.ruler_runner import PROTOCOLS, format_table, record_first_chunk, run_context, summarize
@@ -95,11 +95,7 @@ def spec_for(name: str, budget: int) -> str:
     base = METHODS.get(name, name)
     if "budget=" in base:  # a config string with its own budget runs as given, at every ratio
         return base
-    if base == "full":
-        return "full"
-    if base == "rotating":
-        return f"rotating:budget={budget}"
-    return f"{base}{',' if ':' in base else ':'}budget={budget}"
+    return with_budget(base, budget)
 
 
 def load(model: str, smoke: bool):

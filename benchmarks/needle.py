@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from _common import parser, result_name, write_json
+from _common import parser, result_name, with_budget, write_json
 
 from kvpolicy_core.eval.tasks.needle import DEFAULT_DEPTHS, format_summary, run_grid, summarize
 
@@ -32,12 +32,7 @@ DEFAULT_METHODS = "full,streamingllm,h2o v0.1,cam v0.1,h2o,cam"
 
 
 def spec_for(base: str, budget: int) -> str:
-    base = METHODS.get(base, base)
-    if base == "full":
-        return "full"
-    if base == "rotating":
-        return f"rotating:budget={budget}"
-    return f"{base}{',' if ':' in base else ':'}budget={budget}"
+    return with_budget(METHODS.get(base, base), budget)
 
 
 def load(model: str, smoke: bool):

@@ -93,6 +93,19 @@ def test_each_head_keeps_exactly_budget_tokens_the_sinks_and_the_top_scores(comp
         assert not np.array_equal(pos[0, 0], pos[0, 1]) or layer  # heads choose their own tokens
 
 
+def test_a_pooled_cut_keeps_the_top_of_the_max_pooled_scores(model, compressed):
+    pooled = compress_context(model, IDS, "h2o:budget=20,n_sink=3,pool=5", prefill_step=128, repeat=REPEAT, chunk=CHUNK)
+    for raw, cache, s in zip(compressed.scores, pooled.caches, pooled.scores):
+        want_s = np.stack(
+            [[[raw[b, h, max(0, j - 2) : j + 3].max() for j in range(L)] for h in range(2)] for b in range(1)]
+        )
+        np.testing.assert_allclose(s, want_s, rtol=1e-6)
+        pos = np.array(cache.state[2])
+        for h in range(2):
+            rest = np.argsort(-s[0, h, 3:], kind="stable")[:17] + 3
+            assert pos[0, h].tolist() == np.sort(np.concatenate([[0, 1, 2], rest])).tolist()
+
+
 class _Kept:
     """A plain cache of given keys/values at a given offset (new tokens appended): the hand-built reference."""
 

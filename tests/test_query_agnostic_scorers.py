@@ -170,6 +170,55 @@ def test_expected_attention_keeps_the_scores_when_every_query_is_a_sink():
     assert np.array(got).tolist() == [[[0.5, 0.25, 0.125]]]
 
 
+# -- pooling --------------------------------------------------------------------------------------------------
+
+
+def pool_reference(x: np.ndarray, pos: np.ndarray, P: int) -> np.ndarray:
+    """Per row: the max over the P nearest retained slots in position order (any slot order)."""
+    out = np.empty_like(x)
+    r = (P - 1) // 2
+    for idx in np.ndindex(*x.shape[:-1]):
+        order = np.argsort(pos[idx])
+        xs = x[idx][order]
+        out[idx][order] = [xs[max(0, i - r) : i + r + 1].max() for i in range(len(xs))]
+    return out
+
+
+def test_keydiff_and_expected_attention_pool_their_scores_over_the_nearest_retained_positions():
+    rng = np.random.default_rng(5)
+    B, H, G, L, D = 1, 2, 2, 30, 8
+    k = mx.array(rng.normal(size=(B, H, L, D)).astype(np.float32))
+    retained = np.concatenate([[0, 1], 3 * np.arange(1, L - 1)])  # two sinks, then gaps of evicted positions
+    pos = mx.array(np.stack([rng.permutation(retained) for _ in range(H)])[None].astype(np.int32))  # any slot order
+    plain = np.array(KeyDiffScorer(pool=1).on_append(view(k, k, pos, 3 * L), k[:, :, -2:], pos[0, 0, -2:]))
+    pooled = np.array(KeyDiffScorer(pool=5).on_append(view(k, k, pos, 3 * L), k[:, :, -2:], pos[0, 0, -2:]))
+    np.testing.assert_allclose(pooled, pool_reference(plain, np.array(pos), 5), atol=1e-6)
+    assert not np.allclose(pooled, plain)
+
+    q = rope(rng.normal(size=(B, H * G, 6, D)), D, 100.0, 3 * L - 6)
+    ea = lambda P: np.array(  # noqa: E731
+        ExpectedAttentionScorer(rope_freqs=tuple(theta_of(100.0, D)), n_sink=2, pool=P).on_attention(
+            view(k, k, pos, 3 * L), q, D**-0.5, "causal"
+        )
+    )
+    plain, pooled = ea(1), ea(5)
+    sink = np.array(pos) < 2
+    # past the sinks: the pooled score of the non-sink neighbours; the sinks: above every other score
+    want = pool_reference(np.where(sink, 0.0, plain), np.array(pos), 5)
+    np.testing.assert_allclose(pooled[~sink], want[~sink], rtol=1e-5, atol=1e-7)
+    assert (pooled[sink].reshape(H, 2).min(-1) > np.where(sink, -1, pooled).max(-1)[0]).all()
+
+
+def test_pool_applies_to_every_score_and_must_be_odd():
+    assert parse_config("h2o:score=keydiff,pool=15").policy.pool_width == 15
+    assert parse_config("cam:score=expected_attention,pool=3").policy.pool_width == 3
+    assert parse_config("h2o").policy.pool_width == 15
+    with pytest.raises(ConfigError, match="pool must be odd"):
+        parse_config("h2o:score=keydiff,pool=4")
+    caches = KVCacheBuilder.for_model(tiny_llama(), "h2o:score=keydiff,pool=7,budget=16")
+    assert caches[0].policy.scorer.pool == 7
+
+
 # -- the layer RoPE --------------------------------------------------------------------------------------------
 
 
@@ -227,7 +276,7 @@ def test_score_dispatches_the_scorer_and_bad_values_are_refused_naming_the_field
     assert parse_config("h2o").policy.scorer_name == "observation_window"
     with pytest.raises(ConfigError, match="score.*'attention', 'keydiff' or 'expected_attention'.*'keyd'"):
         parse_config("h2o:score=keyd")
-    with pytest.raises(ConfigError, match="obs_window=8: signal, obs_window and pool apply to score='attention'"):
+    with pytest.raises(ConfigError, match="obs_window=8: signal and obs_window apply to score='attention'"):
         parse_config("cam:score=keydiff,obs_window=8")
     with pytest.raises(ConfigError, match="n_future: apply to score='expected_attention'"):
         parse_config("h2o:score=keydiff,n_future=64")

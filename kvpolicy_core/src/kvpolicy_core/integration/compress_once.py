@@ -7,7 +7,11 @@ and each layer's policy cache is loaded with the kept tokens::
 
     keep^{(l)}[h] = the budget positions j < L of largest key^{(l)}[h, j] (ties: earlier first), where
     key^{(l)}[h, j] = +inf for j < n_sink (sinks), -inf for j outside a window layer's next window, else
-                      score^{(l)}[h, j]
+                      pool_P(score^{(l)}[h])_j
+
+``pool_P`` is the max over the ``P`` nearest positions (:func:`~kvpolicy_core.parts.pooling.pool_by_position`;
+``P`` the method's ``pool`` field when it is given, else 1: KVzip's own per-token cut), so a span is kept or
+lost as a whole.
 
 Each head holds exactly ``budget`` tokens (keys, values, absolute positions ``keep`` in temporal order,
 scores ``score[keep]`` float32) and ``offset = L``, so the next token continues at position ``L`` exactly as
@@ -33,6 +37,7 @@ from mlx_lm.models.cache import KVCache
 from ..cache.policy_cache import PolicyCache
 from ..config.parse import parse_config
 from ..errors import ConfigError
+from ..parts.pooling import pool_by_position
 from .builder import KVCacheBuilder
 from .reconstruction import reconstruction_scores, repeat_chunks
 
@@ -75,7 +80,7 @@ class Compressed:
     """What :func:`compress_context` made: the caches, and the scores and kept positions per layer (host copies)."""
 
     caches: List[Any]
-    scores: List[np.ndarray] = field(default_factory=list)  # [B, H, L] float32 per layer
+    scores: List[np.ndarray] = field(default_factory=list)  # [B, H, L] float32 per layer (pooled as cut)
     kept: List[np.ndarray] = field(default_factory=list)  # [B, H, budget] int32 per layer
 
 
@@ -103,6 +108,19 @@ def selection_keys(score: np.ndarray, n_sink: int, window) -> np.ndarray:
     if window is not None:
         key[..., : max(0, L - window + 1)] = -np.inf  # the query at L sees positions > L - window
     return key
+
+
+def cut_pool(config) -> int:
+    """The pool width of the cut: the method's ``pool`` field when given, else 1 (module docstring)."""
+    return getattr(config.policy, "pool", None) or 1
+
+
+def pooled_scores(score: np.ndarray, P: int) -> np.ndarray:
+    """``score`` [B, H, L] (positions 0 .. L - 1) max-pooled over the ``P`` nearest positions."""
+    if P <= 1:
+        return score
+    positions = mx.broadcast_to(mx.arange(score.shape[-1], dtype=mx.int32), score.shape)
+    return np.array(pool_by_position(mx.array(score), positions, P))
 
 
 def kept_positions(key: np.ndarray, budget: int) -> np.ndarray:
@@ -167,7 +185,9 @@ def compress_context(
     chunks = repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, chunk, repeat.tail)
     scores = [np.array(s) for s in reconstruction_scores(model, contexts, chunks)]
     out = Compressed(caches)
+    P = cut_pool(config)
     for cache, (k, v), s in zip(caches, contexts, scores):
+        s = pooled_scores(s, P)
         kept = kept_positions(selection_keys(s, n_sink, cache.window), budget)
         load_kept(cache, k, v, kept, s, L)
         out.scores.append(s)

@@ -26,6 +26,7 @@ the model's attention scale (kvpress writes c = 1/sqrt(D), the same for the mode
     z_{g,j} = c mu_{f,g} . k_j + (c² / 2) k_j^T Sigma_{f,g} k_j          over slots j with pos_j >= n_sink
     a_{h,j} = (1/G) sum_{g in group(h)} softmax_j( z_{g,j} )             [B, H, L]
     s_{h,j} = (a_{h,j} + eps) * ||v_j||          (use_vnorm; else a_{h,j} + eps)
+    s_{h,j} = pool_P(s_h)_j                      (pool P > 1: max over the P nearest retained positions)
     s_{h,j} = max_j' s_{h,j'} + 1                for sinks (pos_j < n_sink), as kvpress pads them
 
 Every slot is rescored at each prompt chunk from the run's statistics, and at every ``rescore_every``-th decode
@@ -45,6 +46,7 @@ import mlx.core as mx
 
 from .attention_scorer import masked_softmax
 from .base import CacheView, Needs, Scorer
+from .pooling import pool_by_position
 from .rescore import at_decode
 from .shipped import shipped
 
@@ -89,6 +91,7 @@ def expected_attention(
     n_sink: int,
     use_vnorm: bool = True,
     epsilon: float = 0.0,
+    pool: int = 1,
 ) -> mx.array:
     """The module's score from future-query statistics: keys [B, H, L, D], values [B, H, L, Dv], positions
     [B, H, L], mu [B, Hq, D], sigma [B, Hq, D, D] or None (no covariance term) -> s [B, H, L] float32."""
@@ -106,6 +109,7 @@ def expected_attention(
     if use_vnorm:
         v = values.astype(mx.float32)
         s = s * mx.sqrt((v * v).sum(axis=-1))
+    s = pool_by_position(mx.where(sink, mx.array(0.0, dtype=mx.float32), s), positions, pool)
     top = mx.where(sink, mx.array(-math.inf, dtype=mx.float32), s).max(axis=-1, keepdims=True)
     return mx.where(sink, mx.maximum(top, 0.0) + 1.0, s)
 
@@ -137,9 +141,13 @@ class ExpectedAttentionScorer(Scorer):
         use_covariance: bool = True,
         use_vnorm: bool = True,
         epsilon: float = 0.0,
+        pool: int = 1,
     ) -> None:
         if n_future < 1:
             raise ValueError(f"n_future must be >= 1 (got {n_future})")
+        if pool < 1 or pool % 2 == 0:
+            raise ValueError(f"pool must be an odd integer >= 1 (got {pool})")
+        self.pool = int(pool)
         self.freqs = mx.array([float(f) for f in rope_freqs or ()], dtype=mx.float32)
         self.traditional = bool(rope_traditional)
         self.n_future, self.n_sink, self.rescore_every = int(n_future), int(n_sink), int(rescore_every)
@@ -155,6 +163,7 @@ class ExpectedAttentionScorer(Scorer):
             rescore_every=getattr(config, "rescore_interval", 0),
             use_covariance=getattr(config, "uses_covariance", True),
             use_vnorm=getattr(config, "uses_vnorm", True),
+            pool=getattr(config, "pool_width", 1),
         )
 
     def on_attention(self, view: CacheView, queries: mx.array, scale: float, mask) -> mx.array:
@@ -164,10 +173,10 @@ class ExpectedAttentionScorer(Scorer):
         args = (view.keys, view.values, view.positions, view.scores, queries, offset, self.freqs)
         opts = (float(scale), self.n_future, self.n_sink, self.traditional, self.use_covariance, self.use_vnorm)
         if queries.shape[2] == 1 and "ea_n" not in run:  # a decode step: one compiled graph, no covariance
-            fresh = lambda: _scored_compiled(*args, None, None, None, *opts, self.epsilon)[0]  # noqa: E731
+            fresh = lambda: _scored_compiled(*args, None, None, None, *opts, self.epsilon, self.pool)[0]  # noqa: E731
             return at_decode(fresh, view.scores, view.positions, view.offset, self.rescore_every)
         prior = (run.get("ea_n"), run.get("ea_sum"), run.get("ea_sxx"))
-        scores, n, total, sxx = scored(*args, *prior, *opts, self.epsilon)
+        scores, n, total, sxx = scored(*args, *prior, *opts, self.epsilon, self.pool)
         run["ea_n"], run["ea_sum"] = n, total
         if sxx is not None:
             run["ea_sxx"] = sxx
@@ -176,7 +185,7 @@ class ExpectedAttentionScorer(Scorer):
 
 def scored(
     keys, values, positions, scores, queries, offset, freqs, prior_n, prior_sum, prior_sxx,
-    scale, n_future, n_sink, traditional, use_covariance, use_vnorm, epsilon,
+    scale, n_future, n_sink, traditional, use_covariance, use_vnorm, epsilon, pool=1,
 ):  # fmt: skip
     """One update of :class:`ExpectedAttentionScorer` (the module's equations): the new scores [B, H, L] and the
     run's sums after it (``n`` [Bq, 1], ``sum`` [B, Hq, D], ``sxx`` [B, Hq, D, D] or None).
@@ -207,7 +216,7 @@ def scored(
         c, s = cbar[:, :, None], sbar[:, :, None]  # [Bq, 1, 1, m]
         half = rotate_pairs(sigma, c, s, traditional)  # Sigma Rbar^T
         sigma_f = rotate_pairs(half.swapaxes(-1, -2), c, s, traditional).swapaxes(-1, -2)  # Rbar Sigma Rbar^T
-    new = expected_attention(keys, values, positions, mu_f, sigma_f, scale, n_sink, use_vnorm, epsilon)
+    new = expected_attention(keys, values, positions, mu_f, sigma_f, scale, n_sink, use_vnorm, epsilon, pool)
     return mx.where((n > 0)[..., None], new, scores), n, total, sxx
 
 

@@ -11,7 +11,8 @@ so the slot whose key points most along the average direction scores lowest and 
 (kvpress's ``F.normalize``/``F.cosine_similarity`` epsilons). The anchor and every score are recomputed over the
 current slots at each prompt chunk and at every ``rescore_every``-th decode step (:mod:`.rescore`; three passes
 over the keys, O(L·D) per head), so they follow the cache as it changes (the KeyDiff paper's block-wise
-iterative compression, one update at a time).
+iterative compression, one update at a time). With ``pool = P > 1`` each rescoring is max-pooled over the ``P``
+nearest retained positions (:func:`~.pooling.pool_by_position`), so a span is kept or lost as a whole.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .base import CacheView, Needs, Scorer
+from .pooling import pool_by_position
 from .rescore import at_decode
 from .shipped import shipped
 
@@ -40,8 +42,12 @@ def keydiff_scores(keys: mx.array, key_norms: mx.array = None) -> mx.array:
     return -dots / (mx.maximum(norms, COSINE_EPS) * mx.maximum(a_norm, COSINE_EPS))
 
 
+def _pooled_keydiff(keys: mx.array, key_norms: mx.array, positions: mx.array, pool: int) -> mx.array:
+    return pool_by_position(keydiff_scores(keys, key_norms), positions, pool)
+
+
 #: a decode step's scores as one compiled graph (prompt chunks, whose L changes each time, run eagerly)
-_keydiff_compiled = mx.compile(keydiff_scores)
+_keydiff_compiled = mx.compile(_pooled_keydiff)
 
 
 @shipped
@@ -56,15 +62,17 @@ class KeyDiffScorer(Scorer):
     # turns a NaN from a non-finite key into 0), float32 and shaped as the view's: no value check needed
     needs = Needs(batch_rows=True)  # reads keys only: row b's scores are row b's alone
 
-    def __init__(self, rescore_every: int = 8) -> None:
-        self.rescore_every = int(rescore_every)
+    def __init__(self, rescore_every: int = 8, pool: int = 1) -> None:
+        if pool < 1 or pool % 2 == 0:
+            raise ValueError(f"pool must be an odd integer >= 1 (got {pool})")
+        self.rescore_every, self.pool = int(rescore_every), int(pool)
 
     @classmethod
     def from_config(cls, config) -> "KeyDiffScorer":
-        return cls(rescore_every=getattr(config, "rescore_interval", 8))
+        return cls(rescore_every=getattr(config, "rescore_interval", 8), pool=getattr(config, "pool_width", 1))
 
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
         if new_keys.shape[2] > 1:
-            return keydiff_scores(view.keys, view.key_norms)
-        fresh = lambda: _keydiff_compiled(view.keys, view.key_norms)  # noqa: E731
+            return pool_by_position(keydiff_scores(view.keys, view.key_norms), view.positions, self.pool)
+        fresh = lambda: _keydiff_compiled(view.keys, view.key_norms, view.positions, self.pool)  # noqa: E731
         return at_decode(fresh, view.scores, view.positions, view.offset, self.rescore_every)

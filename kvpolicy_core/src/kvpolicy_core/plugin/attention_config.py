@@ -17,7 +17,8 @@ the query-agnostic scorers need no question (docs/methods/query-agnostic.md): ``
 dissimilarity to the average key (:mod:`~kvpolicy_core.parts.keydiff`, no attention hook) and
 ``"expected_attention"`` the attention future queries are expected to pay it, from the statistics of the model's
 queries (:mod:`~kvpolicy_core.parts.expected_attention`; its options ``n_future``, ``covariance``, ``vnorm``).
-``signal``, ``obs_window`` and ``pool`` apply to ``score="attention"`` only.
+``signal`` and ``obs_window`` apply to ``score="attention"`` only; ``pool`` to every score (None: 15 observed and
+1 proxy for ``score="attention"``, :data:`POOL_DEFAULTS` for the others).
 
 ``rope_freqs``/``rope_traditional``: the layer's RoPE (the angle per position of each rotated pair, and the pair
 layout), which ``score="expected_attention"`` needs to move query statistics to future positions.
@@ -41,7 +42,9 @@ RESCORE_DEFAULTS = {"keydiff": 8, "expected_attention": 0}
 #: Expected Attention's defaults (kvpress's): future positions averaged, covariance term, value-norm rescaling.
 EXPECTED_ATTENTION_DEFAULTS = {"n_future": 512, "covariance": True, "vnorm": True}
 
-#: (obs_window, pool) used when the field is None, per signal.
+#: ``pool`` when not given, per query-agnostic score.
+POOL_DEFAULTS = {"keydiff": 1, "expected_attention": 1}
+#: (obs_window, pool) used when the field is None, per signal (score="attention").
 WINDOW_DEFAULTS = {"observed": (32, 15), "proxy": (0, 1)}
 
 
@@ -60,7 +63,8 @@ class AttentionPolicyConfig(PolicyConfig):
     pool: Optional[int] = Field(
         None,
         ge=1,
-        description="Max-pool width over neighbouring positions for chunk scores (odd; 1: none; None: 15 observed, 1 proxy).",  # noqa: E501
+        description="Max-pool width over neighbouring positions for chunk scores (odd; 1: none; None: 15 observed, "
+        "1 proxy, 1 keydiff/expected_attention).",
     )
 
     score: Literal["attention", "keydiff", "expected_attention"] = Field(
@@ -110,12 +114,12 @@ class AttentionPolicyConfig(PolicyConfig):
         if self.score != "attention":
             given = [
                 f"{k}={v}"
-                for k, v in (("signal", "proxy"), ("obs_window", self.obs_window), ("pool", self.pool))
+                for k, v in (("signal", "proxy"), ("obs_window", self.obs_window))
                 if (k == "signal" and self.signal == "proxy") or (k != "signal" and v is not None)
             ]
             if given:
                 raise ValueError(
-                    f"{', '.join(given)}: signal, obs_window and pool apply to score='attention' "
+                    f"{', '.join(given)}: signal and obs_window apply to score='attention' "
                     f"(score={self.score!r} reads no attention weights)"
                 )
         if self.score == "attention" and self.rescore_every is not None:
@@ -156,7 +160,9 @@ class AttentionPolicyConfig(PolicyConfig):
 
     @property
     def pool_width(self) -> int:
-        return WINDOW_DEFAULTS[self.signal][1] if self.pool is None else self.pool
+        if self.pool is not None:
+            return self.pool
+        return WINDOW_DEFAULTS[self.signal][1] if self.score == "attention" else POOL_DEFAULTS[self.score]
 
     @property
     def scorer_name(self) -> str:

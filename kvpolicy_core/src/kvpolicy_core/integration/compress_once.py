@@ -152,6 +152,7 @@ def compress_context(
     prefill_step: int = 2048,
     repeat: RepeatPrompt = RepeatPrompt(),
     chunk: int = 2048,
+    normalise: str = "context",
 ) -> Compressed:
     """Prefill ``context_ids`` (L tokens), score them by reconstruction, and build ``spec``'s policy caches
     holding ``budget`` tokens per head with ``offset = L`` (module docstring). ``repeat``: the reconstruction
@@ -183,7 +184,8 @@ def compress_context(
     full = prefill_full(model, ids, prefill_step)
     contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
     chunks = repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, chunk, repeat.tail)
-    scores = [np.array(s) for s in reconstruction_scores(model, contexts, chunks)]
+    spans = [(a, min(a + chunk, L)) for a in range(0, L, chunk)] if normalise == "chunk" else None
+    scores = [np.array(s) for s in reconstruction_scores(model, contexts, chunks, spans, n_sink)]
     out = Compressed(caches)
     P = cut_pool(config)
     for cache, (k, v), s in zip(caches, contexts, scores):

@@ -9,6 +9,13 @@ context plus ``r_c`` so far (nothing of an earlier chunk: the reconstruction tok
     w^{(l,c)}[h, g, t, j] = softmax_j(scale * q_{h,g,t} . k_{h,j} + mask[t, j])     [H, G, R_c, L + R_c]
     score^{(l)}[h, j]     = max_c max_g max_t w^{(l,c)}[h, g, t, j],   j < L          [H, L]
 
+With the chunk's context span ``[a_c, b_c)`` given (kvpress's normalisation, ``spans``), each chunk scores only
+its own span, and its weights are renormalised over the sinks, that span and the repeat tokens::
+
+    K_c                      = [0, min(n_sink, a_c)) ∪ [a_c, b_c) ∪ [L, L + R_c)
+    wbar^{(l,c)}[h, g, t, j] = w[h, g, t, j] / sum_{j' in K_c} w[h, g, t, j']
+    score^{(l)}[h, j]        = max_g max_t wbar^{(l,c)}[h, g, t, j]              for a_c <= j < b_c
+
 (``H`` KV heads, ``G`` query heads per KV head). The mask is the layer's own: causal for global layers, causal
 within the sliding window for window layers (the model asks the cache for it, as during the prefill). The
 softmax runs over every key the query really attends (the full context and the repeat tokens so far), which is
@@ -38,10 +45,12 @@ class ReconstructionCache:
     kvpolicy_attention = "single"  #: the attention hook calls :meth:`attend` for this cache
     rows = 256  #: query rows whose attention weights are computed at once
 
-    def __init__(self, keys: mx.array, values: mx.array) -> None:
+    def __init__(self, keys: mx.array, values: mx.array, n_sink: int = 0) -> None:
         self.context_keys, self.context_values = keys, values  # [B, H, L, D], [B, H, L, Dv]
         self.offset = keys.shape[2]  # L: the reconstruction tokens' positions start after the context
         self.score = mx.zeros(keys.shape[:3], dtype=mx.float32)
+        self.n_sink = n_sink
+        self.span = None  #: (a, b): the context span of the chunk being fed (kvpress's normalisation), or None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys [B, H, S, D] of the chunk -> the context's and the chunk's keys and values [B, H, L + S, D]."""
@@ -64,8 +73,15 @@ class ReconstructionCache:
         for r0 in range(0, S, self.rows):
             r1 = min(S, r0 + self.rows)
             out, weights = attention_with_weights(queries[:, :, r0:r1], keys, values, scale, _rows(mask, r0, r1, S, T))
-            seen = weights[..., : self.offset].astype(mx.float32).max(axis=(2, 3))  # [B, H, L]
-            self.score = mx.maximum(self.score, seen)
+            weights = weights.astype(mx.float32)
+            if self.span is None:
+                self.score = mx.maximum(self.score, weights[..., : self.offset].max(axis=(2, 3)))  # [B, H, L]
+            else:
+                a, b = self.span
+                sink = min(self.n_sink, a)
+                total = weights[..., :sink].sum(-1) + weights[..., a:b].sum(-1) + weights[..., self.offset :].sum(-1)
+                seen = (weights[..., a:b] / total[..., None]).max(axis=(2, 3))  # [B, H, b - a]
+                self.score[..., a:b] = mx.maximum(self.score[..., a:b], seen)
             mx.eval(self.score, out)
             outs.append(out)
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
@@ -97,13 +113,18 @@ def repeat_chunks(
     return out
 
 
-def reconstruction_scores(model, contexts: Sequence[tuple], chunks: Sequence[Sequence[int]]) -> List[mx.array]:
+def reconstruction_scores(
+    model, contexts: Sequence[tuple], chunks: Sequence[Sequence[int]], spans=None, n_sink: int = 0
+) -> List[mx.array]:
     """``score^{(l)}`` [B, H, L] float32 per layer (module docstring) for the context K/V ``contexts``
-    (one ``(keys, values)`` per layer, [B, H, L, D]) and the reconstruction inputs ``chunks``."""
-    caches = [ReconstructionCache(k, v) for k, v in contexts]
+    (one ``(keys, values)`` per layer, [B, H, L, D]) and the reconstruction inputs ``chunks``; ``spans`` (one
+    ``(a, b)`` per chunk) selects kvpress's per-chunk normalisation with ``n_sink`` sinks."""
+    caches = [ReconstructionCache(k, v, n_sink) for k, v in contexts]
     hook = attention.install(model)
     try:
-        for ids in chunks:
+        for i, ids in enumerate(chunks):
+            for c in caches:
+                c.span = None if spans is None else spans[i]
             model(mx.array(list(ids), dtype=mx.uint32)[None], cache=caches)
             mx.eval([c.score for c in caches])
     finally:

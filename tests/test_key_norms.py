@@ -57,3 +57,19 @@ def test_cosine_from_kept_norms_equals_the_cosine_of_unit_keys():
     want = np.einsum("bhed,bhld->bhel", np.take_along_axis(unit, np.array(rows)[..., None], axis=2), unit)
     for v in (view, with_norms):
         np.testing.assert_allclose(np.array(cosine_to_all(v, rows)), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("E", [1, 3])
+def test_cosine_dot_products_are_those_of_the_rows_times_the_transposed_keys_bit_for_bit(E):
+    """CaM's merge targets (argmax of the cosine, its min_sim threshold) depend on every bit of the dot products:
+    however the product is laid out for speed, it is ``rows @ keys^T`` exactly, at the decode shape of a
+    Llama-3.2-1B layer (8 KV heads of dim 64)."""
+    L = 1537
+    K = mx.random.normal((1, 8, L, 64), key=mx.random.key(5))
+    pos = mx.broadcast_to(mx.arange(L, dtype=mx.int32), (1, 8, L))
+    norms = mx.sqrt((K * K).sum(-1))
+    rows = mx.random.randint(0, L, (1, 8, E), key=mx.random.key(6)).astype(mx.int32)
+    view = CacheView(K, K, pos, mx.zeros((1, 8, L)), L, 0, None)._replace(key_norms=norms)
+    picked = mx.take_along_axis(K, rows[..., None], axis=2)
+    want = (picked @ K.swapaxes(-1, -2)) / (mx.take_along_axis(norms, rows, axis=2)[..., None] * norms[:, :, None, :])
+    assert mx.array_equal(cosine_to_all(view, rows), want).item()

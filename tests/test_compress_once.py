@@ -35,9 +35,11 @@ def compressed(model):
     return compress_context(model, IDS, "h2o:budget=20,n_sink=3", prefill_step=128, repeat=REPEAT, chunk=CHUNK)
 
 
-def _reference_scores(model, monkeypatch) -> list:
+def _reference_scores(model, monkeypatch, n_sink=None) -> list:
     """NumPy: each reconstruction chunk fed after the context in one causal pass; softmax of the recorded queries
-    and keys; the max over query heads of a group and the chunk's rows of the weights on each context key."""
+    and keys; the max over query heads of a group and the chunk's rows of the weights on each context key. With
+    ``n_sink``, kvpress's normalisation: chunk c scores only its span, its weights renormalised over the sinks,
+    the span and the repeat tokens."""
     seen = []
     original = llama_module.scaled_dot_product_attention
 
@@ -47,7 +49,8 @@ def _reference_scores(model, monkeypatch) -> list:
 
     monkeypatch.setattr(llama_module, "scaled_dot_product_attention", record)
     best = None
-    for chunk in repeat_chunks(IDS, REPEAT.first, REPEAT.later, REPEAT.suffix, CHUNK, REPEAT.tail):
+    for c, chunk in enumerate(repeat_chunks(IDS, REPEAT.first, REPEAT.later, REPEAT.suffix, CHUNK, REPEAT.tail)):
+        a, b = c * CHUNK, min(L, (c + 1) * CHUNK)
         seen.clear()
         caches = [KVCache() for _ in model.layers]
         mx.eval(model(mx.array(IDS + chunk, dtype=mx.uint32)[None], cache=caches))
@@ -59,8 +62,13 @@ def _reference_scores(model, monkeypatch) -> list:
             logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
             w = np.exp(logits - logits.max(-1, keepdims=True))
             w /= w.sum(-1, keepdims=True)
-            w = w[:, :, L:, :L].reshape(1, H, Hq // H, T - L, L)
-            per_layer.append(w.max(axis=(2, 3)))
+            w = w[:, :, L:]
+            if n_sink is not None:
+                keep = np.zeros(T, bool)
+                keep[: min(n_sink, a)] = keep[a:b] = keep[L:] = True
+                w = np.where(keep, w / (w * keep).sum(-1, keepdims=True), 0.0)
+                w[..., :L][..., ~((np.arange(L) >= a) & (np.arange(L) < b))] = 0.0
+            per_layer.append(w[..., :L].reshape(1, H, Hq // H, T - L, L).max(axis=(2, 3)))
         best = per_layer if best is None else [np.maximum(a, b) for a, b in zip(best, per_layer)]
     return best
 
@@ -77,6 +85,19 @@ def test_reconstruction_score_matches_a_numpy_reference(model, compressed, monke
         assert got.shape == ref.shape == (1, 2, L)
         np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
         assert ref.max() > 0.05  # the reconstruction attends the context (not an all-zero match)
+
+
+def test_per_chunk_normalisation_matches_kvpress_rule_in_a_numpy_reference(model, monkeypatch):
+    want = _reference_scores(model, monkeypatch, n_sink=3)
+    monkeypatch.undo()
+    monkeypatch.setattr(ReconstructionCache, "rows", 7)
+    got = compress_context(
+        model, IDS, "h2o:budget=20,n_sink=3", prefill_step=128, repeat=REPEAT, chunk=CHUNK, normalise="chunk"
+    )
+    for g, ref in zip(got.scores, want):
+        np.testing.assert_allclose(g, ref, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ConfigError, match="normalise must be one of 'context', 'chunk'"):
+        compress_context(model, IDS, "h2o:budget=20", normalise="span")
 
 
 def test_each_head_keeps_exactly_budget_tokens_the_sinks_and_the_top_scores(compressed):

@@ -42,6 +42,9 @@ from .builder import KVCacheBuilder
 from .reconstruction import reconstruction_scores, repeat_chunks
 
 SCORERS = ("kvzip",)
+#: how the reconstruction weights are normalised (:mod:`.reconstruction`): over every key ("context") or over
+#: the sinks, the chunk's own span and the repeat tokens ("chunk", kvpress's)
+NORMALISATIONS = ("context", "chunk")
 #: KVzip's repeat prompts (kvpress's wording)
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -162,6 +165,10 @@ def compress_context(
     length, a bad ``prefill_step``/``chunk``, or a model whose caches would not all be policy caches."""
     if scorer not in SCORERS:
         raise ConfigError(f"compress-once scorer must be one of {', '.join(SCORERS)} (got {scorer!r})")
+    if normalise not in NORMALISATIONS:
+        raise ConfigError(
+            f"compress-once normalise must be one of {', '.join(map(repr, NORMALISATIONS))} (got {normalise!r})"
+        )
     for name, v in (("prefill_step", prefill_step), ("chunk", chunk)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"compress-once {name} must be an int >= 1 (got {v!r})")

@@ -23,6 +23,7 @@ L = 60
 IDS = [int(t) for t in np.random.RandomState(3).randint(1, 90, size=L)]
 REPEAT = RepeatPrompt(first=(7, 8, 9), later=(10, 11), suffix=(12,), tail=3)
 CHUNK = 25  # three reconstruction chunks
+EXACT = "h2o:budget=20,n_sink=3,pool=1"  # the reconstruction score itself decides the cut (no pooling)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def compressed(model):
-    return compress_context(model, IDS, "h2o:budget=20,n_sink=3", prefill_step=128, repeat=REPEAT, chunk=CHUNK)
+    return compress_context(model, IDS, EXACT, scorer="kvzip-layerwise", prefill_step=128, repeat=REPEAT, chunk=CHUNK)
 
 
 def _reference_scores(model, monkeypatch, n_sink=None) -> list:
@@ -77,7 +78,7 @@ def test_reconstruction_score_matches_a_numpy_reference(model, compressed, monke
     want = _reference_scores(model, monkeypatch)
     monkeypatch.undo()
     monkeypatch.setattr(ReconstructionCache, "rows", 7)  # query rows in blocks (a chunk has 25-30 rows)
-    blocked = compress_context(model, IDS, "h2o:budget=20,n_sink=3", prefill_step=128, repeat=REPEAT, chunk=CHUNK)
+    blocked = compress_context(model, IDS, EXACT, prefill_step=128, repeat=REPEAT, chunk=CHUNK)
     for got, ref in zip(blocked.scores, want):
         np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
     assert len(compressed.scores) == len(want) == 2
@@ -91,9 +92,7 @@ def test_per_chunk_normalisation_matches_kvpress_rule_in_a_numpy_reference(model
     want = _reference_scores(model, monkeypatch, n_sink=3)
     monkeypatch.undo()
     monkeypatch.setattr(ReconstructionCache, "rows", 7)
-    got = compress_context(
-        model, IDS, "h2o:budget=20,n_sink=3", prefill_step=128, repeat=REPEAT, chunk=CHUNK, normalise="chunk"
-    )
+    got = compress_context(model, IDS, EXACT, prefill_step=128, repeat=REPEAT, chunk=CHUNK, normalise="chunk")
     for g, ref in zip(got.scores, want):
         np.testing.assert_allclose(g, ref, atol=2e-5, rtol=1e-4)
     with pytest.raises(ConfigError, match="normalise must be one of 'context', 'chunk'"):
@@ -115,7 +114,10 @@ def test_each_head_keeps_exactly_budget_tokens_the_sinks_and_the_top_scores(comp
 
 
 def test_a_pooled_cut_keeps_the_top_of_the_max_pooled_scores(model, compressed):
-    pooled = compress_context(model, IDS, "h2o:budget=20,n_sink=3,pool=5", prefill_step=128, repeat=REPEAT, chunk=CHUNK)
+    pooled = compress_context(
+        model, IDS, "h2o:budget=20,n_sink=3,pool=5", scorer="kvzip-layerwise", prefill_step=128, repeat=REPEAT,
+        chunk=CHUNK,
+    )  # fmt: skip
     for raw, cache, s in zip(compressed.scores, pooled.caches, pooled.scores):
         want_s = np.stack(
             [[[raw[b, h, max(0, j - 2) : j + 3].max() for j in range(L)] for h in range(2)] for b in range(1)]
@@ -165,9 +167,38 @@ def test_next_decode_step_equals_a_cache_built_by_hand_from_the_kept_set(model, 
     assert not np.allclose(np.array(model(tok, cache=hand(20))), np.array(want), atol=1e-4)
 
 
-def test_window_layers_keep_their_live_window():
+def test_kvzip_shares_the_models_budget_out_over_the_layers_by_one_ranking(model):
+    out = compress_context(model, IDS, EXACT, prefill_step=128, repeat=REPEAT, chunk=CHUNK)
+    budgets = [c.budget for c in out.caches]
+    assert abs(sum(budgets) - 20 * len(budgets)) <= len(budgets) and len(set(budgets)) > 1
+    ranked = [np.where(np.arange(L) < 3, np.inf, s[0]) for s in out.scores]  # sinks first
+    entries = sorted(((-x, l) for l, r in enumerate(ranked) for x in r.reshape(-1)), key=lambda e: e[0])
+    share = np.bincount([l for _, l in entries[: 2 * 20 * len(budgets)]], minlength=len(budgets))
+    for cache, s, kept, n in zip(out.caches, out.scores, out.kept, share):
+        assert cache.n == cache.budget == kept.shape[-1] and cache.offset == L
+        assert cache.budget == round(n / 2)  # its share of the model's (layers x heads x budget) best keys, per head
+        for h in range(2):  # and within the layer, its own best keys
+            rest = np.argsort(-s[0, h, 3:], kind="stable")[: cache.budget - 3] + 3
+            assert kept[0, h].tolist() == np.sort(np.concatenate([[0, 1, 2], rest])).tolist()
+
+
+def test_window_layers_never_keep_more_than_their_live_window():
     gemma = tiny_model("gemma3_text")  # window 8 on layers 0 and 2
     out = compress_context(gemma, IDS, "cam:budget=20,n_sink=2", prefill_step=128, chunk=CHUNK)
+    for cache, kept in zip(out.caches, out.kept):
+        if cache.window is not None:  # the sinks and the live window at most: the rest goes to global layers
+            assert cache.n <= 2 + cache.window - 1 and set(kept[0, 0].tolist()) <= {0, 1, *range(L - 7, L)}
+        else:
+            assert cache.n > 20
+    logits = gemma(mx.array([[5]], dtype=mx.uint32), cache=out.caches)
+    assert np.isfinite(np.array(logits)).all()
+
+
+def test_window_layers_keep_their_live_window():
+    gemma = tiny_model("gemma3_text")  # window 8 on layers 0 and 2
+    out = compress_context(
+        gemma, IDS, "cam:budget=20,n_sink=2", scorer="kvzip-layerwise", prefill_step=128, chunk=CHUNK
+    )
     for cache, kept in zip(out.caches, out.kept):
         assert cache.offset == L and cache.n == 20
         if cache.window is not None:  # the positions the next query can see are all kept
@@ -219,9 +250,10 @@ def test_prompt_file_continues_bit_for_bit_in_a_new_process(tiny_model_dir, tmp_
         model, tok, doc, "h2o:budget=40,n_sink=2", path, model_path=str(tiny_model_dir), compress_once="kvzip"
     )
     ids = document_ids(tok, doc)
-    assert summary["compress_once"] == "kvzip" and summary["tokens_kept"] == 40
-    assert file_metadata(path)[1]["compress_once"] == "kvzip"
     here = compress_context(model, ids, "h2o:budget=40,n_sink=2", repeat=repeat_prompt(tok)).caches
+    assert summary["compress_once"] == "kvzip" and summary["tokens_kept"] == max(c.n for c in here)
+    assert len({c.budget for c in here}) > 1  # per-layer budgets, each restored with its layer
+    assert file_metadata(path)[1]["compress_once"] == "kvzip"
     question = [int(t) for t in tok.encode("what is the number?")]
     want = np.array(model(mx.array(question, dtype=mx.uint32)[None], cache=here)[0, -1])
     out = tmp_path / "logits.npy"
@@ -242,11 +274,14 @@ def test_cache_prompt_cli_compresses_once(tiny_model_dir, tmp_path, capsys):
     doc.write_text("the secret number is 4821. " * 6)
     path = tmp_path / "c.safetensors"
     args = ["cache-prompt", "--model", str(tiny_model_dir), "--file", str(doc), "--prompt-cache-file", str(path)]
-    assert main(args + ["--method", "cam:budget=32,n_sink=2", "--compress-once", "kvzip", "--json"]) == 0
+    assert main(args + ["--method", "cam:budget=32,n_sink=2", "--compress-once", "kvzip-layerwise", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["compress_once"] == "kvzip" and summary["tokens_kept"] == 32 and summary["tokens_seen"] > 100
+    assert summary["compress_once"] == "kvzip-layerwise" and summary["tokens_kept"] == 32
+    assert summary["tokens_seen"] > 100
     assert main(args + ["--method", "kvzip+h2o:budget=30,n_sink=2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens_kept"] == 30
+    s = json.loads(capsys.readouterr().out)
+    per_layer = s["kv_bytes_kept"] / (s["kv_bytes_full"] / s["tokens_seen"])  # tokens kept per layer, on average
+    assert s["compress_once"] == "kvzip" and abs(per_layer - 30) <= 1
 
 
 def test_ruler_runner_asks_every_question_of_one_compressed_cache(tiny_model_dir):

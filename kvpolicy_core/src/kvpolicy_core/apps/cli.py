@@ -344,9 +344,10 @@ def _add_cache_prompt_parser(sub, model_args) -> None:
     )
     c.add_argument(
         "--compress-once",
-        choices=["kvzip"],
-        help="score the whole document by reconstruction (KVzip) and cut it to the budget at once, instead of "
-        "streaming it through the method (docs/methods/compress-once.md)",
+        choices=["kvzip", "kvzip-layerwise"],
+        help="score the whole document by reconstruction (KVzip) and cut it at once, instead of streaming it "
+        "through the method: kvzip shares layers x budget tokens out over the layers by one ranking, "
+        "kvzip-layerwise keeps budget in every layer (docs/methods/compress-once.md)",
     )
     c.add_argument("--json", action="store_true", help="print the summary as JSON")
     model_args(c)

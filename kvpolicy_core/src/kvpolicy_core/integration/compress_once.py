@@ -5,19 +5,21 @@ tokens) is first prefilled into full caches (mlx-lm's ``KVCache``, chunked as ``
 prompt), every context token is scored per (layer, KV head) by :mod:`.reconstruction` (KVzip, arXiv 2505.23416),
 and each layer's policy cache is loaded with the kept tokens::
 
-    keep^{(l)}[h] = the budget positions j < L of largest key^{(l)}[h, j] (ties: earlier first), where
     key^{(l)}[h, j] = +inf for j < n_sink (sinks), -inf for j outside a window layer's next window, else
                       pool_P(score^{(l)}[h])_j
+    keep^{(l)}[h]   = the b_l positions j < L of largest key^{(l)}[h, j] (ties: earlier first)
 
 ``pool_P`` is the max over the ``P`` nearest positions (:func:`~kvpolicy_core.parts.pooling.pool_by_position`;
-``P`` the method's ``pool`` field when it is given, else 1: KVzip's own per-token cut), so a span is kept or
-lost as a whole.
+``P`` the method's pool width, 15 for ``h2o`` and ``cam``), so a span is kept or lost as a whole. The layer
+budgets ``b_l``: ``kvzip`` ranks every layer's keys together (KVzip's rule, :func:`model_budgets`): the model
+keeps about ``n_layers · budget`` tokens per head in all, and a layer whose tokens rank high keeps more (a
+sliding-window layer never more than its live window); ``kvzip-layerwise`` keeps ``b_l = budget`` in every layer.
 
-Each head holds exactly ``budget`` tokens (keys, values, absolute positions ``keep`` in temporal order,
-scores ``score[keep]`` float32) and ``offset = L``, so the next token continues at position ``L`` exactly as
-after a full prefill (mlx-lm rotates queries by ``cache.offset``). From then on the cache runs its method as
-usual: the scorer adds to the kept tokens' scores and the disposition handles later evictions. The one-shot
-cut drops the losers (KVzip's rule) for every method; CaM merges from its next eviction on. The spec's
+Each head of layer l holds exactly ``b_l`` tokens (its cache's budget; keys, values, absolute positions ``keep`` in
+temporal order, scores ``score[keep]`` float32) and ``offset = L``, so the next token continues at position ``L``
+exactly as after a full prefill (mlx-lm rotates queries by ``cache.offset``). From then on the cache runs its
+method as usual: the scorer adds to the kept tokens' scores and the disposition handles later evictions. The one-
+shot cut drops the losers (KVzip's rule) for every method; CaM merges from its next eviction on. The spec's
 ``recent`` window is not protected at the cut (it protects the newest tokens of later evictions).
 
 Cost: one full prefill plus the reconstruction (about the same again). Memory: the full context's K/V are held
@@ -41,7 +43,9 @@ from ..parts.pooling import pool_by_position
 from .builder import KVCacheBuilder
 from .reconstruction import reconstruction_scores, repeat_chunks
 
-SCORERS = ("kvzip",)
+#: the compress-once scorers: ``kvzip`` shares the kept tokens out over the layers by one ranking (KVzip's rule),
+#: ``kvzip-layerwise`` keeps ``budget`` per layer (kvpress's ``layerwise=True``)
+SCORERS = ("kvzip", "kvzip-layerwise")
 #: how the reconstruction weights are normalised (:mod:`.reconstruction`): over every key ("context") or over
 #: the sinks, the chunk's own span and the repeat tokens ("chunk", kvpress's)
 NORMALISATIONS = ("context", "chunk")
@@ -114,8 +118,8 @@ def selection_keys(score: np.ndarray, n_sink: int, window) -> np.ndarray:
 
 
 def cut_pool(config) -> int:
-    """The pool width of the cut: the method's ``pool`` field when given, else 1 (module docstring)."""
-    return getattr(config.policy, "pool", None) or 1
+    """The pool width of the cut: the method's pool width (``pool``; 15 for h2o's and cam's default scorer)."""
+    return getattr(config.policy, "pool_width", None) or getattr(config.policy, "pool", None) or 1
 
 
 def pooled_scores(score: np.ndarray, P: int) -> np.ndarray:
@@ -124,6 +128,34 @@ def pooled_scores(score: np.ndarray, P: int) -> np.ndarray:
         return score
     positions = mx.broadcast_to(mx.arange(score.shape[-1], dtype=mx.int32), score.shape)
     return np.array(pool_by_position(mx.array(score), positions, P))
+
+
+def min_budget(config) -> int:
+    """The smallest budget ``config``'s method accepts: its sinks, its recent window when given, one more."""
+    return config.policy.n_sink + (config.policy.recent or 0) + 1
+
+
+def model_budgets(keys: Sequence[np.ndarray], budget: int, floor: int, L: int) -> List[int]:
+    """Per-layer budgets from one ranking over every layer's keys ``[B, H, L]`` (KVzip's allocation)::
+
+        T    = the n_layers · B · H · budget largest keys over all layers, heads and positions (ties: earlier
+               layer, head, position first)
+        b_l  = clip( round(#(T in layer l) / (B · H_l)), floor, L )
+
+    so a layer whose tokens rank high (a global layer; a window layer's dead positions rank -inf) keeps more,
+    and the model keeps about ``n_layers · budget`` tokens per head in total."""
+    flat = np.concatenate([k.reshape(-1) for k in keys])
+    total = min(flat.size, sum(budget * k.shape[0] * k.shape[1] for k in keys))
+    top = np.argsort(-flat, kind="stable")[:total]
+    starts = np.cumsum([0] + [k.size for k in keys])
+    counts = np.bincount(np.searchsorted(starts, top, side="right") - 1, minlength=len(keys))
+    return [int(np.clip(round(int(n) / (k.shape[0] * k.shape[1])), floor, L)) for n, k in zip(counts, keys)]
+
+
+def with_budget(model, config, budget: int) -> List[Any]:
+    """``config``'s caches for ``model`` with another budget (each layer's own config as the builder fills it)."""
+    policy = config.policy.model_copy(update={"budget": budget})
+    return KVCacheBuilder.for_model(model, config.model_copy(update={"policy": policy}))
 
 
 def kept_positions(key: np.ndarray, budget: int) -> np.ndarray:
@@ -193,11 +225,20 @@ def compress_context(
     chunks = repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, chunk, repeat.tail)
     spans = [(a, min(a + chunk, L)) for a in range(0, L, chunk)] if normalise == "chunk" else None
     scores = [np.array(s) for s in reconstruction_scores(model, contexts, chunks, spans, n_sink)]
-    out = Compressed(caches)
     P = cut_pool(config)
-    for cache, (k, v), s in zip(caches, contexts, scores):
-        s = pooled_scores(s, P)
-        kept = kept_positions(selection_keys(s, n_sink, cache.window), budget)
+    scores = [pooled_scores(s, P) for s in scores]
+    keys = [selection_keys(s, n_sink, c.window) for s, c in zip(scores, caches)]
+    if scorer == "kvzip-layerwise":
+        budgets = [budget] * len(caches)
+    else:
+        budgets = model_budgets(keys, budget, min_budget(config), L)
+    built = {budget: caches}
+    for b in set(budgets) - {budget}:
+        built[b] = with_budget(model, config, b)
+    caches = [built[b][i] for i, b in enumerate(budgets)]
+    out = Compressed(caches)
+    for cache, (k, v), s, key, b in zip(caches, contexts, scores, keys, budgets):
+        kept = kept_positions(key, b)
         load_kept(cache, k, v, kept, s, L)
         out.scores.append(s)
         out.kept.append(kept)

@@ -35,6 +35,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
         ("validation_cost.py", "validation_cost_smoke.json"),
         ("real_shapes.py", "real_shapes_smoke.json"),
         ("decode_layer.py", "decode_layer_tiny_64_smoke.json"),
+        ("compress_once_cuts.py", "compress_once_cuts_smoke.json"),
     ],
 )
 def test_benchmark_smoke(tmp_path, script, result):

@@ -1,0 +1,153 @@
+"""Compress-once cuts side by side: the same reconstruction scores cut every way, each cut asked the question.
+
+Per context (the long-context suite's ``niah_single`` at chosen needle depths), one full prefill and one
+reconstruction pass computing both normalisations (the whole-context softmax and kvpress's per-chunk one);
+then every (normalisation, pool width, allocation) cut of those scores is loaded into ``cam`` caches and asked
+the context's question (greedy, query-agnostic). ``allocation``: ``layer`` keeps the budget in every layer
+(``kvzip-layerwise``), ``model`` shares ``n_layers x budget`` out by one ranking (``kvzip``). Writes
+``compress_once_cuts[_TAG].json`` with one row per (context, cut) and prints the hits per cut.
+
+    python benchmarks/compress_once_cuts.py --model gemma3 --haystacks pydoc,noise --depths 0.3,0.5,0.7
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+
+from _common import parser, result_name, write_json  # BLAS loads here, before mlx
+
+# isort: split
+import mlx.core as mx
+import numpy as np
+from long_context import load
+
+from kvpolicy_core.eval.tasks import ruler
+from kvpolicy_core.eval.tasks.ruler_runner import copy_caches, greedy
+from kvpolicy_core.integration import compress_once as co
+from kvpolicy_core.integration import reconstruction as rc
+
+
+class _BothCache(rc.ReconstructionCache):
+    """A reconstruction cache keeping both normalisations' scores from one pass (``score``: per chunk span,
+    ``whole``: over every key), so the two are compared on the very same attention weights."""
+
+    def __init__(self, keys, values, n_sink=0):
+        super().__init__(keys, values, n_sink)
+        self.whole = mx.zeros(keys.shape[:3], dtype=mx.float32)
+
+    def attend(self, queries, keys, values, scale, mask, fused):
+        S, T = queries.shape[2], keys.shape[2]
+        outs = []
+        for r0 in range(0, S, self.rows):
+            r1 = min(S, r0 + self.rows)
+            out, w = rc.attention_with_weights(queries[:, :, r0:r1], keys, values, scale, rc._rows(mask, r0, r1, S, T))
+            w = w.astype(mx.float32)
+            self.whole = mx.maximum(self.whole, w[..., : self.offset].max(axis=(2, 3)))
+            a, b = self.span
+            sink = min(self.n_sink, a)
+            total = w[..., :sink].sum(-1) + w[..., a:b].sum(-1) + w[..., self.offset :].sum(-1)
+            self.score[..., a:b] = mx.maximum(self.score[..., a:b], (w[..., a:b] / total[..., None]).max(axis=(2, 3)))
+            mx.eval(self.score, self.whole, out)
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+def both_scores(model, contexts, chunks, spans, n_sink):
+    """{"context": [B, H, L] per layer, "chunk": [B, H, L] per layer} from one reconstruction pass."""
+    made = []
+
+    def make(k, v, s=0):
+        made.append(_BothCache(k, v, s))
+        return made[-1]
+
+    original, rc.ReconstructionCache = rc.ReconstructionCache, make
+    try:
+        rc.reconstruction_scores(model, contexts, chunks, spans, n_sink)
+    finally:
+        rc.ReconstructionCache = original
+    return {"context": [np.array(c.whole) for c in made], "chunk": [np.array(c.score) for c in made]}
+
+
+def cut(model, contexts, scores, spec, budget, P, allocation, L):
+    """``spec``'s caches holding one cut of ``scores`` (the compress-once rule, module docstring)."""
+    config = co.parse_config(spec)
+    caches = co.KVCacheBuilder.for_model(model, config)
+    pooled = [co.pooled_scores(s, P) for s in scores]
+    keys = [co.selection_keys(s, config.policy.n_sink, c.window) for s, c in zip(pooled, caches)]
+    if allocation == "model":
+        budgets = co.model_budgets(keys, budget, co.min_budget(config), L)
+    else:
+        budgets = [budget] * len(caches)
+    built = {budget: caches}
+    out = []
+    for i, b in enumerate(budgets):
+        if b not in built:
+            built[b] = co.with_budget(model, config, b)
+        c = built[b][i]
+        co.load_kept(c, *contexts[i], co.kept_positions(keys[i], b), pooled[i], L)
+        out.append(c)
+    mx.eval([c.state for c in out])
+    return out, budgets
+
+
+def main():
+    p = parser(__doc__, smoke_help="a tiny random-weight model, seconds (checks the program runs)")
+    p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--haystacks", default="pydoc,noise")
+    p.add_argument("--depths", default="0.3,0.5,0.7")
+    p.add_argument("--ratio", type=float, default=4.0)
+    p.add_argument("--pools", default="1,7,15")
+    p.add_argument("--method", default="cam")
+    args = p.parse_args()
+    if args.smoke:
+        args.length, args.haystacks, args.depths, args.pools = 640, "noise", "0.5", "1,7"
+    start = time.perf_counter()
+    model, tok, path = load(args.model, args.smoke)
+    name = path.rstrip("/").split("/")[-1]
+    repeat = co.repeat_prompt(tok)
+    budget = int(args.length / args.ratio)
+    pools = [int(x) for x in args.pools.split(",")]
+    rows = []
+    for hay in args.haystacks.split(","):
+        for i, depth in enumerate(float(d) for d in args.depths.split(",")):
+            params = dataclasses.replace(ruler.preset_params("calibrated", "niah_single", name), depth=depth)
+            ctx = ruler.build_context(tok, "niah_single", args.length, hay, i, model=name, chat="none", params=params)
+            ids, L = ctx.context_ids, len(ctx.context_ids)
+            full = co.prefill_full(model, ids, 2048)
+            contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
+            chunks = rc.repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, 2048, repeat.tail)
+            spans = [(a, min(a + 2048, L)) for a in range(0, L, 2048)]
+            scores = both_scores(model, contexts, chunks, spans, co.parse_config(args.method).policy.n_sink)
+            q = ctx.questions[0]
+            for norm, s in scores.items():
+                for P in pools:
+                    for allocation in ("layer", "model"):
+                        caches, budgets = cut(model, contexts, s, args.method, budget, P, allocation, L)
+                        got = greedy(
+                            model, tok, copy_caches(caches), q.question_ids, q.max_new_tokens, ctx.stop_ids, 2048,
+                            q.answers, ctx.metric,
+                        )  # fmt: skip
+                        rows.append(
+                            {
+                                "context": ctx.id, "haystack": hay, "depth": depth, "normalise": norm, "pool": P,
+                                "allocation": allocation, "budgets": budgets, "output": got["output"],
+                                "score": ruler.score(got["output"], q.answers, ctx.metric),
+                            }
+                        )  # fmt: skip
+            del full, contexts
+    hits = defaultdict(list)
+    for r in rows:
+        hits[(r["normalise"], r["pool"], r["allocation"])].append(r["score"])
+    print("normalise  pool  allocation  hits")
+    for (norm, P, allocation), s in sorted(hits.items()):
+        print(f"{norm:9s}  {P:4d}  {allocation:10s}  {int(sum(s))} / {len(s)}")
+    payload = {"model": path, "length": args.length, "ratio": args.ratio, "method": args.method, "rows": rows}
+    payload["seconds"] = round(time.perf_counter() - start, 1)
+    print("wrote", write_json(result_name("compress_once_cuts", args), payload, args.out))
+
+
+if __name__ == "__main__":
+    main()

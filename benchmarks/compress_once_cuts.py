@@ -29,45 +29,11 @@ from kvpolicy_core.integration import compress_once as co
 from kvpolicy_core.integration import reconstruction as rc
 
 
-class _BothCache(rc.ReconstructionCache):
-    """A reconstruction cache keeping both normalisations' scores from one pass (``score``: per chunk span,
-    ``whole``: over every key), so the two are compared on the very same attention weights."""
-
-    def __init__(self, keys, values, n_sink=0):
-        super().__init__(keys, values, n_sink)
-        self.whole = mx.zeros(keys.shape[:3], dtype=mx.float32)
-
-    def attend(self, queries, keys, values, scale, mask, fused):
-        S, T = queries.shape[2], keys.shape[2]
-        outs = []
-        for r0 in range(0, S, self.rows):
-            r1 = min(S, r0 + self.rows)
-            out, w = rc.attention_with_weights(queries[:, :, r0:r1], keys, values, scale, rc._rows(mask, r0, r1, S, T))
-            w = w.astype(mx.float32)
-            self.whole = mx.maximum(self.whole, w[..., : self.offset].max(axis=(2, 3)))
-            a, b = self.span
-            sink = min(self.n_sink, a)
-            total = w[..., :sink].sum(-1) + w[..., a:b].sum(-1) + w[..., self.offset :].sum(-1)
-            self.score[..., a:b] = mx.maximum(self.score[..., a:b], (w[..., a:b] / total[..., None]).max(axis=(2, 3)))
-            mx.eval(self.score, self.whole, out)
-            outs.append(out)
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-
-
 def both_scores(model, contexts, chunks, spans, n_sink):
     """{"context": [B, H, L] per layer, "chunk": [B, H, L] per layer} from one reconstruction pass."""
-    made = []
-
-    def make(k, v, s=0):
-        made.append(_BothCache(k, v, s))
-        return made[-1]
-
-    original, rc.ReconstructionCache = rc.ReconstructionCache, make
-    try:
-        rc.reconstruction_scores(model, contexts, chunks, spans, n_sink)
-    finally:
-        rc.ReconstructionCache = original
-    return {"context": [np.array(c.whole) for c in made], "chunk": [np.array(c.score) for c in made]}
+    whole = []
+    chunk = rc.reconstruction_scores(model, contexts, chunks, spans, n_sink, whole=whole)
+    return {"context": [np.array(s) for s in whole], "chunk": [np.array(s) for s in chunk]}
 
 
 def cut(model, contexts, scores, spec, budget, P, allocation, L):

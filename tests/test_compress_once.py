@@ -95,6 +95,20 @@ def test_per_chunk_normalisation_matches_kvpress_rule_in_a_numpy_reference(model
     got = compress_context(model, IDS, EXACT, prefill_step=128, repeat=REPEAT, chunk=CHUNK, normalise="chunk")
     for g, ref in zip(got.scores, want):
         np.testing.assert_allclose(g, ref, atol=2e-5, rtol=1e-4)
+    # one pass gives both: the whole-context scores ride along with the per-chunk ones
+    from kvpolicy_core.integration.compress_once import prefill_full
+    from kvpolicy_core.integration.reconstruction import reconstruction_scores
+
+    full = prefill_full(model, IDS, 128)
+    contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
+    chunks = repeat_chunks(IDS, REPEAT.first, REPEAT.later, REPEAT.suffix, CHUNK, REPEAT.tail)
+    whole = []
+    spans = [(a, min(L, a + CHUNK)) for a in range(0, L, CHUNK)]
+    per_chunk = reconstruction_scores(model, contexts, chunks, spans, 3, whole=whole)
+    for g, w, c, ref in zip(got.scores, whole, per_chunk, _reference_scores(model, monkeypatch)):
+        np.testing.assert_allclose(np.array(c), g, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.array(w), ref, atol=2e-5, rtol=1e-4)
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="normalise must be one of 'context', 'chunk'"):
         compress_context(model, IDS, "h2o:budget=20", normalise="span")
 

@@ -51,6 +51,7 @@ class ReconstructionCache:
         self.score = mx.zeros(keys.shape[:3], dtype=mx.float32)
         self.n_sink = n_sink
         self.span = None  #: (a, b): the context span of the chunk being fed (kvpress's normalisation), or None
+        self.whole = None  #: with a span, the whole-context score alongside when set to zeros [B, H, L] (compare)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys [B, H, S, D] of the chunk -> the context's and the chunk's keys and values [B, H, L + S, D]."""
@@ -74,15 +75,19 @@ class ReconstructionCache:
             r1 = min(S, r0 + self.rows)
             out, weights = attention_with_weights(queries[:, :, r0:r1], keys, values, scale, _rows(mask, r0, r1, S, T))
             weights = weights.astype(mx.float32)
-            if self.span is None:
-                self.score = mx.maximum(self.score, weights[..., : self.offset].max(axis=(2, 3)))  # [B, H, L]
-            else:
+            if self.span is None or self.whole is not None:
+                seen = weights[..., : self.offset].max(axis=(2, 3))  # [B, H, L]
+                if self.span is None:
+                    self.score = mx.maximum(self.score, seen)
+                else:
+                    self.whole = mx.maximum(self.whole, seen)
+            if self.span is not None:
                 a, b = self.span
                 sink = min(self.n_sink, a)
                 total = weights[..., :sink].sum(-1) + weights[..., a:b].sum(-1) + weights[..., self.offset :].sum(-1)
                 seen = (weights[..., a:b] / total[..., None]).max(axis=(2, 3))  # [B, H, b - a]
                 self.score[..., a:b] = mx.maximum(self.score[..., a:b], seen)
-            mx.eval(self.score, out)
+            mx.eval(self.score, out, *(() if self.whole is None else (self.whole,)))
             outs.append(out)
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
@@ -114,12 +119,16 @@ def repeat_chunks(
 
 
 def reconstruction_scores(
-    model, contexts: Sequence[tuple], chunks: Sequence[Sequence[int]], spans=None, n_sink: int = 0
+    model, contexts: Sequence[tuple], chunks: Sequence[Sequence[int]], spans=None, n_sink: int = 0, whole=None
 ) -> List[mx.array]:
     """``score^{(l)}`` [B, H, L] float32 per layer (module docstring) for the context K/V ``contexts``
     (one ``(keys, values)`` per layer, [B, H, L, D]) and the reconstruction inputs ``chunks``; ``spans`` (one
-    ``(a, b)`` per chunk) selects kvpress's per-chunk normalisation with ``n_sink`` sinks."""
+    ``(a, b)`` per chunk) selects kvpress's per-chunk normalisation with ``n_sink`` sinks, and then a list given as
+    ``whole`` receives the whole-context scores of the same pass (to compare the two)."""
     caches = [ReconstructionCache(k, v, n_sink) for k, v in contexts]
+    if whole is not None and spans is not None:
+        for c in caches:
+            c.whole = mx.zeros_like(c.score)
     hook = attention.install(model)
     try:
         for i, ids in enumerate(chunks):
@@ -129,4 +138,6 @@ def reconstruction_scores(
             mx.eval([c.score for c in caches])
     finally:
         hook.remove()
+    if whole is not None and spans is not None:
+        whole.extend(c.whole for c in caches)
     return [c.score for c in caches]

@@ -19,7 +19,6 @@ from collections import defaultdict
 from _common import parser, result_name, write_json  # BLAS loads here, before mlx
 
 # isort: split
-import mlx.core as mx
 import numpy as np
 from long_context import load
 
@@ -34,28 +33,6 @@ def both_scores(model, contexts, chunks, spans, n_sink):
     whole = []
     chunk = rc.reconstruction_scores(model, contexts, chunks, spans, n_sink, whole=whole)
     return {"context": [np.array(s) for s in whole], "chunk": [np.array(s) for s in chunk]}
-
-
-def cut(model, contexts, scores, spec, budget, P, allocation, L):
-    """``spec``'s caches holding one cut of ``scores`` (the compress-once rule, module docstring)."""
-    config = co.parse_config(spec)
-    caches = co.KVCacheBuilder.for_model(model, config)
-    pooled = [co.pooled_scores(s, P) for s in scores]
-    keys = [co.selection_keys(s, config.policy.n_sink, c.window) for s, c in zip(pooled, caches)]
-    if allocation == "model":
-        budgets = co.model_budgets(keys, budget, co.min_budget(config), L)
-    else:
-        budgets = [budget] * len(caches)
-    built = {budget: caches}
-    out = []
-    for i, b in enumerate(budgets):
-        if b not in built:
-            built[b] = co.with_budget(model, config, b)
-        c = built[b][i]
-        co.load_kept(c, *contexts[i], co.kept_positions(keys[i], b), pooled[i], L)
-        out.append(c)
-    mx.eval([c.state for c in out])
-    return out, budgets
 
 
 def main():
@@ -91,7 +68,9 @@ def main():
             for norm, s in scores.items():
                 for P in pools:
                     for allocation in ("layer", "model"):
-                        caches, budgets = cut(model, contexts, s, args.method, budget, P, allocation, L)
+                        config = co.parse_config(f"{args.method}:budget={budget},pool={P}")
+                        caches = co.cut(model, config, contexts, s, L, layerwise=allocation == "layer").caches
+                        budgets = [c.budget for c in caches]
                         got = greedy(
                             model, tok, copy_caches(caches), q.question_ids, q.max_new_tokens, ctx.stop_ids, 2048,
                             q.answers, ctx.metric,

@@ -119,7 +119,7 @@ def selection_keys(score: np.ndarray, n_sink: int, window) -> np.ndarray:
 
 def cut_pool(config) -> int:
     """The pool width of the cut: the method's pool width (``pool``; 15 for h2o's and cam's default scorer)."""
-    return getattr(config.policy, "pool_width", None) or getattr(config.policy, "pool", None) or 1
+    return getattr(config.policy, "pool_width", 1)
 
 
 def pooled_scores(score: np.ndarray, P: int) -> np.ndarray:
@@ -225,25 +225,29 @@ def compress_context(
     chunks = repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, chunk, repeat.tail)
     spans = [(a, min(a + chunk, L)) for a in range(0, L, chunk)] if normalise == "chunk" else None
     scores = [np.array(s) for s in reconstruction_scores(model, contexts, chunks, spans, n_sink)]
+    out = cut(model, config, contexts, scores, L, layerwise=scorer == "kvzip-layerwise")
+    del full, contexts
+    mx.eval([c.state for c in out.caches])
+    return out
+
+
+def cut(model, config, contexts, scores: Sequence[np.ndarray], L: int, layerwise: bool = False) -> Compressed:
+    """``config``'s policy caches for ``model`` loaded with the cut of the reconstruction ``scores`` [B, H, L] per
+    layer (module docstring): pooled, ranked, layer budgets from one ranking (``layerwise``: ``budget`` each)."""
+    budget, n_sink = config.policy.budget, config.policy.n_sink
+    built = {budget: KVCacheBuilder.for_model(model, config)}
     P = cut_pool(config)
     scores = [pooled_scores(s, P) for s in scores]
-    keys = [selection_keys(s, n_sink, c.window) for s, c in zip(scores, caches)]
-    if scorer == "kvzip-layerwise":
-        budgets = [budget] * len(caches)
-    else:
-        budgets = model_budgets(keys, budget, min_budget(config), L)
-    built = {budget: caches}
+    keys = [selection_keys(s, n_sink, c.window) for s, c in zip(scores, built[budget])]
+    budgets = [budget] * len(keys) if layerwise else model_budgets(keys, budget, min_budget(config), L)
     for b in set(budgets) - {budget}:
         built[b] = with_budget(model, config, b)
-    caches = [built[b][i] for i, b in enumerate(budgets)]
-    out = Compressed(caches)
-    for cache, (k, v), s, key, b in zip(caches, contexts, scores, keys, budgets):
+    out = Compressed([built[b][i] for i, b in enumerate(budgets)])
+    for cache, (k, v), s, key, b in zip(out.caches, contexts, scores, keys, budgets):
         kept = kept_positions(key, b)
         load_kept(cache, k, v, kept, s, L)
         out.scores.append(s)
         out.kept.append(kept)
-    del full, contexts
-    mx.eval([c.state for c in caches])
     return out
 
 

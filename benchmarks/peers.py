@@ -109,7 +109,9 @@ def read_prompts(path: Path) -> List[Dict[str, Any]]:
                 raise PromptError(f"{qw}.max_new_tokens: expected an integer >= 1 (got {m!r})")
         if "stop_ids" in row:
             _int_list(row["stop_ids"], f"{where}: stop_ids")
-        if row.get("model", "smollm2") not in MODELS:
+        by_dir = {m[2]: name for name, m in MODELS.items()}  # kvpolicy's long-context JSONL names the directory
+        row["model"] = by_dir.get(row.get("model"), row.get("model", "smollm2"))
+        if row["model"] not in MODELS:
             raise PromptError(f"{where}: model must be one of {', '.join(MODELS)} (got {row.get('model')!r})")
         contexts.append(row)
     if not contexts:
@@ -290,6 +292,7 @@ def kvpress_presses() -> Dict[str, Callable[[float], Any]]:
         "tova": plain(kp.TOVAPress),
         "knorm": plain(kp.KnormPress),
         "adakv_snapkv": wrapped(kp.AdaKVPress, kp.SnapKVPress),
+        "kvzip": plain(kp.KVzipPress),
     }
 
 
@@ -312,6 +315,11 @@ def run_kvpress(args, contexts) -> None:
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # KVzipPress loads the tokenizer by model.config.name_or_path (for its repeat prompts), which a GGUF
+    # directory cannot serve: give it the same tokenizer, saved where it can read it
+    tok_dir = _cache_root() / f"{model_name}-hf-tokenizer"
+    tok.save_pretrained(str(tok_dir))
+    model.config.name_or_path = str(tok_dir)
     load_s = time.perf_counter() - t0
     eos = model.generation_config.eos_token_id
     eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
@@ -458,18 +466,60 @@ def velox_factory(method: str) -> Callable[[Any, int], tuple]:
     return make
 
 
-def kvpolicy_factory(method: str) -> Callable[[Any, int], tuple]:
-    """kvpolicy caches of a method name or config string, its budget set to the kept count; and their config."""
-    from kvpolicy_core.eval.perplexity import make_caches, spec_label
+def kvpolicy_factory(method: str, tokenizer=None) -> Callable[..., tuple]:
+    """kvpolicy caches of a method name or config string, its budget set to the kept count; and their config.
 
-    def make(model, budget: int):
-        spec = f"{method}{',' if ':' in method else ':'}budget={budget}"
-        return make_caches(model, spec), spec_label(spec)
+    A compress-once spec (``kvzip+cam``) is prefilled, scored and cut here (``compress_context``'s steps, KVzip's
+    repeat prompts for ``tokenizer``): ``make(model, budget, context_ids, prefill_step)`` returns caches already
+    holding the cut context and, third, the (wall, CPU) seconds of a scoring reused from the context's previous
+    ratio, to be counted in this row too ((0, 0) when scored in this call); a streaming method's caches come back
+    empty, third item ``None``."""
+    import mlx.core as mx
+
+    from kvpolicy_core.eval.perplexity import make_caches, spec_label
+    from kvpolicy_core.integration import compress_once as co
+
+    def with_budget(budget: int) -> str:
+        return f"{method}{',' if ':' in method else ':'}budget={budget}"
 
     try:
-        spec_label(f"{method}{',' if ':' in method else ':'}budget=64")  # a bad name fails now, not mid-run
+        once = co.split_spec(with_budget(64))
+        if once is None:
+            spec_label(with_budget(64))  # a bad name fails now, not mid-run
     except Exception as e:
         raise SystemExit(f"--methods: kvpolicy method {method!r}: {e}") from None
+
+    scored: Dict[str, Any] = {}  # the last context's K/V and scores: every ratio of a context cuts one scoring
+
+    def make(model, budget: int, context_ids, prefill_step: int):
+        spec = with_budget(budget)
+        if once is None:
+            return make_caches(model, spec), spec_label(spec), None
+        o = co.split_spec(spec)
+        reused = scored.get("ids") == list(context_ids)
+        if not reused:
+            t, cpu = time.perf_counter(), time.process_time()
+            contexts, scores = co.score_context(
+                model,
+                context_ids,
+                o.config.policy.n_sink,
+                prefill_step=prefill_step,
+                repeat=co.repeat_prompt(tokenizer),
+                chunk=2048,
+                normalise="context",
+            )
+            scored.update(ids=list(context_ids), contexts=contexts, scores=scores)
+            scored.update(seconds=time.perf_counter() - t, cpu_s=time.process_time() - cpu)
+        caches = co.cut(
+            model,
+            o.config,
+            scored["contexts"],
+            scored["scores"],
+            len(context_ids),
+            layerwise=o.scorer == "kvzip-layerwise",
+        ).caches
+        mx.eval([c.state for c in caches])
+        return caches, o.to_string(), (scored["seconds"], scored["cpu_s"]) if reused else (0.0, 0.0)
 
     return make
 
@@ -490,7 +540,7 @@ def run_mlx(args, contexts) -> None:
     load_s = time.perf_counter() - t0
     eos = sorted(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
     if args.library == "kvpolicy":
-        factories = {m: kvpolicy_factory(m) for m in args.method_list if m != "full"}
+        factories = {m: kvpolicy_factory(m, tok) for m in args.method_list if m != "full"}
         import kvpolicy_core
 
         lib_version = {"kvpolicy_core": kvpolicy_core.__version__}
@@ -504,15 +554,21 @@ def run_mlx(args, contexts) -> None:
     def run_one(ctx, method, ratio, kept):
         stop = set(ctx.get("stop_ids") or eos)
         start, cpu = time.perf_counter(), time.process_time()
+        reused = None  # a compress-once method's (wall, CPU) seconds of a scoring done for an earlier ratio
         if method == "full":
             caches, config = [KVCache() for _ in model.layers], "mlx-lm KVCache"
+        elif args.library == "kvpolicy":
+            caches, config, reused = factories[method](model, kept, ctx["context_ids"], step)
         else:
             caches, config = factories[method](model, kept)
-        ids = mx.array(ctx["context_ids"], dtype=mx.uint32)
-        for i in range(0, ids.shape[0], step):  # mlx-lm's generate_step prefill: chunks, state evaluated
-            model(ids[None, i : i + step], cache=caches)
-            mx.eval([c.state for c in caches])
-            mx.clear_cache()
+        if reused is None:
+            ids = mx.array(ctx["context_ids"], dtype=mx.uint32)
+            for i in range(0, ids.shape[0], step):  # mlx-lm's generate_step prefill: chunks, state evaluated
+                model(ids[None, i : i + step], cache=caches)
+                mx.eval([c.state for c in caches])
+                mx.clear_cache()
+        if reused is not None:  # count a reused scoring as if it ran for this row
+            start, cpu = start - reused[0], cpu - reused[1]
         prefill_s, prefill_cpu = time.perf_counter() - start, time.process_time() - cpu
         kept_tokens = _kept(caches)
         answers = []
@@ -702,6 +758,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch / OpenBLAS threads (default 1)")
     p.add_argument("--prefill-step", type=int, default=2048, help="MLX prefill chunk (mlx-lm's default 2048)")
     p.add_argument("--limit", type=int, help="only the first N contexts")
+    p.add_argument("--tasks", help="only the contexts of these tasks (comma-separated, e.g. niah_multikey)")
     p.add_argument("--resume", action="store_true", help="keep the rows already in --out, run only the others")
     p.add_argument("--gguf", help="kvpress: the GGUF file (default: from the model's PyPI package)")
     p.add_argument("--mlx-model", help="MLX libraries: the converted mlx-lm directory (default: kvpolicy's cache)")
@@ -727,6 +784,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         contexts = read_prompts(args.prompts)
     except PromptError as e:
         raise SystemExit(f"peers: {e}") from None
+    if args.tasks:
+        wanted = {t.strip() for t in args.tasks.split(",") if t.strip()}
+        contexts = [c for c in contexts if c["task"] in wanted]
+        if not contexts:
+            raise SystemExit(f"peers: no context of --tasks {args.tasks!r} in {args.prompts}")
     if args.limit:
         contexts = contexts[: args.limit]
     args.method_list = [m.strip() for m in (args.methods or DEFAULT_METHODS[args.library]).split(",") if m.strip()]

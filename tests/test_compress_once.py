@@ -196,6 +196,21 @@ def test_kvzip_shares_the_models_budget_out_over_the_layers_by_one_ranking(model
             assert kept[0, h].tolist() == np.sort(np.concatenate([[0, 1, 2], rest])).tolist()
 
 
+def test_one_scoring_cut_to_several_budgets_is_each_budgets_own_compression(model):
+    from kvpolicy_core.config.parse import parse_config
+    from kvpolicy_core.integration.compress_once import cut, score_context
+
+    contexts, scores = score_context(model, IDS, 3, prefill_step=128, repeat=REPEAT, chunk=CHUNK, normalise="context")
+    for budget in (12, 20):
+        spec = f"cam:budget={budget},n_sink=3"
+        alone = compress_context(model, IDS, spec, prefill_step=128, repeat=REPEAT, chunk=CHUNK).caches
+        shared = cut(model, parse_config(spec), contexts, scores, L).caches
+        for a, b in zip(alone, shared):
+            assert a.budget == b.budget and a.offset == b.offset == L
+            for x, y in zip(a.state[:4], b.state[:4]):
+                np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
 def test_window_layers_never_keep_more_than_their_live_window():
     gemma = tiny_model("gemma3_text")  # window 8 on layers 0 and 2
     out = compress_context(gemma, IDS, "cam:budget=20,n_sink=2", prefill_step=128, chunk=CHUNK)
@@ -296,6 +311,28 @@ def test_cache_prompt_cli_compresses_once(tiny_model_dir, tmp_path, capsys):
     s = json.loads(capsys.readouterr().out)
     per_layer = s["kv_bytes_kept"] / (s["kv_bytes_full"] / s["tokens_seen"])  # tokens kept per layer, on average
     assert s["compress_once"] == "kvzip" and abs(per_layer - 30) <= 1
+
+
+def test_cache_prompt_cli_compresses_once_by_default_and_streams_on_request(tiny_model_dir, tmp_path, capsys):
+    from kvpolicy_core.apps.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the secret number is 4821. " * 6)
+    path = tmp_path / "c.safetensors"
+    args = ["cache-prompt", "--model", str(tiny_model_dir), "--file", str(doc), "--prompt-cache-file", str(path)]
+    runs = {}
+    for extra in ([], ["--compress-once", "stream"], ["--budget", "1000"]):
+        assert main(args + ["--method", "cam:budget=32,n_sink=2", "--json"] + extra) == 0
+        runs[tuple(extra)] = json.loads(capsys.readouterr().out)
+    assert runs[()]["compress_once"] == "kvzip"  # the default: the measured better choice for a document
+    assert (
+        runs[("--compress-once", "stream")]["compress_once"] == ""
+        and runs[("--compress-once", "stream")]["tokens_kept"] == 32
+    )
+    short = runs[("--budget", "1000")]  # a document within the budget: nothing to cut, every token kept
+    assert short["compress_once"] == "" and short["tokens_kept"] == short["tokens_seen"] < 1000
+    assert main(args + ["--method", "kvzip-layerwise+h2o:budget=30,n_sink=2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["compress_once"] == "kvzip-layerwise"  # the method's own scorer
 
 
 def test_ruler_runner_asks_every_question_of_one_compressed_cache(tiny_model_dir):

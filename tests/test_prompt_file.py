@@ -66,6 +66,8 @@ def compressed(tmp_path_factory):
             METHOD,
             "--prefill-step-size",
             str(STEP),
+            "--compress-once",
+            "stream",
             "--prompt-cache-file",
             str(d / "doc.safetensors"),
             "--json",

@@ -298,6 +298,11 @@ def cmd_cache_prompt(args) -> int:
     if _world()[1] > 1:
         raise CLIError("cache-prompt runs in one process (not under mlx.launch)")
     spec = _with_budget(_spec_from_args(args), args.budget)
+    compress_once = args.compress_once
+    if compress_once is None:  # the default: kvzip, unless the method names its own compress-once scorer
+        from ..integration.compress_once import split_spec
+
+        compress_once = None if isinstance(spec, str) and split_spec(spec) is not None else "kvzip"
     text = _read_prompt(args)
     model, tokenizer, path = _load_model(args.model, args.dtype, args.parallel)
     summary = cache_prompt(
@@ -308,7 +313,7 @@ def cmd_cache_prompt(args) -> int:
         args.prompt_cache_file,
         model_path=str(Path(path).resolve()),
         prefill_step_size=args.prefill_step_size,
-        compress_once=args.compress_once,
+        compress_once=None if compress_once == "stream" else compress_once,
     )
     if args.json:
         print(json.dumps(summary))
@@ -344,10 +349,12 @@ def _add_cache_prompt_parser(sub, model_args) -> None:
     )
     c.add_argument(
         "--compress-once",
-        choices=["kvzip", "kvzip-layerwise"],
-        help="score the whole document by reconstruction (KVzip) and cut it at once, instead of streaming it "
-        "through the method: kvzip shares layers x budget tokens out over the layers by one ranking, "
-        "kvzip-layerwise keeps budget in every layer (docs/methods/compress-once.md)",
+        choices=["kvzip", "kvzip-layerwise", "stream"],
+        help="how the document is compressed (default kvzip): kvzip scores the whole document by reconstruction "
+        "and cuts it at once, sharing layers x budget tokens out over the layers by one ranking; kvzip-layerwise "
+        "keeps budget in every layer; stream runs the method's own eviction chunk by chunk, holding no more than "
+        "budget + one chunk, where kvzip holds the whole document's K/V until the cut "
+        "(docs/methods/compress-once.md)",
     )
     c.add_argument("--json", action="store_true", help="print the summary as JSON")
     model_args(c)

@@ -63,7 +63,8 @@ def cache_prompt(
 
     ``compress_once`` (``"kvzip"``; or a ``config`` written ``"kvzip+METHOD"``): the document is prefilled into
     full caches, scored by reconstruction and cut to the budget at once
-    (:func:`~kvpolicy_core.integration.compress_once.compress_context`) instead of streamed through the policy.
+    (:func:`~kvpolicy_core.integration.compress_once.compress_context`) instead of streamed through the policy;
+    a document no longer than the budget has nothing to cut and is streamed (``compress_once`` "" in the summary).
     Returns the summary recorded in the file's metadata. ``model_path`` is recorded for mlx-lm's
     ``generate``, which loads the model from it.
     """
@@ -92,6 +93,8 @@ def cache_prompt(
     ids = document_ids(tokenizer, text)
     if not ids:
         raise KVPolicyError("the document has no tokens")
+    if compress_once is not None and len(ids) <= config.policy.budget:
+        compress_once = None  # nothing to cut: streaming keeps every token of a document within the budget
     if compress_once is not None:
         repeat = repeat_prompt(tokenizer)
         caches = compress_context(

@@ -220,15 +220,27 @@ def compress_context(
             f"layers: compress-once builds a policy cache for every layer, but layers={config.layers!r} leaves "
             f"layer(s) {natives[:4]} native; use layers=all"
         )
+    contexts, scores = score_context(
+        model, ids, n_sink, prefill_step=prefill_step, repeat=repeat, chunk=chunk, normalise=normalise
+    )
+    out = cut(model, config, contexts, scores, L, layerwise=scorer == "kvzip-layerwise")
+    del contexts
+    mx.eval([c.state for c in out.caches])
+    return out
+
+
+def score_context(
+    model, ids: Sequence[int], n_sink: int, *, prefill_step: int, repeat: RepeatPrompt, chunk: int, normalise: str
+) -> Tuple[List[Tuple[mx.array, mx.array]], List[np.ndarray]]:
+    """The budget-free half of :func:`compress_context` (arguments checked there): the full prefill's K/V
+    ``[B, H, L, D]`` per layer and the reconstruction scores ``[B, H, L]`` per layer, so that one scoring can be
+    :func:`cut` to several budgets."""
+    L = len(ids)
     full = prefill_full(model, ids, prefill_step)
     contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
     chunks = repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, chunk, repeat.tail)
     spans = [(a, min(a + chunk, L)) for a in range(0, L, chunk)] if normalise == "chunk" else None
-    scores = [np.array(s) for s in reconstruction_scores(model, contexts, chunks, spans, n_sink)]
-    out = cut(model, config, contexts, scores, L, layerwise=scorer == "kvzip-layerwise")
-    del full, contexts
-    mx.eval([c.state for c in out.caches])
-    return out
+    return contexts, [np.array(s) for s in reconstruction_scores(model, contexts, chunks, spans, n_sink)]
 
 
 def cut(model, config, contexts, scores: Sequence[np.ndarray], L: int, layerwise: bool = False) -> Compressed:

@@ -740,6 +740,14 @@ def table(paths: Iterable[Path]) -> str:
 
 
 # ----------------------------------------------------------------------------- command line
+def select_contexts(contexts: List[Dict[str, Any]], tasks: Optional[str], limit: Optional[int]):
+    """The contexts of ``tasks`` (comma-separated; None: all) in file order, at most ``limit`` of them."""
+    if tasks:
+        wanted = {t.strip() for t in tasks.split(",") if t.strip()}
+        contexts = [c for c in contexts if c["task"] in wanted]
+    return contexts[:limit] if limit else contexts
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group(required=True)
@@ -784,13 +792,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         contexts = read_prompts(args.prompts)
     except PromptError as e:
         raise SystemExit(f"peers: {e}") from None
-    if args.tasks:
-        wanted = {t.strip() for t in args.tasks.split(",") if t.strip()}
-        contexts = [c for c in contexts if c["task"] in wanted]
-        if not contexts:
-            raise SystemExit(f"peers: no context of --tasks {args.tasks!r} in {args.prompts}")
-    if args.limit:
-        contexts = contexts[: args.limit]
+    contexts = select_contexts(contexts, args.tasks, args.limit)
+    if not contexts:
+        raise SystemExit(f"peers: no context of --tasks {args.tasks!r} in {args.prompts}")
     args.method_list = [m.strip() for m in (args.methods or DEFAULT_METHODS[args.library]).split(",") if m.strip()]
     args.ratio_list = parse_ratios(args.ratios)
     args.out = args.out or Path(__file__).resolve().parent / "results" / f"peers_{args.library}.json"

@@ -89,3 +89,21 @@ def test_table_merges_libraries_into_one_row_per_method_ratio_and_task(tmp_path)
     lines = text.splitlines()
     assert lines[2] == "| kvpress | no_press | 1x | needle_single | 100 | 2 | 2.0 | 1.0 | 0.5 |"
     assert lines[3] == "| kvpolicy | h2o | 8x | needle_single | 33 | 3 | 4.0 | 2.0 | 1.0 |"
+
+
+def test_a_long_context_suite_file_is_read_and_filtered_by_task(tmp_path):
+    path = tmp_path / "suite.jsonl"
+    path.write_text(
+        _line(id="a", task="niah_single", model="smollm2-135m-float32")
+        + "\n"
+        + _line(id="b", task="niah_multikey", model="smollm2-135m-float32")
+        + "\n"
+    )
+    rows = peers.read_prompts(path)  # kvpolicy's suite JSONL names the converted directory
+    assert [r["model"] for r in rows] == ["smollm2", "smollm2"]
+    assert [r["id"] for r in peers.select_contexts(rows, "niah_multikey, vt", None)] == ["b"]
+    assert [r["id"] for r in peers.select_contexts(rows, None, 1)] == ["a"]
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit, match="no context of --tasks 'vt'"):
+        peers.main(["--library", "kvpolicy", "--prompts", str(path), "--tasks", "vt", "--out", str(out)])
+    assert not out.exists()

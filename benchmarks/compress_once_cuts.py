@@ -8,11 +8,14 @@ the context's question (greedy, query-agnostic). ``allocation``: ``layer`` keeps
 ``compress_once_cuts[_TAG].json`` with one row per (context, cut) and prints the hits per cut.
 
     python benchmarks/compress_once_cuts.py --model gemma3 --haystacks pydoc,noise --depths 0.3,0.5,0.7
+    python benchmarks/compress_once_cuts.py --model smollm2 --ratios 4,8 --pools 1,3,7,15 --normalisations context \
+        --allocations model --tag smollm2_pools
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import defaultdict
 
@@ -41,8 +44,10 @@ def main():
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--haystacks", default="pydoc,noise")
     p.add_argument("--depths", default="0.3,0.5,0.7")
-    p.add_argument("--ratio", type=float, default=4.0)
+    p.add_argument("--ratios", default="4", help="compression ratios, comma list: every ratio cuts the same scores")
     p.add_argument("--pools", default="1,7,15")
+    p.add_argument("--normalisations", default="context,chunk", help="context, chunk (comma list)")
+    p.add_argument("--allocations", default="layer,model", help="layer, model (comma list)")
     p.add_argument("--method", default="cam")
     args = p.parse_args()
     if args.smoke:
@@ -51,8 +56,9 @@ def main():
     model, tok, path = load(args.model, args.smoke)
     name = path.rstrip("/").split("/")[-1]
     repeat = co.repeat_prompt(tok)
-    budget = int(args.length / args.ratio)
+    ratios = [float(x) for x in args.ratios.split(",")]
     pools = [int(x) for x in args.pools.split(",")]
+    norms, allocations = args.normalisations.split(","), args.allocations.split(",")
     rows = []
     for hay in args.haystacks.split(","):
         for i, depth in enumerate(float(d) for d in args.depths.split(",")):
@@ -65,31 +71,31 @@ def main():
             spans = [(a, min(a + 2048, L)) for a in range(0, L, 2048)]
             scores = both_scores(model, contexts, chunks, spans, co.parse_config(args.method).policy.n_sink)
             q = ctx.questions[0]
-            for norm, s in scores.items():
-                for P in pools:
-                    for allocation in ("layer", "model"):
-                        config = co.parse_config(f"{args.method}:budget={budget},pool={P}")
-                        caches = co.cut(model, config, contexts, s, L, layerwise=allocation == "layer").caches
-                        budgets = [c.budget for c in caches]
-                        got = greedy(
-                            model, tok, copy_caches(caches), q.question_ids, q.max_new_tokens, ctx.stop_ids, 2048,
-                            q.answers, ctx.metric,
-                        )  # fmt: skip
-                        rows.append(
-                            {
-                                "context": ctx.id, "haystack": hay, "depth": depth, "normalise": norm, "pool": P,
-                                "allocation": allocation, "budgets": budgets, "output": got["output"],
-                                "score": ruler.score(got["output"], q.answers, ctx.metric),
-                            }
-                        )  # fmt: skip
+            for (norm, s), ratio, P, allocation in itertools.product(scores.items(), ratios, pools, allocations):
+                if norm in norms:
+                    budget = int(args.length / ratio)
+                    config = co.parse_config(f"{args.method}:budget={budget},pool={P}")
+                    caches = co.cut(model, config, contexts, s, L, layerwise=allocation == "layer").caches
+                    budgets = [c.budget for c in caches]
+                    got = greedy(
+                        model, tok, copy_caches(caches), q.question_ids, q.max_new_tokens, ctx.stop_ids, 2048,
+                        q.answers, ctx.metric,
+                    )  # fmt: skip
+                    rows.append(
+                        {
+                            "context": ctx.id, "haystack": hay, "depth": depth, "ratio": ratio, "normalise": norm,
+                            "pool": P, "allocation": allocation, "budgets": budgets, "output": got["output"],
+                            "score": ruler.score(got["output"], q.answers, ctx.metric),
+                        }
+                    )  # fmt: skip
             del full, contexts
     hits = defaultdict(list)
     for r in rows:
-        hits[(r["normalise"], r["pool"], r["allocation"])].append(r["score"])
-    print("normalise  pool  allocation  hits")
-    for (norm, P, allocation), s in sorted(hits.items()):
-        print(f"{norm:9s}  {P:4d}  {allocation:10s}  {int(sum(s))} / {len(s)}")
-    payload = {"model": path, "length": args.length, "ratio": args.ratio, "method": args.method, "rows": rows}
+        hits[(r["ratio"], r["normalise"], r["pool"], r["allocation"])].append(r["score"])
+    print("ratio  normalise  pool  allocation  hits")
+    for (ratio, norm, P, allocation), s in sorted(hits.items()):
+        print(f"{ratio:5g}  {norm:9s}  {P:4d}  {allocation:10s}  {int(sum(s))} / {len(s)}")
+    payload = {"model": path, "length": args.length, "ratios": ratios, "method": args.method, "rows": rows}
     payload["seconds"] = round(time.perf_counter() - start, 1)
     print("wrote", write_json(result_name("compress_once_cuts", args), payload, args.out))
 

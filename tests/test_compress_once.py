@@ -196,6 +196,17 @@ def test_kvzip_shares_the_models_budget_out_over_the_layers_by_one_ranking(model
             assert kept[0, h].tolist() == np.sort(np.concatenate([[0, 1, 2], rest])).tolist()
 
 
+def test_the_cut_pools_over_three_positions_unless_the_method_gives_its_pool(model, compressed):
+    from kvpolicy_core.integration.compress_once import CUT_POOL, pooled_scores
+
+    assert CUT_POOL == 3
+    default = compress_context(model, IDS, "h2o:budget=20,n_sink=3", scorer="kvzip-layerwise", prefill_step=128,
+                               repeat=REPEAT, chunk=CHUNK)  # fmt: skip
+    for raw, s in zip(compressed.scores, default.scores):  # compressed: pool=1, the raw scores
+        np.testing.assert_array_equal(s, pooled_scores(raw, 3))
+        assert not np.array_equal(s, pooled_scores(raw, 15))
+
+
 def test_one_scoring_cut_to_several_budgets_is_each_budgets_own_compression(model):
     from kvpolicy_core.config.parse import parse_config
     from kvpolicy_core.integration.compress_once import cut, score_context

@@ -10,7 +10,7 @@ and each layer's policy cache is loaded with the kept tokens::
     keep^{(l)}[h]   = the b_l positions j < L of largest key^{(l)}[h, j] (ties: earlier first)
 
 ``pool_P`` is the max over the ``P`` nearest positions (:func:`~kvpolicy_core.parts.pooling.pool_by_position`;
-``P`` the method's pool width, 15 for ``h2o`` and ``cam``), so a span is kept or lost as a whole. The layer
+``P`` the method's ``pool`` where given, else 3: :func:`cut_pool`), so a span is kept or lost as a whole. The layer
 budgets ``b_l``: ``kvzip`` ranks every layer's keys together (KVzip's rule, :func:`model_budgets`): the model
 keeps about ``n_layers · budget`` tokens per head in all, and a layer whose tokens rank high keeps more (a
 sliding-window layer never more than its live window); ``kvzip-layerwise`` keeps ``b_l = budget`` in every layer.
@@ -117,9 +117,16 @@ def selection_keys(score: np.ndarray, n_sink: int, window) -> np.ndarray:
     return key
 
 
+#: the cut's pool width when the method's ``pool`` is not given: 3 kept every needle at 4x and 8x on both models
+#: (``benchmarks/compress_once_cuts.py``), where the streaming scorer's 15 lost some at 8x (each kept token then
+#: brings 14 neighbours, and a small budget holds too few spans)
+CUT_POOL = 3
+
+
 def cut_pool(config) -> int:
-    """The pool width of the cut: the method's pool width (``pool``; 15 for h2o's and cam's default scorer)."""
-    return getattr(config.policy, "pool_width", 1)
+    """The pool width of the cut: the method's ``pool`` where given, else :data:`CUT_POOL`."""
+    pool = getattr(config.policy, "pool", None)
+    return CUT_POOL if pool is None else int(pool)
 
 
 def pooled_scores(score: np.ndarray, P: int) -> np.ndarray:

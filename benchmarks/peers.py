@@ -567,7 +567,7 @@ def run_mlx(args, contexts) -> None:
                 model(ids[None, i : i + step], cache=caches)
                 mx.eval([c.state for c in caches])
                 mx.clear_cache()
-        if reused is not None:  # count a reused scoring as if it ran for this row
+        else:  # count a reused scoring as if it ran for this row
             start, cpu = start - reused[0], cpu - reused[1]
         prefill_s, prefill_cpu = time.perf_counter() - start, time.process_time() - cpu
         kept_tokens = _kept(caches)

@@ -14,7 +14,9 @@ token per call (projections, RoPE, the cache, attention, MLP), evaluated, with c
   ``budget + 1`` slots) with nothing else to do: the bound on what any eviction policy can reach;
 * each method at ``budget=B``.
 
-Reported per cache: the median wall and CPU ms per step; ``over_ideal_ms``: the median over turns of the turn's
+Reported per cache: the median wall and CPU ms per step; the median peak memory of a turn above what was in use
+before it (``peak_above_mib``: a step that copied the cache's K/V buffers instead of updating them in place
+would show them here; a policy cache's K/V at budget B are 2 x B x H x D x 4 bytes); ``over_ideal_ms``: the median over turns of the turn's
 difference to ``ideal:B`` (paired: what the policy costs beyond attending to fewer tokens); ``x_full``: full's
 median over this one's. The parts of the step, timed alone on the same shapes (hot caches, so a lower bound of
 their cost inside the layer): ``no_attention_ms`` (the layer over a 16-token KVCache: projections and MLP),
@@ -59,18 +61,23 @@ def ms_of(fn, repeat: int) -> float:
 
 
 def turns(layer, h, caches: dict, n_turns: int, steps: int = 2) -> dict:
-    """{name: (wall s per step per turn, CPU s per step per turn)}: the caches take turns of ``steps`` steps."""
-    names, out = list(caches), {n: ([], []) for n in caches}
+    """{name: (wall s per step per turn, CPU s per step per turn, peak MiB above the memory in use before the
+    turn)}: the caches take turns of ``steps`` steps. The peak shows a step that copies a cache's buffers instead
+    of updating them in place (MLX copies a buffer that an op not yet run still reads)."""
+    names, out = list(caches), {n: ([], [], []) for n in caches}
     for name in names:  # warm-up: a policy cache's first steps trace its compiled decode graphs
         for _ in range(3):
             mx.eval(layer(h, None, caches[name]))
     for t in range(n_turns):
         for name in names[t % len(names) :] + names[: t % len(names)]:
+            mx.reset_peak_memory()
+            before = mx.get_active_memory()
             wall, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 mx.eval(layer(h, None, caches[name]))
             out[name][0].append((time.perf_counter() - wall) / steps)
             out[name][1].append((time.process_time() - cpu) / steps)
+            out[name][2].append((mx.get_peak_memory() - before) / 2**20)
     return out
 
 
@@ -135,12 +142,13 @@ def main(argv=None):
         ideal = times[f"ideal:{B}"][0]
         full_ms = 1e3 * statistics.median(times["full"][0])
         rows = []
-        for name, (wall, cpu) in times.items():
+        for name, (wall, cpu, peak) in times.items():
             ms = 1e3 * statistics.median(wall)
             row = {
                 "cache": name,
                 "wall_ms": ms,
                 "cpu_ms": 1e3 * statistics.median(cpu),
+                "peak_above_mib": statistics.median(peak),
                 "over_ideal_ms": 1e3 * statistics.median(w - i for w, i in zip(wall, ideal)),
                 "x_full": full_ms / ms,
                 "turns_ms": [1e3 * w for w in wall],
@@ -150,7 +158,8 @@ def main(argv=None):
             rows.append(row)
             print(
                 f"context {N} budget {B}: {name:20} {ms:7.2f} ms/step (CPU {row['cpu_ms']:7.2f})  "
-                f"over ideal {row['over_ideal_ms']:+6.2f} ms  x full {row['x_full']:.2f}",
+                f"over ideal {row['over_ideal_ms']:+6.2f} ms  x full {row['x_full']:.2f}  "
+                f"peak +{row['peak_above_mib']:.1f} MiB",
                 flush=True,
             )
         blocks.append({"budget": B, "rows": rows, f"attention_{B + 1}": attention_parts(H, Hq, D, B + 1, repeat)})

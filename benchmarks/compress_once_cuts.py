@@ -1,15 +1,18 @@
-"""Compress-once cuts side by side: the same reconstruction scores cut every way, each cut asked the question.
+"""Compress-once cuts side by side: the same reconstruction scores cut every way, each cut asked its questions.
 
-Per context (the long-context suite's ``niah_single`` at chosen needle depths), one full prefill and one
-reconstruction pass computing both normalisations (the whole-context softmax and kvpress's per-chunk one);
-then every (normalisation, pool width, allocation) cut of those scores is loaded into ``cam`` caches and asked
-the context's question (greedy, query-agnostic). ``allocation``: ``layer`` keeps the budget in every layer
-(``kvzip-layerwise``), ``model`` shares ``n_layers x budget`` out by one ranking (``kvzip``). Writes
-``compress_once_cuts[_TAG].json`` with one row per (context, cut) and prints the hits per cut.
+Per context (a task of the long-context suite, ``--task``, default ``niah_single``, at chosen needle depths), one
+full prefill and one reconstruction pass computing both normalisations (the whole-context softmax and kvpress's
+per-chunk one); then every (normalisation, pool width, allocation) cut of those scores is loaded into ``cam`` caches
+and asked each of the context's questions (greedy, query-agnostic, a fresh copy of the cut per question).
+``allocation``: ``layer`` keeps the budget in every layer (``kvzip-layerwise``), ``model`` shares ``n_layers x
+budget`` out by one ranking (``kvzip``). Writes ``compress_once_cuts[_TAG].json`` with one row per (context, cut)
+and prints the hits per cut.
 
     python benchmarks/compress_once_cuts.py --model gemma3 --haystacks pydoc,noise --depths 0.3,0.5,0.7
     python benchmarks/compress_once_cuts.py --model smollm2 --ratios 4,8 --pools 1,3,7,15 --normalisations context \
         --allocations model --tag smollm2_pools
+    python benchmarks/compress_once_cuts.py --model smollm2 --task niah_multikey --depths seed --ratios 4,8 \
+        --pools 1,3,7,15 --tag smollm2_multikey
 """
 
 from __future__ import annotations
@@ -41,9 +44,12 @@ def both_scores(model, contexts, chunks, spans, n_sink):
 def main():
     p = parser(__doc__, smoke_help="a tiny random-weight model, seconds (checks the program runs)")
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
+    p.add_argument("--task", default="niah_single", choices=ruler.TASKS)
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--haystacks", default="pydoc,noise")
-    p.add_argument("--depths", default="0.3,0.5,0.7")
+    p.add_argument(
+        "--depths", default="0.3,0.5,0.7", help="comma list of needle depths; 'seed': the suite's placement (seed i)"
+    )
     p.add_argument("--ratios", default="4", help="compression ratios, comma list: every ratio cuts the same scores")
     p.add_argument("--pools", default="1,7,15")
     p.add_argument("--normalisations", default="context,chunk", help="context, chunk (comma list)")
@@ -61,41 +67,43 @@ def main():
     norms, allocations = args.normalisations.split(","), args.allocations.split(",")
     rows = []
     for hay in args.haystacks.split(","):
-        for i, depth in enumerate(float(d) for d in args.depths.split(",")):
-            params = dataclasses.replace(ruler.preset_params("calibrated", "niah_single", name), depth=depth)
-            ctx = ruler.build_context(tok, "niah_single", args.length, hay, i, model=name, chat="none", params=params)
+        for i, depth in enumerate(None if d == "seed" else float(d) for d in args.depths.split(",")):
+            params = dataclasses.replace(ruler.preset_params("calibrated", args.task, name), depth=depth)
+            ctx = ruler.build_context(tok, args.task, args.length, hay, i, model=name, chat="none", params=params)
             ids, L = ctx.context_ids, len(ctx.context_ids)
             full = co.prefill_full(model, ids, 2048)
             contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
             chunks = rc.repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, 2048, repeat.tail)
             spans = [(a, min(a + 2048, L)) for a in range(0, L, 2048)]
             scores = both_scores(model, contexts, chunks, spans, co.parse_config(args.method).policy.n_sink)
-            q = ctx.questions[0]
             for (norm, s), ratio, P, allocation in itertools.product(scores.items(), ratios, pools, allocations):
-                if norm in norms:
-                    budget = int(args.length / ratio)
-                    config = co.parse_config(f"{args.method}:budget={budget},pool={P}")
-                    caches = co.cut(model, config, contexts, s, L, layerwise=allocation == "layer").caches
-                    budgets = [c.budget for c in caches]
+                if norm not in norms:
+                    continue
+                budget = int(args.length / ratio)
+                config = co.parse_config(f"{args.method}:budget={budget},pool={P}")
+                caches = co.cut(model, config, contexts, s, L, layerwise=allocation == "layer").caches
+                budgets = [c.budget for c in caches]
+                for qi, q in enumerate(ctx.questions):
                     got = greedy(
                         model, tok, copy_caches(caches), q.question_ids, q.max_new_tokens, ctx.stop_ids, 2048,
                         q.answers, ctx.metric,
                     )  # fmt: skip
                     rows.append(
                         {
-                            "context": ctx.id, "haystack": hay, "depth": depth, "ratio": ratio, "normalise": norm,
-                            "pool": P, "allocation": allocation, "budgets": budgets, "output": got["output"],
-                            "score": ruler.score(got["output"], q.answers, ctx.metric),
+                            "context": ctx.id, "haystack": hay, "depth": depth, "question": qi, "ratio": ratio,
+                            "normalise": norm, "pool": P, "allocation": allocation, "budgets": budgets,
+                            "output": got["output"], "score": ruler.score(got["output"], q.answers, ctx.metric),
                         }
                     )  # fmt: skip
             del full, contexts
     hits = defaultdict(list)
     for r in rows:
         hits[(r["ratio"], r["normalise"], r["pool"], r["allocation"])].append(r["score"])
-    print("ratio  normalise  pool  allocation  hits")
+    print("ratio  normalise  pool  allocation  score (questions)")
     for (ratio, norm, P, allocation), s in sorted(hits.items()):
-        print(f"{ratio:5g}  {norm:9s}  {P:4d}  {allocation:10s}  {int(sum(s))} / {len(s)}")
-    payload = {"model": path, "length": args.length, "ratios": ratios, "method": args.method, "rows": rows}
+        print(f"{ratio:5g}  {norm:9s}  {P:4d}  {allocation:10s}  {sum(s):g} / {len(s)}")
+    payload = {"model": path, "task": args.task, "length": args.length, "ratios": ratios, "method": args.method}
+    payload["rows"] = rows
     payload["seconds"] = round(time.perf_counter() - start, 1)
     print("wrote", write_json(result_name("compress_once_cuts", args), payload, args.out))
 

@@ -15,12 +15,12 @@ token per call (projections, RoPE, the cache, attention, MLP), evaluated, with c
 * each method at ``budget=B``.
 
 Reported per cache: the median wall and CPU ms per step; the median peak memory of a turn above what was in use
-before it (``peak_above_mib``: a step that copied the cache's K/V buffers instead of updating them in place
-would show them here; a policy cache's K/V at budget B are 2 x B x H x D x 4 bytes); ``over_ideal_ms``: the median over turns of the turn's
-difference to ``ideal:B`` (paired: what the policy costs beyond attending to fewer tokens); ``x_full``: full's
-median over this one's. The parts of the step, timed alone on the same shapes (hot caches, so a lower bound of
-their cost inside the layer): ``no_attention_ms`` (the layer over a 16-token KVCache: projections and MLP),
-mlx-lm's attention kernel and kvpolicy's composed one (output and weights in one pass) at B + 1 and at the
+before it (``peak_above_mib``: a step that copied the cache's K/V buffers instead of updating them in place would
+show them here; a policy cache's K/V at budget B are 2 x B x H x D x 4 bytes); ``over_ideal_ms``: the median over
+turns of the turn's difference to ``ideal:B`` (paired: what the policy costs beyond attending to fewer tokens);
+``x_full``: full's median over this one's. The parts of the step, timed alone on the same shapes (hot caches, so a
+lower bound of their cost inside the layer): ``no_attention_ms`` (the layer over a 16-token KVCache: projections and
+MLP), mlx-lm's attention kernel and kvpolicy's composed one (output and weights in one pass) at B + 1 and at the
 context, and, for a cache whose disposition merges (CaM), the selection and the disposition's update of one
 eviction. Writes benchmarks/results/decode_layer_<config>_<context>[_<tag>].json.
 """

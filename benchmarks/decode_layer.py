@@ -82,7 +82,8 @@ def turns(layer, h, caches: dict, n_turns: int, steps: int = 2) -> dict:
 
 
 def attention_parts(H: int, Hq: int, D: int, L: int, repeat: int) -> dict:
-    """mlx-lm's kernel and kvpolicy's composed attention (output and weights) for one query at L keys, ms."""
+    """mlx-lm's kernel and kvpolicy's composed attention (output and weights) for one query at L keys, ms: as the
+    kernel computes it (a cache before its first eviction) and grouped (after: one product per KV head)."""
     q = mx.random.normal((1, Hq, 1, D), key=mx.random.key(1))
     k, v = mx.random.normal((1, H, L, D), key=mx.random.key(2)), mx.random.normal((1, H, L, D), key=mx.random.key(3))
     mx.eval(q, k, v)
@@ -90,6 +91,9 @@ def attention_parts(H: int, Hq: int, D: int, L: int, repeat: int) -> dict:
     return {
         "kernel_ms": ms_of(lambda: mx.eval(scaled_dot_product_attention(q, k, v, None, scale, None)), repeat),
         "with_weights_ms": ms_of(lambda: mx.eval(*attention_with_weights(q, k, v, scale, None, compiled=True)), repeat),
+        "grouped_ms": ms_of(
+            lambda: mx.eval(*attention_with_weights(q, k, v, scale, None, compiled=True, grouped=True)), repeat
+        ),
     }
 
 

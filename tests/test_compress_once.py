@@ -113,6 +113,47 @@ def test_per_chunk_normalisation_matches_kvpress_rule_in_a_numpy_reference(model
         compress_context(model, IDS, "h2o:budget=20", normalise="span")
 
 
+def _window_reference(model, monkeypatch, W: int) -> list:
+    """NumPy: the context in one causal pass; per layer the max over a group's query heads and the last W query
+    rows of the softmax weights on each context key."""
+    seen = []
+    original = llama_module.scaled_dot_product_attention
+
+    def record(queries, keys, values, cache, scale, mask, *a, **k):
+        seen.append((np.array(queries.astype(mx.float32), np.float64), np.array(keys, np.float64), scale))
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+
+    monkeypatch.setattr(llama_module, "scaled_dot_product_attention", record)
+    mx.eval(model(mx.array(IDS, dtype=mx.uint32)[None], cache=[KVCache() for _ in model.layers]))
+    monkeypatch.undo()
+    out = []
+    for q, k, scale in seen:
+        _, Hq, T, _ = q.shape
+        H = k.shape[1]
+        logits = scale * np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, Hq // H, axis=1))
+        logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        out.append(w[:, :, T - W :].reshape(1, H, Hq // H, W, T).max(axis=(2, 3)))
+    return out
+
+
+def test_an_observation_window_adds_the_last_queries_attention_to_the_cut(model, monkeypatch):
+    W = 6
+    window = _window_reference(model, monkeypatch, W)
+    kvzip = _reference_scores(model, monkeypatch)
+    monkeypatch.undo()
+    got = compress_context(model, IDS, EXACT + f",obs_window={W}", prefill_step=16, repeat=REPEAT, chunk=CHUNK)
+    for g, ref_zip, ref_win in zip(got.scores, kvzip, window):
+        assert (ref_win > ref_zip + 1e-3).any()  # the window raises some scores: the test can tell the two apart
+        np.testing.assert_allclose(g, np.maximum(ref_zip, ref_win), atol=2e-5, rtol=1e-4)
+    # kept: the top of the combined score (sinks first), a fresh cut without the window keeps another set
+    plain = compress_context(model, IDS, EXACT, prefill_step=16, repeat=REPEAT, chunk=CHUNK)
+    assert any(not np.array_equal(a, b) for a, b in zip(got.kept, plain.kept))
+    with pytest.raises(ConfigError, match="obs_window=0"):
+        compress_context(model, IDS, EXACT + ",obs_window=0", repeat=REPEAT, chunk=CHUNK)
+
+
 def test_each_head_keeps_exactly_budget_tokens_the_sinks_and_the_top_scores(compressed):
     for layer, (cache, s) in enumerate(zip(compressed.caches, compressed.scores)):
         assert cache.offset == L and cache.n == 20

@@ -41,7 +41,7 @@ from ..config.parse import parse_config
 from ..errors import ConfigError
 from ..parts.pooling import pool_by_position
 from .builder import KVCacheBuilder
-from .reconstruction import reconstruction_scores, repeat_chunks
+from .reconstruction import reconstruction_scores, repeat_chunks, window_scores
 
 #: the compress-once scorers: ``kvzip`` shares the kept tokens out over the layers by one ranking (KVzip's rule),
 #: ``kvzip-layerwise`` keeps ``budget`` per layer (kvpress's ``layerwise=True``)
@@ -135,6 +135,24 @@ def pooled_scores(score: np.ndarray, P: int) -> np.ndarray:
         return score
     positions = mx.broadcast_to(mx.arange(score.shape[-1], dtype=mx.int32), score.shape)
     return np.array(pool_by_position(mx.array(score), positions, P))
+
+
+#: the cut's observation window when the method's ``obs_window`` is not given (0: none)
+CUT_WINDOW = 0
+
+
+def cut_window(config, L: int) -> int:
+    """The observation window of the cut: the method's ``obs_window`` where given, else :data:`CUT_WINDOW`; at most
+    ``L - 1`` queries. Raises :class:`ConfigError` for ``obs_window=0`` (every query: a streaming setting only)."""
+    W = getattr(config.policy, "obs_window", None)
+    if W is None:
+        W = CUT_WINDOW
+    elif W == 0:
+        raise ConfigError(
+            "obs_window: a compress-once cut adds the attention of the context's last obs_window queries; "
+            "obs_window=0 (every query) applies to streaming methods only: give obs_window >= 1 or leave it unset"
+        )
+    return min(int(W), L - 1)
 
 
 def min_budget(config) -> int:
@@ -241,7 +259,14 @@ def compress_context(
             f"layer(s) {natives[:4]} native; use layers=all"
         )
     contexts, scores = score_context(
-        model, ids, n_sink, prefill_step=prefill_step, repeat=repeat, chunk=chunk, normalise=normalise
+        model,
+        ids,
+        n_sink,
+        prefill_step=prefill_step,
+        repeat=repeat,
+        chunk=chunk,
+        normalise=normalise,
+        window=cut_window(config, L),
     )
     out = cut(model, config, contexts, scores, L, layerwise=scorer == "kvzip-layerwise")
     del contexts
@@ -250,17 +275,29 @@ def compress_context(
 
 
 def score_context(
-    model, ids: Sequence[int], n_sink: int, *, prefill_step: int, repeat: RepeatPrompt, chunk: int, normalise: str
+    model,
+    ids: Sequence[int],
+    n_sink: int,
+    *,
+    prefill_step: int,
+    repeat: RepeatPrompt,
+    chunk: int,
+    normalise: str,
+    window: int = 0,
 ) -> Tuple[List[Tuple[mx.array, mx.array]], List[np.ndarray]]:
     """The budget-free half of :func:`compress_context` (arguments checked there): the full prefill's K/V
-    ``[B, H, L, D]`` per layer and the reconstruction scores ``[B, H, L]`` per layer, so that one scoring can be
-    :func:`cut` to several budgets."""
+    ``[B, H, L, D]`` per layer and the scores ``[B, H, L]`` per layer, so that one scoring can be :func:`cut` to
+    several budgets. With ``window = W >= 1`` a score is ``max(score, win)``, ``win`` the attention of the context's
+    last W queries (:func:`~.reconstruction.window_scores`)."""
     L = len(ids)
     full = prefill_full(model, ids, prefill_step)
     contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
     chunks = repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, chunk, repeat.tail)
     spans = [(a, min(a + chunk, L)) for a in range(0, L, chunk)] if normalise == "chunk" else None
-    return contexts, [np.array(s) for s in reconstruction_scores(model, contexts, chunks, spans, n_sink)]
+    scores = reconstruction_scores(model, contexts, chunks, spans, n_sink)
+    if window:
+        scores = [mx.maximum(s, w) for s, w in zip(scores, window_scores(model, contexts, ids, window))]
+    return contexts, [np.array(s) for s in scores]
 
 
 def cut(

@@ -39,19 +39,22 @@ class ReconstructionCache:
 
     ``update_and_fetch(k, v)`` returns ``[context ++ k]`` and stores nothing; the attention hook routes the
     layer's attention here (:meth:`attend`), which computes it with its weights and keeps the running maximum
-    over query heads and query positions of the weights each context key receives (``score`` [B, H, L] float32).
+    over query heads and query positions of the weights each context key receives (``score`` [B, H, L] float32;
+    with ``own``, the one chunk fed scores its own keys too: [B, H, L + S]).
     """
 
     kvpolicy_attention = "single"  #: the attention hook calls :meth:`attend` for this cache
     rows = 256  #: query rows whose attention weights are computed at once
 
-    def __init__(self, keys: mx.array, values: mx.array, n_sink: int = 0) -> None:
+    def __init__(self, keys: mx.array, values: mx.array, n_sink: int = 0, own: bool = False) -> None:
         self.context_keys, self.context_values = keys, values  # [B, H, L, D], [B, H, L, Dv]
         self.offset = keys.shape[2]  # L: the reconstruction tokens' positions start after the context
         self.score = mx.zeros(keys.shape[:3], dtype=mx.float32)
         self.n_sink = n_sink
         self.span = None  #: (a, b): the context span of the chunk being fed (kvpress's normalisation), or None
         self.whole = None  #: with a span, the whole-context score alongside when set to zeros [B, H, L] (compare)
+        #: the score also covers the fed chunk's own keys ([B, H, L + S]; one chunk fed: :func:`window_scores`)
+        self.own = own
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys [B, H, S, D] of the chunk -> the context's and the chunk's keys and values [B, H, L + S, D]."""
@@ -75,7 +78,13 @@ class ReconstructionCache:
             r1 = min(S, r0 + self.rows)
             out, weights = attention_with_weights(queries[:, :, r0:r1], keys, values, scale, _rows(mask, r0, r1, S, T))
             weights = weights.astype(mx.float32)
-            if self.span is None or self.whole is not None:
+            if self.own:
+                seen = weights.max(axis=(2, 3))  # [B, H, L + S]
+                if self.score.shape[-1] < T:
+                    pad = mx.zeros((*self.score.shape[:2], T - self.score.shape[-1]), dtype=mx.float32)
+                    self.score = mx.concatenate([self.score, pad], axis=-1)
+                self.score = mx.maximum(self.score, seen)
+            elif self.span is None or self.whole is not None:
                 seen = weights[..., : self.offset].max(axis=(2, 3))  # [B, H, L]
                 if self.span is None:
                     self.score = mx.maximum(self.score, seen)
@@ -140,4 +149,26 @@ def reconstruction_scores(
         hook.remove()
     if whole is not None and spans is not None:
         whole.extend(c.whole for c in caches)
+    return [c.score for c in caches]
+
+
+def window_scores(model, contexts: Sequence[tuple], ids: Sequence[int], W: int) -> List[mx.array]:
+    """The attention the context's last ``W`` queries pay to every context token (SnapKV's observation window;
+    with a question at the end of the prompt these are the queries that ask it), per layer [B, H, L] float32::
+
+        win^{(l)}[h, j] = max_g max_{t >= L - W} softmax_j(scale * q_{h,g,t} . k_{h,j} + mask[t, j])     j < L
+
+    (0 where ``j > t`` for every window query). Computed exactly as the prefill computed those queries: the
+    window's tokens ``ids[L - W:]`` are fed again at their own positions over the context's first ``L - W`` keys
+    and values from ``contexts`` (one ``(keys, values)`` per layer, [B, H, L, D]), with the layer's own mask."""
+    L = len(ids)
+    if not 1 <= W < L:
+        raise ValueError(f"window_scores needs 1 <= W < L (got W={W}, L={L})")
+    caches = [ReconstructionCache(k[..., : L - W, :], v[..., : L - W, :], own=True) for k, v in contexts]
+    hook = attention.install(model)
+    try:
+        model(mx.array(list(ids[L - W :]), dtype=mx.uint32)[None], cache=caches)
+        mx.eval([c.score for c in caches])
+    finally:
+        hook.remove()
     return [c.score for c in caches]

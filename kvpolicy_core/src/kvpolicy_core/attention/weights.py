@@ -45,15 +45,21 @@ def grouped_mask(mask: mx.array, H: int, G: int) -> mx.array:
 
 
 def attention_with_weights(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, compiled: bool = False, grouped=False
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask,
+    compiled: bool = False,
+    grouped: bool = False,
 ) -> Tuple[mx.array, mx.array]:
     """The attention output [B, Hq, S, Dv] and its weights [B, H, G, S, L] (queries' dtype)::
 
         w = softmax(scale * q k^T + mask)      (precise softmax; a bool mask gives -inf where False)
         out = w v
 
-    exactly MLX's fused attention on CPU, including what a non-finite key does (a NaN or +inf logit
-    makes its query row NaN, as in the model's own attention).
+    exactly MLX's fused attention on CPU (``grouped``: up to rounding), including what a non-finite key does (a
+    NaN or +inf logit makes its query row NaN, as in the model's own attention).
 
     ``compiled``: a decode step (S = 1, mask None or an array) runs as one compiled graph (the same ops:
     bit for bit the eager ones, tests/test_attention_once.py; ~20-40 µs less per step at L = 1024, 4 KV

@@ -507,6 +507,7 @@ def kvpolicy_factory(method: str, tokenizer=None) -> Callable[..., tuple]:
                 repeat=co.repeat_prompt(tokenizer),
                 chunk=2048,
                 normalise="context",
+                window=co.cut_window(o.config, len(context_ids)),  # the method's obs_window, as compress_context
             )
             scored.update(ids=list(context_ids), contexts=contexts, scores=scores)
             scored.update(seconds=time.perf_counter() - t, cpu_s=time.process_time() - cpu)

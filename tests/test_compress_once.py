@@ -5,6 +5,7 @@ the long-context suite running it, and clear errors."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -152,6 +153,45 @@ def test_an_observation_window_adds_the_last_queries_attention_to_the_cut(model,
     assert any(not np.array_equal(a, b) for a, b in zip(got.kept, plain.kept))
     with pytest.raises(ConfigError, match="obs_window=0"):
         compress_context(model, IDS, EXACT + ",obs_window=0", repeat=REPEAT, chunk=CHUNK)
+
+
+def test_the_window_of_one_query_is_that_querys_attention_on_sliding_window_layers_too(monkeypatch):
+    """Gemma 3 (global and sliding-window layers): W = 1 gives the last query's own attention weights, as the
+    model computed them with a plain cache (its window mask included), max over each KV head's query heads."""
+    import mlx_lm.models.gemma3_text as gemma_module
+    from helpers import tiny_gemma3
+
+    from kvpolicy_core.integration.compress_once import prefill_full
+    from kvpolicy_core.integration.reconstruction import window_scores
+
+    gemma = tiny_gemma3(window=8)
+    seen = []
+    original = gemma_module.scaled_dot_product_attention
+
+    def record(queries, keys, values, cache, scale, mask, *a, **k):
+        seen.append((queries, keys, scale, mask))
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+
+    caches = [KVCache() for _ in gemma.layers]
+    mx.eval(gemma(mx.array(IDS[:-1], dtype=mx.uint32)[None], cache=caches))
+    monkeypatch.setattr(gemma_module, "scaled_dot_product_attention", record)
+    mx.eval(gemma(mx.array(IDS[-1:], dtype=mx.uint32)[None], cache=caches))
+    monkeypatch.undo()
+    full = prefill_full(gemma, IDS, 16)
+    got = window_scores(gemma, [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full], IDS, 1)
+    windowed = 0
+    for g, (q, k, scale, mask) in zip(got, seen):
+        Hq, H = q.shape[1], k.shape[1]
+        logits = scale * (q.astype(mx.float32) @ mx.repeat(k.astype(mx.float32), Hq // H, axis=1).swapaxes(-1, -2))
+        if isinstance(mask, mx.array):
+            windowed += 1
+            logits = mx.where(mask, logits, -math.inf) if mask.dtype == mx.bool_ else logits + mask
+        w = mx.softmax(logits, axis=-1)[:, :, 0].reshape(1, H, Hq // H, L).max(axis=2)
+        np.testing.assert_allclose(np.array(g), np.array(w), atol=2e-5, rtol=1e-4)
+    assert windowed == 4  # the sliding-window layers: they see only the last 8 positions
+    for g, (_, _, _, mask) in zip(got, seen):
+        if isinstance(mask, mx.array):
+            assert (np.array(g)[..., : L - 8] == 0).all()
 
 
 def test_each_head_keeps_exactly_budget_tokens_the_sinks_and_the_top_scores(compressed):

@@ -132,15 +132,15 @@ def test_the_one_pass_is_what_the_hook_runs_for_observed_policies(monkeypatch):
     assert calls == []  # no policy needs the weights: mlx-lm's kernel
 
 
-def test_only_a_full_buffers_decode_step_takes_the_compiled_attention(monkeypatch):
-    """MLX traces a compiled graph once per shape: a cache that still grows (a new length every step) runs
-    the eager ops; once its buffer is full (budget + 1 slots, the steady state) every step is compiled."""
+def _decode_steps(monkeypatch, option: str) -> list:
+    """20 decode steps of an ``h2o:budget=8`` cache through the hook's one pass: (keys attended, the value of
+    ``attention_with_weights``'s keyword ``option``) per step."""
     seen = []
     real = cache_module.attention_with_weights
     monkeypatch.setattr(
         cache_module,
         "attention_with_weights",
-        lambda q, k, v, *a, **kw: seen.append((k.shape[2], kw.get("compiled"))) or real(q, k, v, *a, **kw),
+        lambda q, k, v, *a, **kw: seen.append((k.shape[2], kw.get(option))) or real(q, k, v, *a, **kw),
     )
     cache = PolicyCache("h2o:budget=8")
     keys, values = _inputs(1, 2, 2, 1, 20, 16, mx.float32)[1:]
@@ -148,6 +148,13 @@ def test_only_a_full_buffers_decode_step_takes_the_compiled_attention(monkeypatc
     for i in range(20):
         k, v = cache.update_and_fetch(keys[:, :, i : i + 1], values[:, :, i : i + 1])
         mx.eval(cache.attend(q, k, v, 0.25, None, None))
+    return seen
+
+
+def test_only_a_full_buffers_decode_step_takes_the_compiled_attention(monkeypatch):
+    """MLX traces a compiled graph once per shape: a cache that still grows (a new length every step) runs
+    the eager ops; once its buffer is full (budget + 1 slots, the steady state) every step is compiled."""
+    seen = _decode_steps(monkeypatch, "compiled")
     assert [c for L, c in seen if L < 9] == [False] * 8 and [c for L, c in seen if L == 9] == [True] * 12
 
 
@@ -195,17 +202,5 @@ def test_the_grouped_decode_product_is_the_kernels_attention_up_to_rounding(dtyp
 def test_a_cache_takes_the_grouped_product_once_it_has_evicted(monkeypatch):
     """Until its first eviction a policy cache attends as mlx-lm's kernel does, bit for bit (a cache whose
     budget is never reached reproduces the plain cache: the conformance kit checks it); after, grouped."""
-    seen = []
-    real = cache_module.attention_with_weights
-    monkeypatch.setattr(
-        cache_module,
-        "attention_with_weights",
-        lambda q, k, v, *a, **kw: seen.append((k.shape[2], kw.get("grouped"))) or real(q, k, v, *a, **kw),
-    )
-    cache = PolicyCache("h2o:budget=8")
-    keys, values = _inputs(1, 2, 2, 1, 20, 16, mx.float32)[1:]
-    q = mx.random.normal((1, 2, 1, 16))
-    for i in range(20):
-        k, v = cache.update_and_fetch(keys[:, :, i : i + 1], values[:, :, i : i + 1])
-        mx.eval(cache.attend(q, k, v, 0.25, None, None))
+    seen = _decode_steps(monkeypatch, "grouped")
     assert [g for _, g in seen] == [False] * 9 + [True] * 11  # tokens 1..9 all kept (budget + 1 slots), then evictions

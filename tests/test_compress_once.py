@@ -37,19 +37,30 @@ def compressed(model):
     return compress_context(model, IDS, EXACT, scorer="kvzip-layerwise", prefill_step=128, repeat=REPEAT, chunk=CHUNK)
 
 
+def _record_attention(monkeypatch, module) -> list:
+    """Record (queries, keys, scale, mask) of every attention call of ``module``'s model from now on."""
+    seen = []
+    original = module.scaled_dot_product_attention
+
+    def record(queries, keys, values, cache, scale, mask, *a, **k):
+        seen.append((queries, keys, scale, mask))
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+
+    monkeypatch.setattr(module, "scaled_dot_product_attention", record)
+    return seen
+
+
+def _float64(seen) -> list:
+    """(queries, keys, scale) of recorded calls as float64 NumPy arrays."""
+    return [(np.array(q.astype(mx.float32), np.float64), np.array(k, np.float64), scale) for q, k, scale, _ in seen]
+
+
 def _reference_scores(model, monkeypatch, n_sink=None) -> list:
     """NumPy: each reconstruction chunk fed after the context in one causal pass; softmax of the recorded queries
     and keys; the max over query heads of a group and the chunk's rows of the weights on each context key. With
     ``n_sink``, kvpress's normalisation: chunk c scores only its span, its weights renormalised over the sinks,
     the span and the repeat tokens."""
-    seen = []
-    original = llama_module.scaled_dot_product_attention
-
-    def record(queries, keys, values, cache, scale, mask, *a, **k):
-        seen.append((np.array(queries.astype(mx.float32), np.float64), np.array(keys, np.float64), scale))
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
-
-    monkeypatch.setattr(llama_module, "scaled_dot_product_attention", record)
+    seen = _record_attention(monkeypatch, llama_module)
     best = None
     for c, chunk in enumerate(repeat_chunks(IDS, REPEAT.first, REPEAT.later, REPEAT.suffix, CHUNK, REPEAT.tail)):
         a, b = c * CHUNK, min(L, (c + 1) * CHUNK)
@@ -57,7 +68,7 @@ def _reference_scores(model, monkeypatch, n_sink=None) -> list:
         caches = [KVCache() for _ in model.layers]
         mx.eval(model(mx.array(IDS + chunk, dtype=mx.uint32)[None], cache=caches))
         per_layer = []
-        for q, k, scale in seen:
+        for q, k, scale in _float64(seen):
             _, Hq, T, _ = q.shape
             H = k.shape[1]
             logits = scale * np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, Hq // H, axis=1))
@@ -117,18 +128,11 @@ def test_per_chunk_normalisation_matches_kvpress_rule_in_a_numpy_reference(model
 def _window_reference(model, monkeypatch, W: int) -> list:
     """NumPy: the context in one causal pass; per layer the max over a group's query heads and the last W query
     rows of the softmax weights on each context key."""
-    seen = []
-    original = llama_module.scaled_dot_product_attention
-
-    def record(queries, keys, values, cache, scale, mask, *a, **k):
-        seen.append((np.array(queries.astype(mx.float32), np.float64), np.array(keys, np.float64), scale))
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
-
-    monkeypatch.setattr(llama_module, "scaled_dot_product_attention", record)
+    seen = _record_attention(monkeypatch, llama_module)
     mx.eval(model(mx.array(IDS, dtype=mx.uint32)[None], cache=[KVCache() for _ in model.layers]))
     monkeypatch.undo()
     out = []
-    for q, k, scale in seen:
+    for q, k, scale in _float64(seen):
         _, Hq, T, _ = q.shape
         H = k.shape[1]
         logits = scale * np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, Hq // H, axis=1))
@@ -165,16 +169,9 @@ def test_the_window_of_one_query_is_that_querys_attention_on_sliding_window_laye
     from kvpolicy_core.integration.reconstruction import window_scores
 
     gemma = tiny_gemma3(window=8)
-    seen = []
-    original = gemma_module.scaled_dot_product_attention
-
-    def record(queries, keys, values, cache, scale, mask, *a, **k):
-        seen.append((queries, keys, scale, mask))
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
-
     caches = [KVCache() for _ in gemma.layers]
     mx.eval(gemma(mx.array(IDS[:-1], dtype=mx.uint32)[None], cache=caches))
-    monkeypatch.setattr(gemma_module, "scaled_dot_product_attention", record)
+    seen = _record_attention(monkeypatch, gemma_module)
     mx.eval(gemma(mx.array(IDS[-1:], dtype=mx.uint32)[None], cache=caches))
     monkeypatch.undo()
     full = prefill_full(gemma, IDS, 16)

@@ -137,17 +137,13 @@ def pooled_scores(score: np.ndarray, P: int) -> np.ndarray:
     return np.array(pool_by_position(mx.array(score), positions, P))
 
 
-#: the cut's observation window when the method's ``obs_window`` is not given (0: none)
-CUT_WINDOW = 0
-
-
 def cut_window(config, L: int) -> int:
-    """The observation window of the cut: the method's ``obs_window`` where given, else :data:`CUT_WINDOW`; at most
-    ``L - 1`` queries. Raises :class:`ConfigError` for ``obs_window=0`` (every query: a streaming setting only)."""
+    """The observation window of the cut: the method's ``obs_window`` where given (at most ``L - 1`` queries), else
+    0, none. Raises :class:`ConfigError` for ``obs_window=0`` (every query: a streaming setting only)."""
     W = getattr(config.policy, "obs_window", None)
     if W is None:
-        W = CUT_WINDOW
-    elif W == 0:
+        return 0
+    if W == 0:
         raise ConfigError(
             "obs_window: a compress-once cut adds the attention of the context's last obs_window queries; "
             "obs_window=0 (every query) applies to streaming methods only: give obs_window >= 1 or leave it unset"

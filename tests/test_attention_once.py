@@ -29,6 +29,18 @@ def _inputs(B, Hq, H, S, L, D, dtype, seed=0):
     return q, k, v
 
 
+def _mask(kind, B, Hq, S, L, dtype):
+    """The test masks by name: None and "causal" as they are, "bool" [S, L], "bool4" [B, Hq, S, L] bool,
+    "additive4" [B, Hq, S, L] of ``dtype``."""
+    if kind == "bool":
+        return mx.random.uniform(shape=(S, L), key=mx.random.key(7)) > 0.3
+    if kind == "bool4":
+        return mx.random.uniform(shape=(B, Hq, S, L), key=mx.random.key(7)) > 0.3
+    if kind == "additive4":
+        return mx.random.normal((B, Hq, S, L), key=mx.random.key(7)).astype(dtype)
+    return kind
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize(
     "shape, mask_kind",
@@ -46,13 +58,7 @@ def _inputs(B, Hq, H, S, L, D, dtype, seed=0):
 def test_one_pass_output_is_mlx_fused_attention_bit_for_bit(dtype, shape, mask_kind):
     B, Hq, H, S, L = shape
     q, k, v = _inputs(B, Hq, H, S, L, 16, dtype)
-    mask = mask_kind
-    if mask_kind == "bool":
-        mask = mx.random.uniform(shape=(S, L), key=mx.random.key(7)) > 0.3
-    elif mask_kind == "bool4":
-        mask = mx.random.uniform(shape=(B, Hq, S, L), key=mx.random.key(7)) > 0.3
-    elif mask_kind == "additive4":
-        mask = mx.random.normal((B, Hq, S, L), key=mx.random.key(7)).astype(dtype)
+    mask = _mask(mask_kind, B, Hq, S, L, dtype)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     out, weights = attention_with_weights(q, k, v, 0.25, mask)
     assert out.dtype == want.dtype and mx.array_equal(out, want)
@@ -172,11 +178,7 @@ def test_only_a_full_buffers_decode_step_takes_the_compiled_attention(monkeypatc
 def test_the_grouped_decode_product_is_the_kernels_attention_up_to_rounding(dtype, tol, shape, mask_kind):
     B, Hq, H, S, L, D = shape
     q, k, v = _inputs(B, Hq, H, S, L, D, dtype)
-    mask = None
-    if mask_kind == "bool4":
-        mask = mx.random.uniform(shape=(B, Hq, S, L), key=mx.random.key(7)) > 0.3
-    elif mask_kind == "additive4":
-        mask = mx.random.normal((B, Hq, S, L), key=mx.random.key(7)).astype(dtype)
+    mask = _mask(mask_kind, B, Hq, S, L, dtype)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     _, want_w = attention_with_weights(q, k, v, 0.25, mask)
     eager = attention_with_weights(q, k, v, 0.25, mask, grouped=True)

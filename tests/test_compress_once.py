@@ -55,6 +55,15 @@ def _float64(seen) -> list:
     return [(np.array(q.astype(mx.float32), np.float64), np.array(k, np.float64), scale) for q, k, scale, _ in seen]
 
 
+def _causal_softmax(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
+    """softmax(scale q k^T) over causal positions: q [1, Hq, T, D], k [1, H, T, D] -> [1, Hq, T, T]."""
+    T, G = q.shape[2], q.shape[1] // k.shape[1]
+    logits = scale * np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, G, axis=1))
+    logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    return w / w.sum(-1, keepdims=True)
+
+
 def _reference_scores(model, monkeypatch, n_sink=None) -> list:
     """NumPy: each reconstruction chunk fed after the context in one causal pass; softmax of the recorded queries
     and keys; the max over query heads of a group and the chunk's rows of the weights on each context key. With
@@ -71,11 +80,7 @@ def _reference_scores(model, monkeypatch, n_sink=None) -> list:
         for q, k, scale in _float64(seen):
             _, Hq, T, _ = q.shape
             H = k.shape[1]
-            logits = scale * np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, Hq // H, axis=1))
-            logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
-            w = np.exp(logits - logits.max(-1, keepdims=True))
-            w /= w.sum(-1, keepdims=True)
-            w = w[:, :, L:]
+            w = _causal_softmax(q, k, scale)[:, :, L:]
             if n_sink is not None:
                 keep = np.zeros(T, bool)
                 keep[: min(n_sink, a)] = keep[a:b] = keep[L:] = True
@@ -135,10 +140,7 @@ def _window_reference(model, monkeypatch, W: int) -> list:
     for q, k, scale in _float64(seen):
         _, Hq, T, _ = q.shape
         H = k.shape[1]
-        logits = scale * np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, Hq // H, axis=1))
-        logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
-        w = np.exp(logits - logits.max(-1, keepdims=True))
-        w /= w.sum(-1, keepdims=True)
+        w = _causal_softmax(q, k, scale)
         out.append(w[:, :, T - W :].reshape(1, H, Hq // H, W, T).max(axis=(2, 3)))
     return out
 

@@ -6,8 +6,12 @@ per-chunk one); then every (normalisation, pool width, allocation) cut of those 
 and asked each of the context's questions (greedy, query-agnostic, a fresh copy of the cut per question).
 ``allocation``: ``layer`` keeps the budget in every layer (``kvzip-layerwise``), ``model`` shares ``n_layers x
 budget`` out by one ranking (``kvzip``), ``shareS`` (e.g. ``share50``) guarantees every layer S % of the budget
-and shares the rest by the ranking (``compress_once.model_budgets``). Writes ``compress_once_cuts[_TAG].json`` with
-one row per (context, cut) and prints the hits per cut.
+and shares the rest by the ranking (``compress_once.model_budgets``). Any allocation suffixed ``+spans`` (e.g.
+``model+spans``) first raises the task's statement spans above every score: an oracle that keeps each statement
+whole in every layer and head (a window layer: where its window still sees it), what a perfect query-agnostic
+statement detector would keep. ``--full`` also asks every question of the uncompressed cache. Writes
+``compress_once_cuts[_TAG].json`` with one row per (context, cut), each with the share of every statement's positions
+the cut kept (``spans_kept``), and prints the hits per cut.
 
     python benchmarks/compress_once_cuts.py --model gemma3 --haystacks pydoc,noise --depths 0.3,0.5,0.7
     python benchmarks/compress_once_cuts.py --model smollm2 --ratios 4,8 --pools 1,3,7,15 --normalisations context \
@@ -42,6 +46,25 @@ def both_scores(model, contexts, chunks, spans, n_sink):
     return {"context": [np.array(s) for s in whole], "chunk": [np.array(s) for s in chunk]}
 
 
+def with_spans(score, spans, top=2.0):
+    """``score`` [B, H, L] with every position of ``spans`` raised to ``top``, above any attention weight."""
+    out = score.copy()
+    for a, b in spans:
+        out[..., a:b] = top
+    return out
+
+
+def spans_kept(kept, spans, L):
+    """Per statement span, the share of its positions kept, over every layer and head (``kept``: [B, H, b_l])."""
+    held = []
+    for k in kept:
+        mask = np.zeros(k.shape[:2] + (L,), dtype=bool)
+        np.put_along_axis(mask, k.astype(np.int64), True, axis=-1)
+        held.append(mask.reshape(-1, L))
+    held = np.concatenate(held)
+    return [round(float(held[:, a:b].mean()), 3) for a, b in spans]
+
+
 def main():
     p = parser(__doc__, smoke_help="a tiny random-weight model, seconds (checks the program runs)")
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
@@ -56,9 +79,11 @@ def main():
     p.add_argument("--normalisations", default="context,chunk", help="context, chunk (comma list)")
     p.add_argument("--allocations", default="layer,model", help="layer, model, shareS e.g. share50 (comma list)")
     p.add_argument("--method", default="cam")
+    p.add_argument("--full", action="store_true", help="also ask every question of the uncompressed cache")
     args = p.parse_args()
     if args.smoke:
         args.length, args.haystacks, args.depths, args.pools = 640, "noise", "0.5", "1,7"
+        args.allocations, args.full = "layer,model,model+spans", True
     start = time.perf_counter()
     model, tok, path = load(args.model, args.smoke)
     name = path.rstrip("/").split("/")[-1]
@@ -77,14 +102,31 @@ def main():
             chunks = rc.repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, 2048, repeat.tail)
             spans = [(a, min(a + 2048, L)) for a in range(0, L, 2048)]
             scores = both_scores(model, contexts, chunks, spans, co.parse_config(args.method).policy.n_sink)
+            if args.full:
+                for qi, q in enumerate(ctx.questions):
+                    got = greedy(
+                        model, tok, copy_caches(full), q.question_ids, q.max_new_tokens, ctx.stop_ids, 2048,
+                        q.answers, ctx.metric,
+                    )  # fmt: skip
+                    rows.append(
+                        {
+                            "context": ctx.id, "haystack": hay, "depth": depth, "question": qi, "ratio": 1.0,
+                            "normalise": "-", "pool": 0, "allocation": "full", "budgets": [L] * len(full),
+                            "output": got["output"], "score": ruler.score(got["output"], q.answers, ctx.metric),
+                        }
+                    )  # fmt: skip
             for (norm, s), ratio, P, allocation in itertools.product(scores.items(), ratios, pools, allocations):
                 if norm not in norms:
                     continue
                 budget = int(args.length / ratio)
                 config = co.parse_config(f"{args.method}:budget={budget},pool={P}")
-                share = float(allocation[5:]) / 100 if allocation.startswith("share") else 0.0
-                caches = co.cut(model, config, contexts, s, L, layerwise=allocation == "layer", share=share).caches
-                budgets = [c.budget for c in caches]
+                rule, oracle = allocation.split("+")[0], allocation.endswith("+spans")
+                share = float(rule[5:]) / 100 if rule.startswith("share") else 0.0
+                if oracle:
+                    s = [with_spans(x, ctx.spans) for x in s]
+                compressed = co.cut(model, config, contexts, s, L, layerwise=rule == "layer", share=share)
+                caches, budgets = compressed.caches, [c.budget for c in compressed.caches]
+                kept = spans_kept(compressed.kept, ctx.spans, L)
                 for qi, q in enumerate(ctx.questions):
                     got = greedy(
                         model, tok, copy_caches(caches), q.question_ids, q.max_new_tokens, ctx.stop_ids, 2048,
@@ -94,6 +136,7 @@ def main():
                         {
                             "context": ctx.id, "haystack": hay, "depth": depth, "question": qi, "ratio": ratio,
                             "normalise": norm, "pool": P, "allocation": allocation, "budgets": budgets,
+                            "spans_kept": kept,
                             "output": got["output"], "score": ruler.score(got["output"], q.answers, ctx.metric),
                         }
                     )  # fmt: skip

@@ -34,7 +34,6 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
         ("paper_merge_growth.py", "paper_merge_growth_smoke.json"),
         ("validation_cost.py", "validation_cost_smoke.json"),
         ("decode_layer.py", "decode_layer_tiny_64_smoke.json"),
-        ("compress_once_cuts.py", "compress_once_cuts_smoke.json"),
     ],
 )
 def test_benchmark_smoke(tmp_path, script, result):
@@ -318,3 +317,23 @@ def test_long_context_reuses_the_full_caches_answers_only_on_the_same_contexts(t
     assert all(r.get("reused") for r in full if r["task"] == "niah_multikey")
     assert not any(r.get("reused") for r in full if r["task"] == "vt")  # not in the earlier file: run
     assert any(r["method"].startswith("h2o") for r in again)
+
+
+@pytest.mark.slow
+def test_compress_once_cuts_oracle_keeps_every_statement(tmp_path):
+    """``+spans``: the cut keeps every statement position in every layer and head; ``--full``: the full cache's
+    answers ride along (smoke: both on)."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "compress_once_cuts.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "compress_once_cuts_smoke.json").read_text())["rows"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["allocation"], []).append(r)
+    assert set(by) == {"full", "layer", "model", "model+spans"}
+    assert all(r["spans_kept"] == [1.0] * len(r["spans_kept"]) and r["spans_kept"] for r in by["model+spans"])
+    assert all(0.0 <= x <= 1.0 for r in by["model"] for x in r["spans_kept"])

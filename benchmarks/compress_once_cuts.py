@@ -65,6 +65,18 @@ def spans_kept(kept, spans, L):
     return [round(float(held[:, a:b].mean()), 3) for a, b in spans]
 
 
+def ask_all(model, tok, ctx, caches, row):
+    """One row per question of ``ctx``, each asked of a fresh copy of ``caches``: ``row`` plus its answer and score."""
+    out = []
+    for qi, q in enumerate(ctx.questions):
+        got = greedy(
+            model, tok, copy_caches(caches), q.question_ids, q.max_new_tokens, ctx.stop_ids, 2048, q.answers, ctx.metric
+        )
+        score = ruler.score(got["output"], q.answers, ctx.metric)
+        out.append({**row, "question": qi, "output": got["output"], "score": score})
+    return out
+
+
 def main():
     p = parser(__doc__, smoke_help="a tiny random-weight model, seconds (checks the program runs)")
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
@@ -102,19 +114,10 @@ def main():
             chunks = rc.repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, 2048, repeat.tail)
             spans = [(a, min(a + 2048, L)) for a in range(0, L, 2048)]
             scores = both_scores(model, contexts, chunks, spans, co.parse_config(args.method).policy.n_sink)
+            where = {"context": ctx.id, "haystack": hay, "depth": depth}
             if args.full:
-                for qi, q in enumerate(ctx.questions):
-                    got = greedy(
-                        model, tok, copy_caches(full), q.question_ids, q.max_new_tokens, ctx.stop_ids, 2048,
-                        q.answers, ctx.metric,
-                    )  # fmt: skip
-                    rows.append(
-                        {
-                            "context": ctx.id, "haystack": hay, "depth": depth, "question": qi, "ratio": 1.0,
-                            "normalise": "-", "pool": 0, "allocation": "full", "budgets": [L] * len(full),
-                            "output": got["output"], "score": ruler.score(got["output"], q.answers, ctx.metric),
-                        }
-                    )  # fmt: skip
+                cut = {"ratio": 1.0, "normalise": "-", "pool": 0, "allocation": "full", "budgets": [L] * len(full)}
+                rows += ask_all(model, tok, ctx, full, {**where, **cut})
             for (norm, s), ratio, P, allocation in itertools.product(scores.items(), ratios, pools, allocations):
                 if norm not in norms:
                     continue
@@ -122,24 +125,14 @@ def main():
                 config = co.parse_config(f"{args.method}:budget={budget},pool={P}")
                 rule, oracle = allocation.split("+")[0], allocation.endswith("+spans")
                 share = float(rule[5:]) / 100 if rule.startswith("share") else 0.0
-                if oracle:
-                    s = [with_spans(x, ctx.spans) for x in s]
-                compressed = co.cut(model, config, contexts, s, L, layerwise=rule == "layer", share=share)
-                caches, budgets = compressed.caches, [c.budget for c in compressed.caches]
-                kept = spans_kept(compressed.kept, ctx.spans, L)
-                for qi, q in enumerate(ctx.questions):
-                    got = greedy(
-                        model, tok, copy_caches(caches), q.question_ids, q.max_new_tokens, ctx.stop_ids, 2048,
-                        q.answers, ctx.metric,
-                    )  # fmt: skip
-                    rows.append(
-                        {
-                            "context": ctx.id, "haystack": hay, "depth": depth, "question": qi, "ratio": ratio,
-                            "normalise": norm, "pool": P, "allocation": allocation, "budgets": budgets,
-                            "spans_kept": kept,
-                            "output": got["output"], "score": ruler.score(got["output"], q.answers, ctx.metric),
-                        }
-                    )  # fmt: skip
+                cut_scores = [with_spans(x, ctx.spans) for x in s] if oracle else s
+                compressed = co.cut(model, config, contexts, cut_scores, L, layerwise=rule == "layer", share=share)
+                cut = {
+                    "ratio": ratio, "normalise": norm, "pool": P, "allocation": allocation,
+                    "budgets": [c.budget for c in compressed.caches],
+                    "spans_kept": spans_kept(compressed.kept, ctx.spans, L),
+                }  # fmt: skip
+                rows += ask_all(model, tok, ctx, compressed.caches, {**where, **cut})
             del full, contexts
     hits = defaultdict(list)
     for r in rows:

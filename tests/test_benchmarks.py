@@ -330,7 +330,9 @@ def test_compress_once_cuts_oracle_keeps_every_statement(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "compress_once_cuts_smoke.json").read_text())["rows"]
+    data = json.loads((tmp_path / "compress_once_cuts_smoke.json").read_text())
+    assert data["versions"]["mlx"] and data["command"].startswith("python")
+    rows = data["rows"]
     by = {}
     for r in rows:
         by.setdefault(r["allocation"], []).append(r)

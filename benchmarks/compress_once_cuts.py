@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import time
 from collections import defaultdict
 
@@ -93,6 +94,10 @@ def main():
     p.add_argument("--method", default="cam")
     p.add_argument("--full", action="store_true", help="also ask every question of the uncompressed cache")
     args = p.parse_args()
+    for allocation in args.allocations.split(","):
+        rule, _, oracle = allocation.partition("+")
+        if not (rule in ("layer", "model") or re.fullmatch(r"share\d+(\.\d+)?", rule)) or oracle not in ("", "spans"):
+            p.error(f"--allocations: {allocation!r} is not layer, model or shareS, each optionally suffixed +spans")
     if args.smoke:
         args.length, args.haystacks, args.depths, args.pools = 640, "noise", "0.5", "1,7"
         args.allocations, args.full = "layer,model,model+spans", True
@@ -112,8 +117,8 @@ def main():
             full = co.prefill_full(model, ids, 2048)
             contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
             chunks = rc.repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, 2048, repeat.tail)
-            spans = [(a, min(a + 2048, L)) for a in range(0, L, 2048)]
-            scores = both_scores(model, contexts, chunks, spans, co.parse_config(args.method).policy.n_sink)
+            chunk_spans = [(a, min(a + 2048, L)) for a in range(0, L, 2048)]
+            scores = both_scores(model, contexts, chunks, chunk_spans, co.parse_config(args.method).policy.n_sink)
             where = {"context": ctx.id, "haystack": hay, "depth": depth}
             if args.full:
                 cut = {"ratio": 1.0, "normalise": "-", "pool": 0, "allocation": "full", "budgets": [L] * len(full)}

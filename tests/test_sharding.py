@@ -25,7 +25,9 @@ from kvpolicy_core.testing.tiny_models import write_model_dir
 CHUNKS = (12, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)  # 40 tokens, budget 10
 FIELDS = "budget=10,n_sink=2"
 #: the shipped matrix, plus every other installed method (e.g. the example plugin's) at its defaults
-METHODS = [with_fields(m, FIELDS) for m in SHIPPED_METHODS] + [
+#: gated mass merges (the shipped mass merges are ungated): each loser merging on its key cosine draws the gate
+GATED_MASS = ["cam:merge=mass,gate=true,min_sim=-1", "cam:merge=mass_blend,gate=true,min_sim=-1"]
+METHODS = [with_fields(m, FIELDS) for m in SHIPPED_METHODS + GATED_MASS] + [
     with_fields(name, FIELDS) for name in sorted(get_registry().methods()) if name not in {"h2o", "cam", "random"}
 ]
 
@@ -58,7 +60,11 @@ def test_two_head_shards_keep_what_one_cache_keeps(method):
 
 
 # cam with a gated merge (its default mass merge draws nothing)
-@pytest.mark.parametrize("method", ["random:budget=10,n_sink=2", "cam:budget=10,n_sink=2,merge=sim_weighted"])
+@pytest.mark.parametrize(
+    "method",
+    ["random:budget=10,n_sink=2", "cam:budget=10,n_sink=2,merge=sim_weighted"]
+    + [with_fields(m, FIELDS) for m in GATED_MASS],
+)
 def test_without_the_head_offset_the_second_shard_draws_differently(method):
     """The keying is what makes the shards agree: heads 2..3 told they are heads 0..1 diverge."""
     keys, values = random_kv(B=2, H=4, S=40, D=8, seed=11)

@@ -26,13 +26,6 @@ def per_row(flags: mx.array) -> mx.array:
     return flags.reshape(flags.shape[0], -1).astype(mx.int32).sum(axis=-1)
 
 
-def unit(keys: mx.array) -> mx.array:
-    """keys [B, H, L, D] -> fp32 unit vectors; a zero key stays zero (cosine 0 with anything)."""
-    k = keys.astype(mx.float32)
-    norm = mx.sqrt((k * k).sum(axis=-1, keepdims=True))
-    return k / mx.maximum(norm, 1e-12)
-
-
 def cosine_to_all(view: CacheView, rows: mx.array) -> mx.array:
     """cos(k_r, k_j) [B, H, E, L] float32 for the slots ``rows`` [B, H, E] against every slot::
 

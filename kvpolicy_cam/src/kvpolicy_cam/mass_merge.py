@@ -136,7 +136,7 @@ class MassMergeDisposition(Disposition):
             has_target = has_target & (lw_t < self.log_cap)
         s_l, s_t = take(view.scores, losers), take(view.scores, target)
         if self.gate:
-            merge = has_target & bernoulli(gate_probability(s_l, s_t), key)
+            merge = has_target & bernoulli(gate_probability(s_l, s_t), key, view.head_offset, view.heads_total)
             draws = per_row(has_target)
         else:
             merge, draws = has_target, mx.zeros((has_target.shape[0],), mx.int32)

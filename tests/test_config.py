@@ -257,3 +257,38 @@ def test_ascii_numbers_in_config_strings_still_parse():
         10.0,
         16,
     )
+
+
+# ----------------------------------------------------------------------------- bounds of the numeric fields
+@pytest.mark.parametrize(
+    "spec, field, bound",
+    [
+        ("h2o:score=keydiff,pool=100001", "h2o_pool", "255"),  # segfaulted at the first compiled decode step
+        ("cam:score=expected_attention,pool=10001", "cam_pool", "255"),  # ~13 s a decode step
+        ("h2o:pool=257", "h2o_pool", "255"),
+        ("cam:score=expected_attention,n_future=1000000000", "cam_n_future", "65536"),  # segfaulted
+        ("h2o:obs_window=9223372036854775807", "h2o_obs_window", "2147483647"),
+        ("h2o:score=keydiff,rescore_every=3000000000", "h2o_rescore_every", "2147483647"),
+        ("cam:merge=paper,m=9223372036854775807", "cam_m", "2147483647"),
+        ("h2o:budget=4294967296,n_sink=4294967000", "h2o_budget", "2147483647"),
+        ("cam:budget=4611686018427387904", "cam_budget", "2147483647"),
+        ("h2o:head_dim=100000", "head_dim", "65536"),
+    ],
+)
+def test_numeric_fields_beyond_what_the_machine_can_do_are_refused_naming_the_field(spec, field, bound):
+    with pytest.raises(ConfigError, match=rf"^{field}: .*{bound}"):
+        parse_config(spec)
+
+
+def test_the_bounds_themselves_are_accepted():
+    from kvpolicy_core.plugin.attention_config import MAX_TOKENS, N_FUTURE_MAX, POOL_MAX
+
+    assert parse_config(f"h2o:score=keydiff,pool={POOL_MAX}").policy.pool_width == POOL_MAX
+    assert parse_config(f"cam:score=expected_attention,n_future={N_FUTURE_MAX}").policy.future_positions == 65536
+    assert parse_config(f"h2o:budget={MAX_TOKENS},obs_window={MAX_TOKENS}").policy.budget == MAX_TOKENS
+    assert parse_config(f"cam:merge=paper,m={MAX_TOKENS}").policy.merge_window == MAX_TOKENS
+
+
+def test_rope_frequencies_must_be_finite():
+    with pytest.raises(ConfigError, match=r"rope_freqs: .*finite"):
+        parse_config({"method": "h2o", "score": "expected_attention", "rope_freqs": [1.0, float("nan")]})

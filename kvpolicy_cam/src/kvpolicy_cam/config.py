@@ -4,7 +4,7 @@ from typing import Literal, Optional
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from kvpolicy_core.plugin.attention_config import AttentionPolicyConfig
+from kvpolicy_core.plugin.attention_config import MAX_TOKENS, AttentionPolicyConfig
 
 #: Merges weighted by attention mass: ungated unless ``merge_gate`` is given.
 MASS_MERGES = ("mass", "mass_blend")
@@ -75,6 +75,7 @@ class CamConfig(AttentionPolicyConfig):
     merge_window: int = Field(
         16,
         ge=1,
+        le=MAX_TOKENS,
         validation_alias=AliasChoices("merge_window", "m"),
         description="m, the number of following tokens the paper's merge spreads a loser over.",
     )

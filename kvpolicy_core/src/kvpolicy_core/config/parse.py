@@ -28,10 +28,18 @@ from typing import Any, Dict, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
 from ..errors import ConfigError
+from ..plugin.attention_config import MAX_TOKENS
 from ..plugin.discovery import get_registry
 from ..plugin.policy_config import COMMON_FIELDS, PolicyConfig, format_errors
 
 __all__ = ["KVCacheConfig", "PolicyConfig", "COMMON_FIELDS", "parse_config", "parse_config_string"]
+
+
+#: The largest ``head_dim`` a config may expect (models have 64 to 256; it is only compared with the model's).
+MAX_HEAD_DIM = 1 << 16
+#: Token counts every method shares, bounded by :data:`~kvpolicy_core.plugin.attention_config.MAX_TOKENS` (positions
+#: and counters are int32 on the device; the layer allocation refuses more when the caches are built).
+TOKEN_COUNTS = ("budget", "n_sink", "recent")
 
 
 class KVCacheConfig(BaseModel):
@@ -48,7 +56,9 @@ class KVCacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     method: str = Field(description="Registered method name, e.g. 'h2o' or 'cam'.")
-    head_dim: Optional[int] = Field(None, ge=1, description="Expected head dimension; checked against the model.")
+    head_dim: Optional[int] = Field(
+        None, ge=1, le=MAX_HEAD_DIM, description="Expected head dimension; checked against the model."
+    )
     seed: int = Field(
         0,
         ge=0,
@@ -65,6 +75,7 @@ class KVCacheConfig(BaseModel):
             super().__init__(**(data if _typed(data) else get_registry().resolve(data)))
         except ValidationError as exc:
             raise ConfigError(format_errors(exc, "")) from None
+        _check_token_counts(self.method, self.policy)
 
     @field_validator("seed", "head_dim", mode="before")
     @classmethod
@@ -96,6 +107,17 @@ class KVCacheConfig(BaseModel):
                 items[key] = getattr(self, key)
         body = ",".join(f"{k}={_fmt(v)}" for k, v in items.items())
         return f"{self.method}:{body}" if body else self.method
+
+
+def _check_token_counts(method: str, policy: PolicyConfig) -> None:
+    """Every method's shared token counts at most :data:`MAX_TOKENS`, refused naming the field (one check for every
+    method: the fields are :class:`PolicyConfig`'s)."""
+    for name in TOKEN_COUNTS:
+        value = getattr(policy, name, None)
+        if isinstance(value, int) and value > MAX_TOKENS:
+            raise ConfigError(
+                f"{method}_{name}: must be at most {MAX_TOKENS} tokens (positions are int32) (got {value})"
+            )
 
 
 def _typed(data: Mapping[str, Any]) -> bool:

@@ -20,6 +20,12 @@ queries (:mod:`~kvpolicy_core.parts.expected_attention`; its options ``n_future`
 ``signal`` and ``obs_window`` apply to ``score="attention"`` only; ``pool`` to every score (None: 15 observed and
 1 proxy for ``score="attention"``, :data:`POOL_DEFAULTS` for the others).
 
+*Bounds* (refused when the config is made, naming the field): ``pool`` <= :data:`POOL_MAX` (each neighbour is one
+op of every compiled decode step: ``pool=10001`` took ~13 s a step and ``pool=100001`` crashed the compiler);
+``n_future`` <= :data:`N_FUTURE_MAX` (the mean rotation holds ``n_future`` angles per rotated pair: 2**16 costs
+~0.2 s and 48 MiB per layer and prompt chunk at head_dim 128, ``10**9`` crashed); the counts ``obs_window`` and
+``rescore_every`` <= :data:`MAX_TOKENS` (positions and counters are int32 on the device); ``rope_freqs`` finite.
+
 ``rope_freqs``/``rope_traditional``: the layer's RoPE (the angle per position of each rotated pair, and the pair
 layout), which ``score="expected_attention"`` needs to move query statistics to future positions.
 :meth:`KVCacheBuilder.for_model <kvpolicy_core.integration.builder.KVCacheBuilder.for_model>` fills them for each
@@ -29,9 +35,10 @@ not rotated (a model without RoPE).
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Optional, Tuple
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .policy_config import PolicyConfig
 
@@ -44,6 +51,15 @@ EXPECTED_ATTENTION_DEFAULTS = {"n_future": 512, "covariance": True, "vnorm": Tru
 
 #: ``pool`` when not given, per query-agnostic score.
 POOL_DEFAULTS = {"keydiff": 1, "expected_attention": 1}
+#: The widest ``pool``: each neighbour is one maximum in every scoring (measured: 255 adds ~1 ms to a KeyDiff decode
+#: step over 512 slots; ``pool=10001`` took ~13 s a step and ``pool=100001`` crashed MLX's compiler).
+POOL_MAX = 255
+#: The most future positions ``n_future`` may average over: 2**16 angles per rotated pair (~0.2 s and 48 MiB per
+#: layer and prompt chunk at head_dim 128; 2**20 took 4 s and 772 MiB; 10**9 crashed).
+N_FUTURE_MAX = 1 << 16
+#: The largest token count a config may give (budgets, windows, intervals): positions and counters are int32.
+MAX_TOKENS = 2**31 - 1
+
 #: (obs_window, pool) used when the field is None, per signal (score="attention").
 WINDOW_DEFAULTS = {"observed": (32, 15), "proxy": (0, 1)}
 
@@ -58,12 +74,15 @@ class AttentionPolicyConfig(PolicyConfig):
     obs_window: Optional[int] = Field(
         None,
         ge=0,
+        le=MAX_TOKENS,
         description="Prompt chunks are scored by their last obs_window queries (0: all; None: 32 observed, 0 proxy).",
     )
     pool: Optional[int] = Field(
         None,
         ge=1,
-        description="Max-pool width over neighbouring positions for chunk scores (odd; 1: none; None: 15 observed, "
+        le=POOL_MAX,
+        description=f"Max-pool width over neighbouring positions for chunk scores (odd, at most {POOL_MAX}; "
+        "1: none; None: 15 observed, "
         "1 proxy, 1 keydiff/expected_attention).",
     )
 
@@ -75,7 +94,9 @@ class AttentionPolicyConfig(PolicyConfig):
     n_future: Optional[int] = Field(
         None,
         ge=1,
-        description="score=expected_attention: future query positions the RoPE rotation is averaged over (None: 512).",
+        le=N_FUTURE_MAX,
+        description="score=expected_attention: future query positions the RoPE rotation is averaged over "
+        f"(at most {N_FUTURE_MAX}; None: 512).",
     )
     covariance: Optional[bool] = Field(
         None,
@@ -89,6 +110,7 @@ class AttentionPolicyConfig(PolicyConfig):
     rescore_every: Optional[int] = Field(
         None,
         ge=0,
+        le=MAX_TOKENS,
         description="score=keydiff/expected_attention: rescore every slot at every k-th decode step (prompt chunks "
         "always rescore; between, a new token enters with its row's highest score; 0: never at decode; "
         "None: 8 keydiff, 0 expected_attention).",
@@ -102,6 +124,13 @@ class AttentionPolicyConfig(PolicyConfig):
         False,
         description="score=expected_attention: the RoPE pair layout (true: interleaved pairs; filled by the builder).",
     )
+
+    @field_validator("rope_freqs")
+    @classmethod
+    def _finite_freqs(cls, value):
+        if value is not None and not all(math.isfinite(f) for f in value):
+            raise ValueError(f"every RoPE frequency must be a finite number (got {value!r})")
+        return value
 
     @model_validator(mode="after")
     def _odd_pool(self):

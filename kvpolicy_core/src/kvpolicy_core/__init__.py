@@ -3,6 +3,12 @@
 Importing this package does not import mlx, so that
 ``kvpolicy_core.runtime.blas.load_optimized_blas()`` can run first; the names below are
 loaded on first access.
+
+Importing it is still enough for mlx-lm's own loaders (``load_prompt_cache``) to know ``PolicyCache`` and
+``BatchPolicyCache``: they look a class up in ``mlx_lm.models.cache``'s globals, so the classes are put there
+as soon as both this package and ``mlx_lm.models.cache`` are imported, in either order (right away if mlx-lm's
+module is already imported, else right after its import: :func:`._lazy.after_import`). Nothing here imports
+mlx before the user's code does.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import importlib
 
 from . import _moved
+from ._lazy import after_import
 
 _moved.install()
 
@@ -69,3 +76,10 @@ def __getattr__(name: str):
 
 def __dir__():
     return __all__
+
+
+def _register_with_mlx_lm(_module) -> None:
+    from .cache import batch, policy_cache  # noqa: F401 -- each registers its class on import (cache/interop.py)
+
+
+after_import("mlx_lm.models.cache", _register_with_mlx_lm)

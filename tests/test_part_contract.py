@@ -243,28 +243,23 @@ def test_view_offset_is_int32_b11_on_a_batchs_stacked_rows():
             assert all(B == 2 for *_, B, _ in seen)
 
 
-def test_a_part_written_against_the_int_offset_keeps_working_with_a_deprecation_warning():
-    """A 0.2 scorer that builds a range from ``view.offset`` (a Python int then) fails on the array and is
-    called again with the int: the same scores as the scorer written with MLX arithmetic on the array."""
+def test_a_part_written_against_the_int_offset_is_refused_once_naming_the_array_offset():
+    """A 0.2 scorer that builds a range from ``view.offset`` as a Python int fails on the array: it is called once
+    (no retry on the same run state: the int-offset compatibility path of 0.2 is gone) and the error names the
+    part and says that the offset is an array."""
+    calls = []
 
     class IntRecent(Scorer):
         def on_append(self, view, new_keys, new_positions):
+            calls.append(new_keys.shape[2])
             recent = mx.arange(view.offset - 3, view.offset)  # needs the Python int
             return mx.where((view.positions[..., None] == recent).any(axis=-1), 1.0, view.scores)
 
-    class ArrayRecent(Scorer):
-        def on_append(self, view, new_keys, new_positions):
-            return mx.where(view.positions >= view.offset - 3, 1.0, view.scores)
-
     K, V = random_kv(B=2, S=16)
-    got = []
-    for part in (IntRecent, ArrayRecent):
-        cache = PolicyCache(policy_with(scorer=part()))
-        _, said = deprecations(lambda: feed(cache, K, V, (7, 1, 1, 4, 1, 1, 1)))
-        got.append((np.array(cache.scores), said))
-    (int_scores, int_said), (array_scores, array_said) = got
-    assert np.array_equal(int_scores, array_scores) and array_said == []
-    assert len(int_said) == 1 and "IntRecent" in int_said[0] and "view.offset as a Python int" in int_said[0]
+    cache = PolicyCache(policy_with(scorer=IntRecent()))
+    with pytest.raises(PluginError, match=r"(?s)scorer.*raised TypeError.*view.offset is an int32 mx.array"):
+        feed(cache, K, V, (7,))
+    assert calls == [7] and cache.offset == 0  # called once; nothing changed
 
 
 # ---------------------------------------------------------------- key norms without a flag

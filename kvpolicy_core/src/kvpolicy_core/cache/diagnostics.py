@@ -25,7 +25,7 @@ class CacheDiagnostics:
     @property
     def tokens_kept(self) -> int:
         """Tokens retained once the current step is settled (same for every head)."""
-        return min(self.n, self.budget)
+        return self.n - self._n_evict(1)
 
     @property
     def nbytes(self) -> int:

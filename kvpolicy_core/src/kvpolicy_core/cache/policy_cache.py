@@ -5,16 +5,19 @@ compaction), the policy step (:mod:`.step`: score, select, dispose, checked) and
 persistence/diagnostics (:mod:`.state`, :mod:`.diagnostics`). This class is
 the loop that ties them to mlx-lm. ``update_and_fetch(k, v)`` with S new tokens:
 
-1. *Settle*: if the previous call left ``n > budget`` slots, ``E = n - budget`` losers are
-   chosen (window-dead slots first, then the selector's, from the scores accumulated so far),
-   the disposition updates survivors, and the losers are removed. Decode (``S == 1``,
-   ``E == 1``) writes the new token straight into the loser's slot; otherwise survivors
-   are compacted in temporal order.
+1. *Settle*: if the previous call left ``n > budget`` slots, ``E >= n - budget`` losers are
+   chosen (the selector's count: the overflow, or more for whole chunks; window-dead slots first,
+   then the selector's, from the scores accumulated so far), the disposition updates survivors,
+   and the losers are removed. Decode (``S == 1``, ``E == 1``) writes the new token straight into
+   the loser's slot; otherwise survivors are compacted in temporal order. With
+   ``when="prompt_end"`` a prompt chunk (``S > 1``) settles nothing: the cache holds the prompt
+   as mlx-lm's ``KVCache`` would, and the first decode step (``S == 1``; mlx-lm feeds the
+   prompt's last token so) cuts it once, scored with the prompt's last queries in view.
 2. *Append* the S new tokens (positions ``offset .. offset+S-1``, score 0).
 3. *Score*: ``scorer.on_append`` (and, for observed signals, from the attention hook: the
    model's own attention weights through :meth:`PolicyCache.attend`, computed once with the
    output, or ``on_attention`` before mlx-lm's kernel for scorers without ``on_attention_weights``).
-4. Return everything this step attends to: ``min(n, budget) + S`` slots.
+4. Return everything this step attends to: ``n - E + S`` slots.
 
 ``offset`` is the number of tokens seen: mlx-lm rotates queries with it, so RoPE stays
 exact after evictions without any re-rotation.
@@ -116,6 +119,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._weights_once = needs.attention_weights
         #: every step needs the attention hook (observed signal or log-weights; a window only past its length)
         self._hooked_always = needs.attention or self.uses_log_weights
+        #: ``when="prompt_end"``: prompt chunks are held whole and cut at the first decode step (or settle())
+        self._holds_prompt = self.policy.config.policy.when == "prompt_end"
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -126,14 +131,14 @@ class PolicyCache(CacheState, CacheDiagnostics):
         S = keys.shape[2]
         saved = self._save()
         try:
-            over = self.n - self.budget
-            self._run = dict(self._run) if (self._run_open and S > 1 and over <= 0) else {}
+            n_evict = self._n_evict(S)
+            self._run = dict(self._run) if (self._run_open and S > 1 and n_evict == 0) else {}
             self._run_open = S > 1
-            if over == 1 and S == 1:
+            if n_evict == 1 and S == 1:
                 self._evict(1, Token(keys, values, self.offset))
             else:
-                if over > 0:
-                    self._slots.compact(self._evict(over))
+                if n_evict > 0:
+                    self._slots.compact(self._evict(n_evict))
                 self._slots.append(keys, values, self.offset, self.budget)
             self.offset += S
             if self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
@@ -156,7 +161,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         if N == 1 and not return_array:
             return None
         if return_array or window_size is not None:
-            return causal_allowed(N, min(self.n, self.budget) + N)
+            return causal_allowed(N, self.n - self._n_evict(N) + N)
         return "causal"
 
     def is_trimmable(self) -> bool:
@@ -238,11 +243,13 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return mx.take_along_axis(self._slots.log_weights, order, axis=-1)
 
     def settle(self) -> None:
-        """Apply a pending eviction now (after a step), so exactly ``budget`` tokens remain."""
-        if self.n > self.budget:
+        """Apply a pending eviction now (after a step), so at most ``budget`` tokens remain (a held prompt,
+        ``when="prompt_end"``, is cut here as at its first decode step)."""
+        n_evict = self._n_evict(1)
+        if n_evict > 0:
             saved = self._save()
             try:
-                self._slots.compact(self._evict(self.n - self.budget))
+                self._slots.compact(self._evict(n_evict))
             except BaseException:
                 self._restore(saved)
                 raise
@@ -317,6 +324,16 @@ class PolicyCache(CacheState, CacheDiagnostics):
         sl = self._slots
         view = sl.view(self.offset, n_new, self._window_dead() if n_new == 0 else None, self.head_shard, run)
         return view if sl.key_norms is not None else on_key_norms(view, sl.norms_read)
+
+    def _n_evict(self, S: int) -> int:
+        """How many slots the next update of ``S`` tokens evicts first: none while ``n <= budget``, and none
+        for a prompt chunk (``S > 1``) of a policy that cuts at the end of the prompt (``when="prompt_end"``:
+        the prompt is held until the first decode step); else the selector's count for the overflow
+        ``n - budget`` (:meth:`~.step.PolicyStep.n_evict`: at least the overflow, whole chunks for some)."""
+        over = self.n - self.budget
+        if over <= 0 or (S > 1 and self._holds_prompt):
+            return 0
+        return self._step.n_evict(over, self.n)
 
     def _window_dead(self) -> Optional[mx.array]:
         """bool [B, H, n]: slots outside the sliding window of every future query, or None (no window yet)."""

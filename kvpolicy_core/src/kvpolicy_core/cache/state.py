@@ -102,7 +102,8 @@ class CacheState:
         the next chunk as part of the same run. An empty cache gives ``(None, None, None, None, meta JSON)``,
         so that mlx-lm's ``save_prompt_cache``/``load_prompt_cache`` keep one cache per layer.
         """
-        self.settle()
+        if not (self._holds_prompt and self._run_open):  # a held prompt is saved whole, cut at its end
+            self.settle()
         if self.keys is None:
             return None, None, None, None, self._meta_json()
         n = self.n
@@ -168,7 +169,8 @@ class CacheState:
                     log_weights = log_weights.astype(mx.float32)
                 self._slots.load(keys, values, positions, scores, log_weights)
             self.offset = meta["offset"]
-            check_restored(self._slots, self.offset, self.budget, settled=settled, where=self._where())
+            held = settled and self._holds_prompt  # a state of a held prompt (when="prompt_end") exceeds the budget
+            check_restored(self._slots, self.offset, self.budget, settled=settled and not held, where=self._where())
             if not all(isinstance(x, mx.array) for x in run.values()):
                 raise KVPolicyError(f"{self._where()}: the run of prompt chunks must hold mlx arrays")
             self._run, self._run_open = dict(run), bool(run)

@@ -27,7 +27,6 @@ from ..parts.base import (
     offset_read,
     pick_lowest,
     policy_needs,
-    with_int_offset,
 )
 from ..parts.shipped import is_shipped
 from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, loser_flags, nonfinite_flags
@@ -35,8 +34,6 @@ from .compiled import compiled, compiled_select, wants_compile
 from .slots import Choice
 
 Counters = Dict[str, mx.array]
-#: part classes warned that they take ``view.offset`` as a Python int (once each)
-_INT_OFFSET_WARNED: set = set()
 _INT32_MAX = 2**31 - 1
 
 
@@ -92,8 +89,6 @@ class PolicyStep:
         self.policy, self.layer = policy, layer
         #: what the parts need of the cache, resolved once (the only reader of the parts' declarations)
         self.needs: PolicyNeeds = policy_needs(policy, policy.owners)
-        #: the part kinds called with a Python int ``view.offset`` (the compatibility path, :meth:`call`)
-        self._int_offset: set = set()
         sel = type(policy.selector)
         # selectors on the 0.2.0 form rank; Selector.select then puts window-dead slots first
         self.ranked_selection = getattr(sel, "select", None) is Selector.select
@@ -102,6 +97,8 @@ class PolicyStep:
         #: MLX evaluates it (e.g. a gather with float indices) is caught inside the transaction (prefill and
         #: the first decode steps, where a sync costs nothing noticeable); later steps add no host sync
         self.eager_checks = 4
+        #: the selector may evict more than the overflow (its own ``evict_count``)
+        self._counts_more = getattr(sel, "evict_count", Selector.evict_count) is not Selector.evict_count
         self.compiling = Compiling()
         #: which parts' decode outputs are valid by construction (decided once: the parts do not change)
         self.trusted = {
@@ -122,6 +119,21 @@ class PolicyStep:
             and wants_compile(self.needs.compile_selector, 1)
             and self.trusted["selector"]
         )
+
+    def n_evict(self, over: int, L: int) -> int:
+        """How many of ``L`` slots an eviction removes for an overflow of ``over > 0``: the selector's
+        ``evict_count(over, L)`` (:meth:`~kvpolicy_core.parts.base.Selector.evict_count`), checked to be an int
+        in ``[over, L - 1]``."""
+        if not self._counts_more:
+            return over
+        owner = f"layer {self.layer}: {self.policy.owners['selector']}"
+        E = self.call("selector", lambda _view: self.policy.selector.evict_count(over, L), None)
+        if isinstance(E, bool) or not isinstance(E, int) or not over <= E <= L - 1:
+            raise PluginError(
+                f"{owner} returned evict_count {E!r} for an overflow of {over} of {L} slots; expected an int in "
+                f"[{over}, {L - 1}] (at least the overflow, and one slot left)"
+            )
+        return E
 
     def counter_names(self) -> Dict[str, str]:
         """Counters the parts declare through ``stats()`` (name -> meaning)."""
@@ -153,51 +165,22 @@ class PolicyStep:
             )
 
     def call(self, kind: str, fn, view: CacheView, *args):
-        """``fn(view, *args)`` of the part ``kind``; what it raises becomes a PluginError naming the part (after
-        the compatibility path for a Python int offset, :meth:`_with_int_offset`)."""
-        if kind in self._int_offset:
-            view = with_int_offset(view) or view
+        """``fn(view, *args)`` of the part ``kind``, called once; what it raises becomes a PluginError naming the
+        part (and, when it read ``view.offset`` and then failed on a type, that the offset is an array)."""
         try:
             return fn(view, *args)
         except KVPolicyError:
             raise
         except Exception as exc:
-            done = self._with_int_offset(kind, fn, view, args, exc)
-            if done:
-                return done[0]
+            hint = ""
+            if isinstance(exc, (TypeError, ValueError)) and view is not None and offset_read(view):
+                hint = (
+                    "; view.offset is an int32 mx.array [B, 1, 1] (since 0.2; the Python-int form was removed in "
+                    "0.3): use it in MLX arithmetic, or int(view.offset) on a single cache"
+                )
             raise PluginError(
-                f"layer {self.layer}: {self.policy.owners[kind]} raised {type(exc).__name__}: {exc}"
+                f"layer {self.layer}: {self.policy.owners[kind]} raised {type(exc).__name__}: {exc}{hint}"
             ) from exc
-
-    def _with_int_offset(self, kind: str, fn, view: CacheView, args, exc: Exception) -> Optional[tuple]:
-        """The compatibility path of parts written against a Python int ``view.offset`` (``range(view.offset)``,
-        ``mx.arange(view.offset - 5, view.offset)``): a plugin part that read the offset and then raised a
-        TypeError or ValueError (what an array raises where an int is needed) is called again with a view whose
-        ``offset`` is the int. If that works, the part gets the int from then on, with a DeprecationWarning (one
-        per class), and this returns ``(result,)``; else None. Single caches only: stacked rows have one offset
-        per row (their views hold no int)."""
-        if not isinstance(exc, (TypeError, ValueError)) or not offset_read(view):
-            return None
-        legacy = None if kind in self._int_offset or self.trusted[kind] else with_int_offset(view)
-        if legacy is None:
-            return None
-        try:
-            out = fn(legacy, *args)
-        except Exception:
-            return None
-        self._int_offset.add(kind)
-        cls = type(getattr(self.policy, kind))
-        if cls not in _INT_OFFSET_WARNED:
-            _INT_OFFSET_WARNED.add(cls)
-            warnings.warn(
-                f"{self.policy.owners[kind]} ({cls.__module__}.{cls.__qualname__}) needs view.offset as a Python "
-                f"int ({type(exc).__name__}: {exc}); it is an int32 mx.array [B, 1, 1]: use it in MLX arithmetic, "
-                "or int(view.offset) on a single cache (docs/plugins/minimal.md). Deprecated: called with the int "
-                "for now",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-        return (out,)
 
     def scores(self, scores, shape: Tuple[int, int, int], current: Optional[mx.array] = None) -> mx.array:
         """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0 and +-inf as the largest finite

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, List, NamedTuple, Sequence
 
 import mlx.core as mx
 
@@ -45,6 +45,31 @@ def build_policy(config: Any) -> Policy:
         except Exception as exc:
             raise PluginError(f"{owners[kind]} failed to build from the config: {type(exc).__name__}: {exc}") from exc
     return Policy(config, parts["scorer"], parts["selector"], parts["disposition"], owners)
+
+
+def layer_budgets(config: Any, layers: Sequence[Any]) -> List[int]:
+    """Each layer's budget: the config's ``allocation`` (:mod:`~kvpolicy_core.parts.allocation`) applied to
+    ``budget`` over ``layers`` (:class:`~kvpolicy_core.parts.allocation.LayerInfo`), checked to be one int per
+    layer. A budget below the least a layer may keep (``n_sink + recent + 1``, the config's protected tokens
+    plus one evictable) is raised to it."""
+    config = parse_config(config)
+    policy = config.policy
+    entry = get_registry().part("allocations", policy.allocation, "allocation")
+    owner = f"allocation {policy.allocation!r} of plugin {entry.plugin!r}"
+    try:
+        budgets = entry.obj.from_config(policy).budgets(policy.budget, list(layers))
+    except Exception as exc:
+        raise PluginError(f"{owner} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(budgets, (list, tuple)) or len(budgets) != len(layers):
+        got = f"{len(budgets)} budgets" if isinstance(budgets, (list, tuple)) else type(budgets).__name__
+        raise PluginError(f"{owner} returned {got} for {len(layers)} layers; expected a list of one int per layer")
+    floor = policy.n_sink + (policy.recent or 0) + 1
+    out = []
+    for info, b in zip(layers, budgets):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b > 2**31 - 1:
+            raise PluginError(f"{owner} returned {b!r} for layer {info.index}; expected an int in [1, 2**31 - 1]")
+        out.append(max(b, floor))
+    return out
 
 
 _MASK64 = (1 << 64) - 1

@@ -10,8 +10,9 @@ from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache,
 from ..attention import hook as attention
 from ..cache.policy_cache import PolicyCache
 from ..config.parse import KVCacheConfig, parse_config
-from ..config.policy import build_policy
+from ..config.policy import build_policy, layer_budgets
 from ..errors import ConfigError, ModelError
+from ..parts.allocation import LayerInfo
 from ..parts.base import needs_of
 from ..runtime.sharding import shard_layout
 from .rope import model_ropes
@@ -113,7 +114,7 @@ class KVCacheBuilder:
     """The specification's entry point: ``KVCacheBuilder.for_model(model, config)``."""
 
     @staticmethod
-    def for_model(model, config: Any) -> List[Any]:
+    def for_model(model, config: Any, budgets: Optional[List[int]] = None) -> List[Any]:
         """One cache per layer: a :class:`PolicyCache` where the policy applies, else the native one.
 
         ``config.layers == "all"`` replaces every layer's cache, a sliding-window layer's
@@ -127,6 +128,10 @@ class KVCacheBuilder:
         ``Needs(rope=True)`` (``score=expected_attention``) gets each layer's RoPE in that layer's config
         (``rope_freqs``, ``rope_traditional``: :mod:`kvpolicy_core.integration.rope`), so the caches of layers
         with different RoPEs (Gemma 3's local and global layers) have different configs.
+
+        Each layer's budget comes from the config's ``allocation`` (:func:`~kvpolicy_core.config.policy.
+        layer_budgets`), or from ``budgets`` (one int per layer the model makes a cache for) when given: a cut
+        that ranked the layers from data (compress once) builds its caches this way.
         """
         config = parse_config(config)
         layers = _layers(model)
@@ -135,18 +140,17 @@ class KVCacheBuilder:
             raise ConfigError(f"head_dim: the config says {config.head_dim} but the model's head_dim is {hd}")
         natives = native_caches(model)
         check_supported(model, natives, layers)
-        policy = build_policy(config)
         layout = shard_layout(model)
-        policies = _rope_policies(model, config, policy, len(natives))
+        windows = [n.max_size if type(n) is RotatingKVCache else None for n in natives]
+        replaced = [not (type(n) is RotatingKVCache and config.layers == "unbounded") for n in natives]
+        policies = layer_policies(model, config, windows, layout.layer_offset, budgets)
         caches = []
         for i, native in enumerate(natives):
-            if type(native) is RotatingKVCache and config.layers == "unbounded":
+            if not replaced[i]:
                 caches.append(native)
-            else:
-                window = native.max_size if type(native) is RotatingKVCache else None
-                # the model's global layer index (a pipeline rank holds layers from layer_offset on)
+            else:  # the model's global layer index (a pipeline rank holds layers from layer_offset on)
                 caches.append(
-                    PolicyCache(policies[i], layer=layout.layer_offset + i, window=window, head_shard=layout.tensor)
+                    PolicyCache(policies[i], layer=layout.layer_offset + i, window=windows[i], head_shard=layout.tensor)
                 )
         if needs_hook(caches):  # the caches hold the install: it ends when the last of them is gone
             hook = attention.install(model)
@@ -156,18 +160,25 @@ class KVCacheBuilder:
         return caches
 
 
-def _rope_policies(model, config: KVCacheConfig, policy, n_layers: int) -> list:
-    """The policy of each layer: ``policy`` itself, or, for a scorer that needs ``rope``, one built from the config
-    with that layer's ``rope_freqs``/``rope_traditional`` (shared by the layers with the same RoPE)."""
-    if not needs_of(policy.scorer).rope:
-        return [policy] * n_layers
-    built = {}
-    out = []
-    for freqs, traditional in model_ropes(model, n_layers):
-        if (freqs, traditional) not in built:
-            layer_config = parse_config(config, rope_freqs=freqs, rope_traditional=traditional)
-            built[(freqs, traditional)] = build_policy(layer_config)
-        out.append(built[(freqs, traditional)])
+def layer_policies(model, config: KVCacheConfig, windows, layer_offset: int = 0, budgets=None) -> list:
+    """The policy of each layer: the config with that layer's budget (its allocation's, or ``budgets[i]``) and,
+    for a scorer that needs ``rope``, that layer's ``rope_freqs``/``rope_traditional``; layers with the same
+    budget and RoPE share one policy."""
+    n_layers = len(windows)
+    total = max(getattr(getattr(model, "args", None), "num_hidden_layers", 0) or 0, layer_offset + n_layers)
+    if budgets is None:
+        infos = [LayerInfo(layer_offset + i, total, w) for i, w in enumerate(windows)]
+        budgets = layer_budgets(config, infos)
+    elif len(budgets) != n_layers:
+        raise ConfigError(f"budgets: expected one budget per layer ({n_layers}), got {len(budgets)}")
+    base = build_policy(config)
+    ropes = model_ropes(model, n_layers) if needs_of(base.scorer).rope else [None] * n_layers
+    built, out = {(config.policy.budget, None): base}, []
+    for b, rope in zip(budgets, ropes):
+        if (b, rope) not in built:
+            extra = {} if rope is None else dict(zip(("rope_freqs", "rope_traditional"), rope))
+            built[(b, rope)] = build_policy(parse_config(config, budget=b, **extra))
+        out.append(built[(b, rope)])
     return out
 
 

@@ -223,10 +223,7 @@ class CacheView(_ViewFields):
     def offset(self) -> mx.array:
         got = self.__dict__.get("_offset")
         if got is None:
-            raw = tuple.__getitem__(self, _OFFSET)
-            if self.__dict__.get("_int_offset"):  # the compatibility path of a part that needs the int
-                return raw
-            got = self.__dict__["_offset"] = offset_array(raw, self.keys.shape[0])
+            got = self.__dict__["_offset"] = offset_array(tuple.__getitem__(self, _OFFSET), self.keys.shape[0])
         return got
 
     @property
@@ -254,20 +251,8 @@ def on_key_norms(view: CacheView, demand) -> CacheView:
 
 
 def offset_read(view: CacheView) -> bool:
-    """Whether a part has read ``view.offset`` (as the array) (engine use)."""
+    """Whether a part has read ``view.offset`` (as the array) (engine use: it names the offset in a part's error)."""
     return "_offset" in view.__dict__
-
-
-def with_int_offset(view: CacheView) -> Optional[CacheView]:
-    """A copy of ``view`` whose ``offset`` reads as the Python int it was built with (the compatibility path
-    for parts written against the int), or None when it was built with an array (engine use)."""
-    raw = tuple.__getitem__(view, _OFFSET)
-    if isinstance(raw, mx.array):
-        return None
-    copy = CacheView._make(view)
-    copy.__dict__.update({k: v for k, v in view.__dict__.items() if k != "_offset"})
-    copy.__dict__["_int_offset"] = True
-    return copy
 
 
 class MergeUpdate(NamedTuple):
@@ -359,6 +344,12 @@ class Selector:
     def rank(self, view: CacheView) -> mx.array:
         """float32 [B, H, L]: lower is evicted first; ``+inf`` is never evicted (protected)."""
         raise NotImplementedError
+
+    def evict_count(self, over: int, n: int) -> int:
+        """How many of the ``n`` slots leave when ``over = n - budget > 0`` of them must: ``over`` (the default),
+        or more, e.g. whole chunks (ChunkKV); the budget is an upper bound. An int in ``[over, n - 1]``,
+        computed on the host from these two ints alone (no array is read)."""
+        return over
 
     def select(self, view: CacheView, n_evict: int) -> mx.array:
         """Return loser slot indices [B, H, n_evict] int32, distinct per (batch, head)."""

@@ -4,6 +4,7 @@ from typing import Optional
 
 from pydantic import Field
 
+from ..parts.allocation import PyramidAllocation, UniformAllocation
 from ..parts.cumulative_attention import CumulativeAttentionScorer
 from ..parts.drop import DropDisposition
 from ..parts.expected_attention import ExpectedAttentionScorer
@@ -40,6 +41,12 @@ def register_selectors(register):
 @hookimpl
 def register_dispositions(register):
     register("drop", DropDisposition)
+
+
+@hookimpl
+def register_allocations(register):
+    register("uniform", UniformAllocation)
+    register("pyramid", PyramidAllocation)
 
 
 @hookimpl

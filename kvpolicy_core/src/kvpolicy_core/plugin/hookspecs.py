@@ -49,6 +49,18 @@ def register_dispositions(register):
 
 
 @hookspec
+def register_allocations(register):
+    """Register allocations: how a method's budget is shared between layers (a schedule part).
+
+    Call ``register(name, allocation_cls)``; instances implement
+    :class:`kvpolicy_core.parts.allocation.Allocation`. A method's config picks one with
+    ``allocation="<name>"``; core registers ``uniform`` (the default) and ``pyramid``.
+
+    Since 0.3.0.
+    """
+
+
+@hookspec
 def register_methods(register):
     """Register eviction methods: a name, a config class and a composition.
 

@@ -36,6 +36,17 @@ class PolicyConfig(BaseModel):
         "proxy",
         description="Score signal: 'proxy' uses each new key as the query; 'observed' the model's real queries.",
     )
+    when: Literal["stream", "prompt_end"] = Field(
+        "stream",
+        description="When the cache evicts: 'stream' after every update (prefill memory bounded by budget + one "
+        "chunk); 'prompt_end' holds the prompt whole and cuts it once when the first decode step arrives, scored "
+        "with the prompt's last queries (the question's) in view, then streams.",
+    )
+    allocation: str = Field(
+        "uniform",
+        description="How the budget is shared between layers: a registered allocation ('uniform': every layer "
+        "keeps `budget`; 'pyramid': budgets falling linearly with depth, their mean `budget`).",
+    )
 
     @property
     def recent_tokens(self) -> int:

@@ -90,7 +90,7 @@ class NameClash(PluginError):
     """A plugin registered a name another plugin already holds (recorded in :attr:`Registry.conflicts`)."""
 
 
-KINDS = ("scorers", "selectors", "dispositions", "methods")
+KINDS = ("scorers", "selectors", "dispositions", "allocations", "methods")
 
 
 class Registry:
@@ -205,11 +205,15 @@ class Registry:
             raise ConfigError(format_errors(exc, prefix, {f: prefix + n for f, n in written.items()})) from None
         return data
 
-    def part(self, kind: str, name: str):
+    def part(self, kind: str, name: str, field: str) -> Registered:
+        """The part ``name`` of ``kind`` (``"allocations"``, ...) that config field ``field`` names, or a
+        :class:`ConfigError` naming the field and the registered names."""
         table = self.parts[kind]
         if name not in table:
-            raise ConfigError(f"no {kind[:-1]} named {name!r} is registered; known: {', '.join(sorted(table))}")
-        return table[name].obj
+            raise ConfigError(
+                f"{field}: no {kind[:-1]} named {name!r} is registered; known: {', '.join(sorted(table))}"
+            )
+        return table[name]
 
     def methods(self) -> Dict[str, Registered]:
         return dict(self.parts["methods"])

@@ -23,8 +23,6 @@ from ..errors import ConfigError
 from ..integration.builder import KVCacheBuilder
 from ..integration.compress_once import split_spec
 
-BASELINES = ("full", "rotating")
-
 
 def parse_spec(spec: Any):
     """A cache spec -> ("full", None) | ("rotating", budget) | ("policy", KVCacheConfig)

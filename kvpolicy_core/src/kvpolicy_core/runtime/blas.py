@@ -247,11 +247,6 @@ def _threads(lib, verdict: Dict) -> Optional[int]:
     return int(fn()) if fn is not None else verdict.get("threads")
 
 
-def loaded_blas() -> Optional[str]:
-    """The path of the BLAS loaded by :func:`load_optimized_blas`, or None."""
-    return _loaded
-
-
 def blas_info(measure: bool = False) -> Dict:
     """What :func:`load_optimized_blas` decided: path, source, config, corename, threads,
     skipped candidates with reasons; with ``measure``, MLX's fp32 matmul GFLOP/s (imports mlx)."""

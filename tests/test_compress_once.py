@@ -331,6 +331,30 @@ def test_window_layers_never_keep_more_than_their_live_window():
     assert np.isfinite(np.array(logits)).all()
 
 
+def test_window_layers_get_no_budget_beyond_their_live_window_when_the_global_layers_cannot_take_it_all():
+    """Budget 100 of 200 tokens on three window-8 layers and one global layer: the model's 4 x 100 tokens per head
+    exceed the 200 + 3 x 7 live ones; the rest is not handed to a window layer (before: layer 0 kept 186 tokens,
+    179 of them outside every future query's window)."""
+    from kvpolicy_core.config.parse import parse_config
+    from kvpolicy_core.integration.compress_once import min_budget
+
+    gemma = tiny_model("gemma3_text", sliding_window_pattern=4)  # layers 0-2: window 8; layer 3: global
+    ids = [int(t) for t in np.random.RandomState(5).randint(1, 90, size=200)]
+    method = "cam:budget=100,n_sink=2"
+    out = compress_context(gemma, ids, method, prefill_step=128, chunk=64)
+    floor = min_budget(parse_config(method))
+    windows = [c for c in out.caches if c.window is not None]
+    assert len(windows) == 3
+    for cache, kept in zip(out.caches, out.kept):
+        if cache.window is not None:
+            assert cache.n <= max(floor, cache.window - 1), (cache.layer, cache.n)
+            assert set(range(200 - cache.window + 1, 200)) <= set(kept[0, 0].tolist())  # every live token kept
+        else:
+            assert cache.n == 200 - 1 or cache.n >= 100
+    logits = gemma(mx.array([[5]], dtype=mx.uint32), cache=out.caches)
+    assert np.isfinite(np.array(logits)).all()
+
+
 def test_window_layers_keep_their_live_window():
     gemma = tiny_model("gemma3_text")  # window 8 on layers 0 and 2
     out = compress_context(

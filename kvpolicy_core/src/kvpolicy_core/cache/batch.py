@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -42,6 +43,12 @@ from ..parts.attention_scorer import causal_allowed
 from . import interop
 from .batch_rows import StackedRows, can_stack
 from .state import CacheState
+
+#: the masks :meth:`BatchPolicyCache.make_mask` made last on this thread, with the plan each was made for: mlx-lm
+#: builds one mask from the first layer's cache (``create_attention_mask(h, cache[0])``) and hands it to every layer,
+#: so a layer whose rows hold other lengths (a compress-once cut keeps a budget per layer) builds its own
+_made = threading.local()
+_MADE_KEPT = 4  # a model may build two masks per step (gemma3: a global and a sliding one)
 
 #: A row: a :class:`~kvpolicy_core.cache.policy_cache.PolicyCache`. ``cache`` imports this module (for
 #: ``PolicyCache.merge``), so rows are recognised by PolicyCache's state base class.
@@ -198,7 +205,8 @@ class BatchPolicyCache:
         """The mask for N new tokens (before the update): [B, 1, N, Lmax] bool, or None.
 
         None only when every row is a plain decode step over the same length. Sliding-window
-        layers get their per-row window masks from the attention hook (:meth:`before_attention`).
+        layers get their per-row window masks from the attention hook (:meth:`before_attention`), and so does
+        every layer whose rows hold other lengths than this (the first) layer's rows.
         """
         if self._stacked is not None and N == 1 and self._decoding(N):  # every row attends to its n = budget + 1 slots
             return mx.ones((len(self._stacked), 1, 1, self._stacked.slots.n), mx.bool_) if return_array else None
@@ -206,7 +214,10 @@ class BatchPolicyCache:
         L = max(p[2] for p in plan)
         if N == 1 and not return_array and all(p == (0, 1, L) for p in plan):
             return None
-        return self._batch_mask(N, L, plan, [None] * len(plan))
+        mask = self._batch_mask(N, L, plan, [None] * len(plan))
+        made = getattr(_made, "masks", [])[-(_MADE_KEPT - 1) :]
+        _made.masks = [*made, ((N, tuple(plan)), mask)]
+        return mask
 
     def _batch_mask(self, N: int, L: int, plan, row_masks) -> mx.array:
         """Assemble [B, h, N, L] from each row's own mask over its real queries and keys.
@@ -245,11 +256,17 @@ class BatchPolicyCache:
 
         Each row that observes attention (or has a sliding window past its size) gets its own
         real queries and the mask the model would give it alone; its returned mask replaces
-        its part of the batch mask.
+        its part of the batch mask. The mask given is the one mlx-lm built from the first layer's cache: a layer
+        whose rows hold other lengths (per-layer budgets of a compress-once cut) gets a mask built from its own
+        rows instead. (The hook must be installed for that: :func:`~kvpolicy_core.integration.compress_once.hold_hook`.)
         """
         if self._stacked is not None:
             if queries.shape[0] != len(self._stacked) or queries.shape[2] != 1:
                 return mask
+            # every stacked row attends to all its n slots: the mask given (built from the first layer, whose rows
+            # may hold another number of slots) is replaced by this layer's own
+            if isinstance(mask, mx.array):
+                mask = mx.ones((len(self._stacked), 1, 1, self._stacked.slots.n), mx.bool_)
             return self._stacked.before_attention(queries, scale, mask)
         plan = self._step
         if not plan or queries.shape[0] != len(plan):
@@ -266,7 +283,7 @@ class BatchPolicyCache:
                 else:
                     changed = True
             row_masks.append(m)
-        if not changed:
+        if not changed and _made_for(mask, S, plan):
             return mask
         return self._batch_mask(S, max(p[2] for p in plan), plan, row_masks)
 
@@ -319,6 +336,16 @@ class BatchPolicyCache:
 
 def _ints(x) -> List[int]:
     return x.tolist() if isinstance(x, mx.array) else [int(v) for v in x]
+
+
+def _made_for(mask, S: int, plan) -> bool:
+    """Is ``mask`` right for a layer whose rows take ``plan`` for ``S`` new tokens: None over rows that all decode
+    one token over the same length, or a mask :meth:`BatchPolicyCache.make_mask` made for this very plan."""
+    if mask is None:
+        L = max(p[2] for p in plan)
+        return S == 1 and all(p == (0, 1, L) for p in plan)
+    key = (S, tuple(plan))
+    return any(m is mask and k == key for k, m in getattr(_made, "masks", ()))
 
 
 def _needs_hook(row: Row) -> bool:

@@ -13,7 +13,8 @@ and each layer's policy cache is loaded with the kept tokens::
 ``P`` the method's ``pool`` where given, else 3: :func:`cut_pool`), so a span is kept or lost as a whole. The layer
 budgets ``b_l``: ``kvzip`` ranks every layer's keys together (KVzip's rule, :func:`model_budgets`): the model
 keeps about ``n_layers · budget`` tokens per head in all, and a layer whose tokens rank high keeps more (a
-sliding-window layer never more than its live window); ``kvzip-layerwise`` keeps ``b_l = budget`` in every layer.
+sliding-window layer never more than its live window: :func:`live_budgets`); ``kvzip-layerwise`` keeps
+``b_l = budget`` in every layer.
 
 Each head of layer l holds exactly ``b_l`` tokens (its cache's budget; keys, values, absolute positions ``keep`` in
 temporal order, scores ``score[keep]`` float32) and ``offset = L``, so the next token continues at position ``L``
@@ -163,12 +164,13 @@ def model_budgets(keys: Sequence[np.ndarray], budget: int, floor: int, L: int, s
         key'_l = +inf on each head's f_l largest keys of layer l, else key_l
         T      = the n_layers · B · H · budget largest key' over all layers, heads and positions (ties: earlier
                  layer, head, position first)
-        b_l    = clip( round(#(T in layer l) / (B · H_l)), floor, L )
+        b_l    = max( floor, min(round(#(T in layer l) / (B · H_l)), live_l) )
 
     so a layer whose tokens rank high (a global layer; a window layer's dead positions rank -inf) keeps more, and
-    the model keeps about ``n_layers · budget`` tokens per head in total. ``share = 0`` is KVzip's rule; ``share``
-    in (0, 1] first guarantees every layer ``share · budget`` of its own best tokens (its live window at most) and
-    ranks the rest."""
+    the model keeps about ``n_layers · budget`` tokens per head in total, a sliding-window layer never more than its
+    live window (:func:`live_budgets`; the floor, the method's smallest budget, wins over it). ``share = 0`` is
+    KVzip's rule; ``share`` in (0, 1] first guarantees every layer ``share · budget`` of its own best tokens (its
+    live window at most) and ranks the rest."""
     if share:
         guarded = []
         for k in keys:
@@ -183,7 +185,14 @@ def model_budgets(keys: Sequence[np.ndarray], budget: int, floor: int, L: int, s
     top = np.argsort(-flat, kind="stable")[:total]
     starts = np.cumsum([0] + [k.size for k in keys])
     counts = np.bincount(np.searchsorted(starts, top, side="right") - 1, minlength=len(keys))
-    return [int(np.clip(round(int(n) / (k.shape[0] * k.shape[1])), floor, L)) for n, k in zip(counts, keys)]
+    return live_budgets([round(int(n) / (k.shape[0] * k.shape[1])) for n, k in zip(counts, keys)], keys, floor)
+
+
+def live_budgets(budgets: Sequence[int], keys: Sequence[np.ndarray], floor: int) -> List[int]:
+    """Each layer's budget capped at its live positions (a head's keys above -inf, the fewest over heads: a window
+    layer's window less one, the next token's own slot; a global layer's whole context), but never below ``floor``
+    (the method's smallest budget): a cut keeps no token its layer's next query cannot see."""
+    return [int(max(floor, min(b, int((k > -np.inf).sum(-1).min())))) for b, k in zip(budgets, keys)]
 
 
 def with_budget(model, config, budget: int) -> List[Any]:
@@ -318,9 +327,31 @@ def cut(
         out.kept.append(kept)
     return out
 
+    hold_hook(model, out.caches)
 
 @dataclass(frozen=True)
 class CompressOnceSpec:
+def hold_hook(model, caches: Sequence[Any]) -> None:
+    """Let ``caches`` hold kvpolicy's attention hook when their layers keep different numbers of tokens.
+
+    mlx-lm builds one attention mask per step from the first layer's cache and hands it to every layer. A single
+    sequence's policy cache gives a ``"causal"`` mask, right for any number of keys; a batch of them gives the first
+    layer's padded mask, which another layer's rows (another budget: a compress-once cut) do not fit. The hook lets
+    each layer's batch build its own (:meth:`~kvpolicy_core.cache.batch.BatchPolicyCache.before_attention`), so
+    caches with per-layer budgets hold the hook, and with them every copy made for a request (as the caches that
+    need the hook for their own method do). Idempotent; a layer that already holds the hook keeps it."""
+    from ..attention import hook as attention
+
+    policy = [c for c in caches if isinstance(c, PolicyCache)]
+    if len({(c.budget, c.tokens_kept) for c in policy}) <= 1:
+        return
+    held = next((c.attention_hook for c in policy if c.attention_hook is not None and c.attention_hook.active), None)
+    hook = held or attention.install(model)
+    for c in policy:
+        if c.attention_hook is None or not c.attention_hook.active:
+            c.attention_hook = hook
+
+
     """A method run compress-once: ``scorer`` (``"kvzip"``) cuts the context to ``config``'s budget at once."""
 
     scorer: str

@@ -11,6 +11,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import mlx_lm
@@ -20,6 +21,7 @@ from server_kit import Server
 
 from kvpolicy_core import KVCacheBuilder
 from kvpolicy_core.apps.prompt_file import document_ids, file_metadata, question_ids
+from kvpolicy_core.integration.compress_once import compress_context, repeat_prompt
 from kvpolicy_core.testing.tiny_models import write_model_dir
 
 pytestmark = pytest.mark.slow  # every test starts new processes
@@ -179,3 +181,63 @@ def test_a_prompt_cache_with_another_method_or_model_is_refused(compressed, tmp_
             [sys.executable, "-m", "kvpolicy_core.apps.cli", *args], capture_output=True, text=True, timeout=300
         )
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-1000:]
+
+
+@pytest.fixture(scope="module")
+def kvzip_file(compressed):
+    """The document written by cache-prompt's default (kvzip: each layer keeps its own number of tokens), and
+    each question's answer from a fresh in-memory copy of the same compression."""
+    d, _ = compressed
+    path = d / "kvzip.safetensors"
+    args = ["kvpolicy_core.apps.cli", "cache-prompt", "--model", str(d / "model"), "--file", str(d / "doc.txt")]
+    args += ["--method", METHOD, "--prefill-step-size", str(STEP), "--prompt-cache-file", str(path), "--json"]
+    summary = json.loads(_done(_cli(*args)))
+    assert summary["compress_once"] == "kvzip"
+    model, tokenizer = mlx_lm.load(str(d / "model"))
+    ids = document_ids(tokenizer, DOCUMENT)
+    caches = compress_context(model, ids, METHOD, prefill_step=STEP, repeat=repeat_prompt(tokenizer)).caches
+    assert len({c.size() for c in caches}) > 1  # per-layer budgets: the case one batch mask cannot serve
+    answers = {}
+    for q in QUESTIONS:
+        answers[q] = [
+            r.token
+            for r in mlx_lm.stream_generate(
+                model, tokenizer, question_ids(tokenizer, q), max_tokens=MAX_TOKENS, prompt_cache=copy.deepcopy(caches)
+            )
+        ]
+    return path, answers, len(ids)
+
+
+def test_serve_a_kvzip_file_answers_requests_that_extend_the_document_as_a_fresh_copy_does(kvzip_file):
+    """Before: HTTP 500 ``[broadcast_shapes]`` for every such request (one batch mask from layer 0's length)."""
+    path, answers, n_doc = kvzip_file
+    before = _sha(path)
+    server = Server(["--prompt-cache", str(path), "--max-tokens", str(MAX_TOKENS)])
+    try:
+
+        def ask(q, out):
+            out[q] = server.post(
+                "/v1/completions", {"prompt": DOCUMENT + q, "max_tokens": MAX_TOKENS, "logprobs": True}
+            )
+
+        for together in ([QUESTIONS[0]], list(QUESTIONS)):  # one request, then two in one batch
+            got = {}
+            threads = [threading.Thread(target=ask, args=(q, got)) for q in together]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for q in together:
+                status, body = got[q]
+                assert status == 200, body
+                assert [c["id"] for c in body["choices"][0]["logprobs"]["content"]] == answers[q], q
+        # a prompt that does not extend the document: served from scratch, with notice
+        status, body = server.post("/v1/completions", {"prompt": "hello " + DOCUMENT, "max_tokens": 2})
+        assert status == 200, body
+        doc = server.stats()["prompt_cache_file"]
+        assert doc["document_tokens"] == n_doc and doc["requests_not_extending"] == 1
+        assert doc["requests_extending"] == 3 and doc["last_not_extending"]["first_difference"] == 0
+    finally:
+        log = server.stop()
+    assert "does not extend the --prompt-cache document (it differs from the document at token 0)" in log
+    assert _sha(path) == before

@@ -10,18 +10,34 @@ from it. Each question starts from its own copy of the loaded caches; the file i
 The document and the questions are tokenized as mlx-lm's ``cache_prompt`` and ``generate`` do (with a chat
 template: the document opens the user turn, each question continues it), so all three answer alike.
 The file's metadata holds what mlx-lm's ``generate`` reads (``model``, ``tokenizer_config``), the
-method, budget, tokens seen and kept, the compression ratio (flat string fields), and under ``kvpolicy``
-a JSON object with the full config, the dtype, the prefill step and the document's token ids (the
-server matches requests against them).
+method, budget, tokens seen and kept, the compression ratio (flat string fields), under ``kvpolicy``
+a JSON object with the full config, the dtype, the prefill step, the document's token ids (the
+server matches requests against them) and the model's fingerprint (:func:`model_fingerprint`: its config and a
+sample of its weight files, so other weights at the recorded path are refused), and under ``sha256`` the checksum of
+every array and every other metadata field (:func:`~kvpolicy_core.integration.persistence.digest`, the checksum of
+``save_caches`` files). Loading (:func:`load_prompt_file`) reads the file once, verifies the checksum and that every
+layer's keys and values are finite, and refuses a damaged file with an error naming it; writing is atomic.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import struct
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-FORMAT = "kvpolicy-prompt-cache/1"
+FORMAT = "kvpolicy-prompt-cache/2"  # /2: the file carries a checksum (/1 files had none and are refused)
+_OLD_FORMATS = ("kvpolicy-prompt-cache/1",)
+#: the user-metadata field of the checksum (stored as ``0.sha256`` by ``save_prompt_cache``'s flattening)
+DIGEST_FIELD = "sha256"
+_FLAT_DIGEST = f"0.{DIGEST_FIELD}"
+#: the dtypes a file may record (the model's, as ``--dtype`` takes them)
+DTYPES = ("float32", "float16", "bfloat16")
+_SAMPLE = 1 << 16  # bytes of each weight file read into the fingerprint, at four places
+#: what ``compress_once`` takes besides the compress-once scorers: the method's own eviction, chunk by chunk
+STREAM = "stream"
 
 
 def document_ids(tokenizer, text: str) -> List[int]:
@@ -47,6 +63,37 @@ def question_ids(tokenizer, text: str) -> List[int]:
     return list(tokenizer.encode(prompt[marker.index("<query>") :], add_special_tokens=False))
 
 
+def model_fingerprint(model_path) -> Optional[str]:
+    """A cheap fingerprint of the model directory ``model_path`` (None for anything else): ``config.json`` (as
+    JSON, key order and spacing aside) and, per ``*.safetensors`` file, its name, size, header (every tensor's
+    name, dtype, shape and offsets) and 64 KiB of its data at its start, a third, two thirds and its end. Other
+    weights (another seed, a fine-tune, another size) change it; the dtype a model is run in does not."""
+    d = Path(model_path)
+    if not d.is_dir():
+        return None
+    h = hashlib.sha256()
+    config = d / "config.json"
+    if config.is_file():
+        raw = config.read_bytes()
+        try:
+            raw = json.dumps(json.loads(raw), sort_keys=True).encode()
+        except ValueError:
+            pass
+        h.update(b"config.json|" + raw)
+    for f in sorted(d.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"|{f.name}|{size}|".encode())
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            start = 8 + n if 8 + n <= size else size
+            h.update(fh.read(start - 8))
+            for at in (start, start + (size - start) // 3, start + 2 * (size - start) // 3, size - _SAMPLE):
+                fh.seek(max(start, at))
+                h.update(fh.read(_SAMPLE))
+    return "sha256:" + h.hexdigest()
+
+
 def cache_prompt(
     model,
     tokenizer,
@@ -65,8 +112,9 @@ def cache_prompt(
     full caches, scored by reconstruction and cut to the budget at once
     (:func:`~kvpolicy_core.integration.compress_once.compress_context`) instead of streamed through the policy;
     a document no longer than the budget has nothing to cut and is streamed (``compress_once`` "" in the summary).
+    ``"stream"`` (or None with a plain method) streams it; ``"stream"`` with a ``kvzip+METHOD`` config is refused.
     Returns the summary recorded in the file's metadata. ``model_path`` is recorded for mlx-lm's
-    ``generate``, which loads the model from it.
+    ``generate``, which loads the model from it, with its fingerprint (:func:`model_fingerprint`).
     """
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -76,7 +124,7 @@ def cache_prompt(
     from ..errors import KVPolicyError
     from ..eval.perplexity import kv_bytes
     from ..integration.builder import KVCacheBuilder
-    from ..integration.compress_once import compress_context, repeat_prompt, split_spec
+    from ..integration.compress_once import SCORERS, compress_context, repeat_prompt, split_spec
     from ..integration.persistence import write_atomically
 
     path = Path(path)
@@ -84,11 +132,21 @@ def cache_prompt(
         raise KVPolicyError(f"{path}: prompt-cache files must end in .safetensors")
     if prefill_step_size < 1:
         raise KVPolicyError(f"prefill_step_size must be >= 1 (got {prefill_step_size})")
+    if compress_once not in (None, STREAM, *SCORERS):
+        raise KVPolicyError(f"--compress-once {compress_once}: must be one of {', '.join((*SCORERS, STREAM))}")
     once = split_spec(config)
     if once is not None:
+        if compress_once == STREAM:
+            raise KVPolicyError(
+                f"--compress-once stream contradicts the method {once.to_string()}, which compresses the document "
+                f"once with {once.scorer}: drop --compress-once, or give the method without '{once.scorer}+' "
+                "to stream it"
+            )
         if compress_once not in (None, once.scorer):
             raise KVPolicyError(f"--compress-once {compress_once} contradicts the method {once.to_string()}")
         compress_once, config = once.scorer, once.config
+    if compress_once == STREAM:
+        compress_once = None
     config = parse_config(config)
     ids = document_ids(tokenizer, text)
     if not ids:
@@ -113,6 +171,7 @@ def cache_prompt(
             pass
     for c in caches:  # the compressed state every question starts from (saving settles it too)
         getattr(c, "settle", lambda: None)()
+    _check_finite(caches, f"{path}: the document's caches")
     kept, full = kv_bytes(caches)
     sizes = [int(c.size()) for c in caches]
     dtype = next(
@@ -140,11 +199,40 @@ def cache_prompt(
                 "dtype": dtype,
                 "prefill_step_size": prefill_step_size,
                 "document_ids": ids,
+                "model_fingerprint": model_fingerprint(model_path),
             }
         ),
     }
-    write_atomically(path, lambda tmp: save_prompt_cache(str(tmp), caches, meta))
+
+    def write(tmp: Path) -> None:
+        """mlx-lm's file, then its checksum added to its metadata (the arrays as mlx-lm flattened them)."""
+        save_prompt_cache(str(tmp), caches, meta)
+        arrays, flat = mx.load(str(tmp), return_metadata=True)
+        mx.save_safetensors(str(tmp), arrays, {**flat, _FLAT_DIGEST: _file_digest(arrays, flat)})
+
+    write_atomically(path, write)
     return {**summary, "prompt_cache_file": str(path), "dtype": dtype, "prefill_step_size": prefill_step_size}
+
+
+def _file_digest(arrays, flat: Dict[str, str]) -> str:
+    """The checksum of a prompt-cache file: every array and every metadata field but the checksum's own
+    (:func:`~kvpolicy_core.integration.persistence.digest`, as for ``save_caches`` files)."""
+    from ..integration.persistence import digest
+
+    return digest(arrays, {k: v for k, v in flat.items() if k != _FLAT_DIGEST})
+
+
+def _check_finite(caches: List[Any], what: str) -> None:
+    """Every layer's keys and values finite (a NaN or Inf key turns every later answer into noise)."""
+    import mlx.core as mx
+
+    from ..integration.persistence import CacheFileError
+
+    for i, c in enumerate(caches):
+        for name in ("keys", "values"):
+            a = getattr(c, name, None)
+            if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
+                raise CacheFileError(f"{what}: layer {i} holds non-finite {name} (NaN or Inf)")
 
 
 def read_info(metadata: Dict[str, str], path) -> Optional[Dict[str, Any]]:
@@ -158,6 +246,11 @@ def read_info(metadata: Dict[str, str], path) -> Optional[Dict[str, Any]]:
         info = json.loads(raw)
     except json.JSONDecodeError:
         info = None
+    if isinstance(info, dict) and info.get("format") in _OLD_FORMATS:
+        raise KVPolicyError(
+            f"{path}: a {info['format']} file, written without a checksum, so it cannot be verified; "
+            "write it again with kvpolicy cache-prompt"
+        )
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise KVPolicyError(f"{path}: its kvpolicy metadata is not a {FORMAT} object")
     ids = info.get("document_ids")
@@ -168,14 +261,46 @@ def read_info(metadata: Dict[str, str], path) -> Optional[Dict[str, Any]]:
         or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
     ):
         raise KVPolicyError(f"{path}: its kvpolicy metadata needs a config object and the document's token ids")
+    if info.get("dtype") is not None and info["dtype"] not in DTYPES:
+        raise KVPolicyError(
+            f"{path}: metadata field dtype is {info['dtype']!r}; a prompt-cache file records one of "
+            f"{', '.join(DTYPES)} (the file was modified, or written by something else)"
+        )
+    fingerprint = info.get("model_fingerprint")
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise KVPolicyError(f"{path}: metadata field model_fingerprint must be a string (got {fingerprint!r})")
+    if not isinstance(metadata.get("model", ""), str):
+        raise KVPolicyError(f"{path}: metadata field model must be a path")
+    try:
+        from ..config.parse import parse_config
+
+        parse_config(info["config"])
+    except KVPolicyError as exc:
+        raise KVPolicyError(f"{path}: metadata field config: {exc}") from None
     return info
+
+
+def check_model(path, info: Optional[Dict[str, Any]], model_path) -> None:
+    """Refuse a model directory whose fingerprint is not the one ``path``'s metadata records (other weights or
+    another model at the recorded path, or a tampered ``model`` field). Files without a fingerprint, and a
+    ``model_path`` that is not a directory (nothing to compare), pass."""
+    from ..errors import KVPolicyError
+
+    want = (info or {}).get("model_fingerprint")
+    if want is None:
+        return
+    got = model_fingerprint(model_path)
+    if got is not None and got != want:
+        raise KVPolicyError(
+            f"{path}: metadata field model: the model at {model_path} is not the one this file was made with "
+            "(its config or weights differ from the fingerprint the file records); write the file again "
+            "with kvpolicy cache-prompt for this model"
+        )
 
 
 def file_metadata(path) -> Tuple[Dict[str, str], Optional[Dict[str, Any]]]:
     """(the user metadata mlx-lm's ``save_prompt_cache`` wrote, its kvpolicy object or None), read from the
     file's header without loading the caches."""
-    import struct
-
     from ..errors import KVPolicyError
 
     path = Path(path)
@@ -195,40 +320,91 @@ def file_metadata(path) -> Tuple[Dict[str, str], Optional[Dict[str, Any]]]:
     return metadata, read_info(metadata, path)
 
 
-def load_prompt_file(path, model=None) -> Tuple[List[Any], Dict[str, str], Optional[Dict[str, Any]]]:
+def load_prompt_file(
+    path, model=None, *, model_path=None
+) -> Tuple[List[Any], Dict[str, str], Optional[Dict[str, Any]]]:
     """(caches, metadata, kvpolicy info) of a prompt-cache file; a fresh set of caches on every call.
 
-    With ``model``: a file whose layers, KV heads or head dims are not the model's is refused.
+    The file is read once; a kvpolicy file's checksum must match every array and metadata field read, and every
+    layer's keys and values must be finite, else :class:`~kvpolicy_core.integration.persistence.CacheFileError`
+    naming the file (a file mlx-lm wrote by itself carries no checksum: only its values are checked). With
+    ``model``: :func:`check_caches` (layers, KV heads and head dims, the model directory's fingerprint: ``model_path``,
+    default the one the file records).
     """
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
 
     from ..cache import policy_cache as _registered  # noqa: F401  (PolicyCache and BatchPolicyCache, where mlx-lm looks)
     from ..errors import KVPolicyError
-    from ..integration.builder import model_kv_shapes
+    from ..integration.persistence import CacheFileError
 
     path = Path(path)
     if not path.is_file():
         raise KVPolicyError(f"--prompt-cache {path}: no such file")
     try:
-        caches, metadata = load_prompt_cache(str(path), return_metadata=True)
-    except KVPolicyError:
-        raise
+        data = path.read_bytes()
+        arrays, flat = mx.load(_named(data), return_metadata=True)
     except Exception as exc:
-        raise KVPolicyError(f"{path}: not a readable prompt-cache file ({type(exc).__name__}: {exc})") from None
-    # read the file now, on this thread: an unevaluated array is bound to the loading thread's stream (a server
-    # hands the caches to its generation thread) and would read whatever the file holds when it is evaluated
-    mx.eval([c.state for c in caches])
+        raise CacheFileError(f"{path}: not a readable prompt-cache file ({type(exc).__name__}: {exc})") from None
+    metadata = {k[2:]: v for k, v in flat.items() if k.startswith("0.")}
     info = read_info(metadata, path)
+    if info is not None and flat.get(_FLAT_DIGEST) != _file_digest(arrays, flat):
+        raise CacheFileError(
+            f"{path}: checksum mismatch: the file was modified or corrupted"
+            if _FLAT_DIGEST in flat
+            else f"{path}: has no checksum (metadata field {DIGEST_FIELD}): it was modified, or not written by "
+            "kvpolicy cache-prompt"
+        )
+    del arrays
+    try:  # the very bytes just verified, as mlx-lm's loader reads them
+        caches, metadata = load_prompt_cache(_named(data), return_metadata=True)
+    except Exception as exc:
+        raise CacheFileError(f"{path}: not a loadable prompt-cache file ({type(exc).__name__}: {exc})") from None
+    # evaluate now, on this thread: an unevaluated array is bound to the loading thread's stream (a server
+    # hands the caches to its generation thread)
+    mx.eval([c.state for c in caches])
+    _check_finite(caches, str(path))
     if model is not None:
-        shapes = model_kv_shapes(model)
-        if len(shapes) != len(caches):
-            raise KVPolicyError(f"{path}: holds caches for {len(caches)} layers, but the model has {len(shapes)}")
-        for i, (c, want) in enumerate(zip(caches, shapes)):
-            k = getattr(c, "keys", None)
-            if want is not None and k is not None and (k.shape[1], k.shape[3], c.values.shape[3]) != want:
-                raise KVPolicyError(
-                    f"{path}: layer {i} holds (kv heads, key dim, value dim) "
-                    f"{(k.shape[1], k.shape[3], c.values.shape[3])}, but the model has {want}"
-                )
+        check_caches(path, caches, model, info, model_path or metadata.get("model"))
     return caches, metadata, info
+
+
+def _named(data: bytes) -> io.BytesIO:
+    """``data`` as a file MLX reads as safetensors (it takes the format from the name)."""
+    f = io.BytesIO(data)
+    f.name = "prompt-cache.safetensors"
+    return f
+
+
+def check_caches(path, caches: List[Any], model, info: Optional[Dict[str, Any]] = None, model_path=None) -> None:
+    """Refuse caches that are not ``model``'s (their layers, KV heads or head dims; with ``model_path``, a model
+    directory whose fingerprint is not the file's: :func:`check_model`), then let caches whose layers keep
+    different numbers of tokens (a kvzip cut) hold the attention hook, which batched serving needs for them
+    (:func:`~kvpolicy_core.integration.compress_once.hold_hook`)."""
+    from ..errors import KVPolicyError
+    from ..integration.builder import model_kv_shapes
+    from ..integration.compress_once import hold_hook
+
+    if model_path is not None:
+        check_model(path, info, model_path)
+    shapes = model_kv_shapes(model)
+    if len(shapes) != len(caches):
+        raise KVPolicyError(f"{path}: holds caches for {len(caches)} layers, but the model has {len(shapes)}")
+    for i, (c, want) in enumerate(zip(caches, shapes)):
+        k = getattr(c, "keys", None)
+        if want is not None and k is not None and (k.shape[1], k.shape[3], c.values.shape[3]) != want:
+            raise KVPolicyError(
+                f"{path}: layer {i} holds (kv heads, key dim, value dim) "
+                f"{(k.shape[1], k.shape[3], c.values.shape[3])}, but the model has {want}"
+            )
+    from ..attention import hook as attention
+
+    found = attention.model_modules(model)
+    for i, c in enumerate(caches):
+        hook = getattr(c, "attention_hook", None)
+        if hook is not None and sorted(hook.modules) != found:
+            raise KVPolicyError(
+                f"{path}: layer {i} was saved for the attention of {', '.join(hook.modules)}, but the model's "
+                f"attention is in {', '.join(found) or 'no mlx-lm module'}: the file belongs to another model family"
+            )
+    hold_hook(model, caches)

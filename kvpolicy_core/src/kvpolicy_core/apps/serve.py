@@ -26,7 +26,9 @@ truthfully (:meth:`PolicyCache.is_trimmable`: only while nothing was evicted and
 are per token, so never for H2O/CaM, whose scores carry the attention of the tokens a trim
 would drop). Otherwise a stored cache is reused only as an exact prefix of the new prompt.
 ``--prompt-cache FILE`` (:mod:`kvpolicy_core.apps.prompt_file`) pins a compressed document: every request
-whose prompt extends it starts from a copy of its caches, with the file's model and method.
+whose prompt extends it starts from a copy of its caches, with the file's model and method. The file is verified
+(checksum, finite values, the model's fingerprint) before the model loads. A request that does not extend the
+document is prefilled from scratch: logged as a warning and counted in ``/kvpolicy/stats`` (``prompt_cache_file``).
 """
 
 from __future__ import annotations
@@ -164,6 +166,26 @@ class ServerStats:
         self._recent: deque = deque(maxlen=_RECENT)
         self._count = 0
 
+        self.document: Optional[dict] = None  # --prompt-cache: the file, its length, requests that extend it or not
+
+    def serve_document(self, path: str, tokens: int) -> None:
+        """Count the requests that extend the ``--prompt-cache`` document of ``tokens`` tokens, and those that
+        do not."""
+        self.document = {
+            "path": str(path),
+            "document_tokens": tokens,
+            "requests_extending": 0,
+            "requests_not_extending": 0,
+            "last_not_extending": None,
+        }
+
+    def document_request(self, extends: bool, detail: Optional[dict] = None) -> None:
+        with self._lock:
+            if extends:
+                self.document["requests_extending"] += 1
+            else:
+                self.document["requests_not_extending"] += 1
+                self.document["last_not_extending"] = detail
     def decoded(self, rows: int) -> None:
         """One batched decode step over ``rows`` sequences (tracks the largest batch seen)."""
         if rows > self.peak_batch:
@@ -193,6 +215,9 @@ class ServerStats:
         if prompt_cache is not None:
             out["prompt_cache"] = {"sequences": len(prompt_cache), "bytes": prompt_cache.nbytes}
         return out
+        if self.document is not None:
+            with self._lock:
+                out["prompt_cache_file"] = dict(self.document)
 
 
 @functools.lru_cache(maxsize=None)
@@ -268,15 +293,38 @@ def _server_classes():
 
         def fetch_nearest_cache(self, model, tokens):
             """The stored cache that covers most of ``tokens``: a pinned document's copy, unless the LRU holds a
-            longer prefix (:meth:`_fetch_stored`)."""
+            longer prefix (:meth:`_fetch_stored`). A request that extends no pinned document is logged and counted
+            (it is prefilled from scratch, or from whatever the LRU holds)."""
             cache, rest = self._fetch_stored(model, tokens)
             covered = len(tokens) - len(rest) if cache is not None else 0
-            for key, ids, caches in self.pinned:
-                if key == model and covered < len(ids) < len(tokens) and list(tokens[: len(ids)]) == ids:
-                    return copy.deepcopy(caches), list(tokens[len(ids) :])
+            pinned = [(ids, caches) for key, ids, caches in self.pinned if key == model]
+            for ids, caches in pinned:
+                if len(ids) < len(tokens) and list(tokens[: len(ids)]) == ids:
+                    self.stats.document_request(True)
+                    if covered < len(ids):
+                        return copy.deepcopy(caches), list(tokens[len(ids) :])
+                    return cache, rest
+            if pinned:
+                self._not_extending(pinned[0][0], tokens, covered)
             return cache, rest
 
         def _fetch_stored(self, model, tokens):
+        def _not_extending(self, ids: List[int], tokens, covered: int) -> None:
+            tokens = list(tokens)
+            same = next((i for i, (a, b) in enumerate(zip(ids, tokens)) if a != b), min(len(ids), len(tokens)))
+            why = (
+                f"it differs from the document at token {same}"
+                if same < min(len(ids), len(tokens))
+                else f"it has {len(tokens)} tokens, not more than the document's {len(ids)}"
+            )
+            detail = {"prompt_tokens": len(tokens), "first_difference": same, "cached_tokens": covered}
+            self.stats.document_request(False, detail)
+            logging.warning(
+                f"kvpolicy serve: a request of {len(tokens)} tokens does not extend the --prompt-cache document "
+                f"({why}): it is prefilled without the document's compressed caches ({covered} tokens cached). "
+                "Send the document's text exactly as cache-prompt read it, then the question"
+            )
+
             """mlx-lm's look-up, but never "all of the prompt is cached, nothing to feed".
 
             mlx-lm answers an exact match with the stored cache and no tokens left, and its batched
@@ -567,7 +615,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         build_policy(config)  # every part of the method is installed and builds from this config
         if ours.prompt_cache:
-            config, model_path, ours.dtype = _prompt_file_settings(ours, config)
+            config, model_path, ours.dtype, document = _prompt_file_settings(ours, config)
+        document = None
         else:
             model_path = resolve_model_path(ours.model)
     except (KVPolicyError, ModelUnavailable) as exc:
@@ -585,13 +634,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         mp = classes.ModelProvider(cli_args, config, stats, ours.dtype)
         try:
             mp.load_default()  # load and attach now: a model the method cannot serve fails at start-up
-            if ours.prompt_cache:  # (document token ids, caches), loaded and checked against the model now
-                from .prompt_file import load_prompt_file
+            if document is not None:  # (document token ids, caches), verified already; checked against the model
+                from .prompt_file import check_caches
 
-                caches, _, info = load_prompt_file(ours.prompt_cache, mp.model)
+                caches, info = document
+                check_caches(ours.prompt_cache, caches, mp.model, info, model_path)
                 mp.document = (info["document_ids"], caches)
         except Exception as exc:
             failed.append(exc)
+                stats.serve_document(ours.prompt_cache, len(info["document_ids"]))
             raise SystemExit(2)
         return mp
 
@@ -617,11 +668,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _prompt_file_settings(ours, config):
-    """(config, model path, dtype) for ``--prompt-cache``: the file's method and model, which ``--method`` and
-    ``--model`` may repeat but not change (a clear error before anything loads)."""
+    """(config, model path, dtype, (caches, kvpolicy info)) for ``--prompt-cache``: the file's method and model,
+    which ``--method`` and ``--model`` may repeat but not change, and its caches, verified (checksum, finite values,
+    the model directory's fingerprint): a clear error before the model loads."""
     from ..config.parse import parse_config
     from ..errors import KVPolicyError
-    from .prompt_file import file_metadata
+    from .prompt_file import check_model, file_metadata, load_prompt_file
 
     metadata, info = file_metadata(ours.prompt_cache)
     if info is None or "model" not in metadata:
@@ -638,7 +690,10 @@ def _prompt_file_settings(ours, config):
             f"--model {ours.model} is not the model of --prompt-cache {ours.prompt_cache} ({metadata['model']})"
         )
     dtype = info.get("dtype") if ours.dtype == "auto" and info.get("dtype") else ours.dtype
-    return saved, Path(metadata["model"]), dtype
+    return saved, Path(metadata["model"]), dtype, (caches, info)
+    # the caches and metadata verified (a damaged file is named as such), then the weights at the model path
+    caches, metadata, info = load_prompt_file(ours.prompt_cache)
+    check_model(ours.prompt_cache, info, metadata["model"])
 
 
 @contextlib.contextmanager

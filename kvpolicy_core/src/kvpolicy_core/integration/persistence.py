@@ -41,8 +41,9 @@ class CacheFileError(KVPolicyError):
     """A cache file that cannot be loaded: missing, truncated, modified or of another format."""
 
 
-def _digest(arrays: Dict[str, mx.array], header: Optional[Dict[str, Any]] = None) -> str:
-    """SHA-256 over every array (name, dtype, shape, bytes) and the header JSON (without the digest)."""
+def digest(arrays: Dict[str, mx.array], header: Optional[Dict[str, Any]] = None) -> str:
+    """SHA-256 over every array (name, dtype, shape, bytes) and the header JSON (without the digest): the checksum
+    of ``save_caches`` files and of prompt-cache files (:mod:`kvpolicy_core.apps.prompt_file`)."""
     h = hashlib.sha256()
     if header is not None:
         h.update(json.dumps({k: v for k, v in header.items() if k != "sha256"}, sort_keys=True).encode())
@@ -51,6 +52,9 @@ def _digest(arrays: Dict[str, mx.array], header: Optional[Dict[str, Any]] = None
         h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
         h.update(memoryview(mx.contiguous(a).view(mx.uint8).reshape(-1)))
     return h.hexdigest()
+
+
+_digest = digest  # the name it had before prompt-cache files used it
 
 
 def save_caches(
@@ -111,7 +115,7 @@ def save_caches(
     header = {"format": FORMAT, "layers": layers, "user": dict(metadata or {})}
     if shard != (0, 1):
         header["shard"] = list(shard)
-    header["sha256"] = _digest(arrays, header)  # covers the header (shard included) too
+    header["sha256"] = digest(arrays, header)  # covers the header (shard included) too
     _write_atomically(path, arrays, {"kvpolicy": json.dumps(header)})
     return path
 
@@ -214,7 +218,7 @@ def load_caches(
             f"{path}: format {header.get('format') if isinstance(header, dict) else None!r}, expected {FORMAT!r}"
         )
     covered = header if header["format"] == FORMAT else None
-    if _digest(arrays, covered) != header.get("sha256"):
+    if digest(arrays, covered) != header.get("sha256"):
         raise CacheFileError(f"{path}: checksum mismatch: the file was modified or corrupted")
     check_shard(path, header.get("shard"), shard, CacheFileError)
     layers = header.get("layers")

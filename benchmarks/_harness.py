@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -144,10 +143,13 @@ def write_json(name: str, payload: dict, out_dir=RESULTS) -> Path:
     path = out_dir / f"{name}.json"
     from _common import versions  # mlx and the BLAS: imported when the results are written
 
+    from kvpolicy_core.eval.tasks.cli_options import atomic_write_text  # no mlx, no BLAS
+
     payload = {"command": " ".join(["python"] + sys.argv), "versions": versions(), **payload}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=float))
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    text = json.dumps(payload, indent=1, default=float)  # before the file is touched: a bad payload changes nothing
+    # atomic (a temporary file in the folder, fsynced, renamed): a reader never sees half a file and a failed
+    # write (a full disk) leaves the previous results whole and no temporary file behind
+    atomic_write_text(path, text, "--out")
     return path
 
 

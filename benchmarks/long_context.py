@@ -36,12 +36,20 @@ import argparse
 import dataclasses
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
 from _common import parser, result_name, with_budget, write_json
 
 from kvpolicy_core.eval.tasks import ruler
+from kvpolicy_core.eval.tasks.cli_options import (
+    MAX_LENGTH,
+    check_input_file,
+    check_output,
+    check_seeds_and_steps,
+    number_list,
+)
 from kvpolicy_core.eval.tasks.ruler_runner import PROTOCOLS, format_table, record_first_chunk, run_context, summarize
 
 #: kvzip+METHOD: METHOD with the context cut at once by KVzip's reconstruction score (docs/methods/compress-once.md)
@@ -154,10 +162,37 @@ def main():
         "--report", nargs="+", metavar="JSON", help="print one markdown table of result files (rows merged) and stop"
     )
     args = p.parse_args()
+    try:
+        run(args)
+    except ValueError as exc:  # an option's error: one line naming it, exit 2 (as kvpolicy's command line)
+        print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def read_results(f: str, option: str) -> dict:
+    """A result file of this script (``config``, ``seconds``, ``rows``), else a ValueError naming ``option``."""
+    check_input_file(f, option)
+    try:
+        data = json.loads(Path(f).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{option} {f}: not a JSON file ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{option} {f}: not a long_context result file (no 'rows' list)")
+    keys = ("id", "model", "method", "protocol", "question", "score", "task", "length", "haystack")
+    for i, r in enumerate(data["rows"]):
+        missing = [k for k in keys if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise ValueError(f"{option} {f}: row {i} lacks {', '.join(missing)}")
+    return data
+
+
+def run(args):
     if args.report:
         for f in args.report:
-            data = json.loads(Path(f).read_text())
-            print(f"{Path(f).name}: {data['config']['model']}, {data['seconds']:.0f} s")
+            data = read_results(f, "--report")
+            model = (data.get("config") or {}).get("model", "?") if isinstance(data.get("config"), dict) else "?"
+            seconds = data.get("seconds")
+            print(f"{Path(f).name}: {model}, " + (f"{seconds:.0f} s" if isinstance(seconds, (int, float)) else "? s"))
         print("\n" + markdown(merge_rows(args.report)) + "\n")
         return
     size = "smoke" if args.smoke else (args.size or "quick")
@@ -167,14 +202,24 @@ def main():
     if args.smoke:  # a random model scores 0 everywhere: run every method anyway
         args.prefill_step, args.skip_flagged = 128, False
     out = Path(args.out)
+    lengths = number_list(args.lengths, "lengths", positive=True, maximum=MAX_LENGTH)
+    ratios = number_list(args.ratios, "ratios", float, minimum=1.0)  # budget = length / ratio
+    depths = number_list(args.depths, "depths", float, minimum=0.0, maximum=1.0) if args.depths else None
+    check_seeds_and_steps(args.seeds, [args.prefill_step])
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in ruler.TASKS]
+    if not tasks or unknown:
+        raise ValueError(f"--tasks: {'unknown task ' + repr(unknown[0]) if unknown else 'no task given'}; "
+                         f"choose from {', '.join(ruler.TASKS)}")  # fmt: skip
+    protocols = [x for x in args.protocols.split(",") if x]
+    if not protocols or any(x not in PROTOCOLS for x in protocols):
+        raise ValueError(f"--protocols: expected some of {', '.join(PROTOCOLS)} (got {args.protocols!r})")
+    earlier = [read_results(f, "--full-from") for f in args.full_from or []]
+    check_output(args.export_jsonl, "--export-jsonl")
+    check_output(str(out / "long_context.check"), "--out")
     model, tok, path = load(args.model, args.smoke)
     chat = args.chat or MODEL_CHAT.get(args.model, "none")
-    lengths = [int(x) for x in args.lengths.split(",")]
-    tasks = args.tasks.split(",")
     names = [m.strip() for m in args.methods.split(";" if ";" in args.methods else ",")]
-    ratios = [float(r) for r in args.ratios.split(",")]
-    protocols = args.protocols.split(",")
-    depths = [float(d) for d in args.depths.split(",")] if args.depths else None
     contexts = build_contexts(tok, tasks, lengths, args.haystacks.split(","), args, Path(path).name, chat, depths)
     if args.export_jsonl:
         ruler.write_jsonl(args.export_jsonl, contexts)
@@ -211,8 +256,8 @@ def main():
         )
 
     earlier_full = []
-    for f in args.full_from or []:
-        earlier_full += [r for r in json.loads(Path(f).read_text())["rows"] if r["method"] == "full"]
+    for data in earlier:
+        earlier_full += [r for r in data["rows"] if r["method"] == "full"]
     flagged = []
     for key in dict.fromkeys((c.task, c.length) for c in contexts):  # one task and length at a time
         group = [c for c in contexts if (c.task, c.length) == key]
@@ -300,7 +345,7 @@ def merge_rows(files) -> list:
     question, e.g. the full cache in two runs on the same contexts) is kept once, the first file's."""
     seen, out = set(), []
     for f in files:
-        for r in json.loads(Path(f).read_text())["rows"]:
+        for r in read_results(f, "--report")["rows"]:
             key = (r["id"], r["model"], r["method"], r["protocol"], r["question"])
             if key not in seen:
                 seen.add(key)

@@ -165,7 +165,7 @@ def test_eval_chunked_mode_and_config_files(capsys, tiny_model_dir, tmp_path):
         (["eval", "--method", "rotating:size=3"], "unknown field"),
         (["eval", "--method", "full:budget=3"], "'full' takes no options"),
         (["eval", "--file", "/nonexistent.txt"], "corpus file not found"),
-        (["eval", "--tokens", "1"], "--tokens must be at least 2"),
+        (["eval", "--tokens", "1"], "--tokens must be in [2, 1048576]"),
         (["eval", "--chunk", "0"], "--chunk must be >= 1"),
         (["eval", "--config", "/nonexistent.json"], "no such file"),
         (["generate", "x", "--method", "cam", "--config", "c.json"], "either --method or --config"),
@@ -242,3 +242,60 @@ def test_prompt_file_with_a_bom_and_from_a_pipe(capsys, tmp_path, tiny_model_dir
     )
     writer.join(timeout=10)
     assert code == 0 and "[full]" in err, err
+
+
+# ----------------------------------------------------------------------------- numeric options and results files
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["generate", "x", "--temp", "nan"], "--temp must be a finite number >= 0"),
+        (["generate", "x", "--temp", "inf"], "--temp must be a finite number >= 0"),
+        (["generate", "x", "--temp", "-1"], "--temp must be a finite number >= 0"),
+        (["generate", "x", "--max-tokens", "0"], "--max-tokens must be in [1, 1048576]"),
+        (["generate", "x", "--max-tokens", "-5"], "--max-tokens must be in [1, 1048576]"),
+        (["eval", "--tokens", "1000000000"], "--tokens must be in [2, 1048576]"),
+        (["eval", "--chunk", "10000000000"], "--chunk must be in [1, 1048576]"),
+        (
+            ["cache-prompt", "x", "--prompt-cache-file", "f.safetensors", "--prefill-step-size", "0"],
+            "--prefill-step-size must be in [1, 1048576]",
+        ),  # fmt: skip
+        (["eval", "--budget", "99999999999"], "h2o_budget: must be at most 2147483647"),
+    ],
+)
+def test_numeric_options_are_bounded_in_one_line_naming_the_option(capsys, argv, needle, tiny_model_dir):
+    code, out, err = run(capsys, *argv, "--model", str(tiny_model_dir))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvpolicy: error:") and needle in lines[0], err
+
+
+def test_eval_json_to_an_unwritable_path_fails_before_the_run(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    import kvpolicy_core.apps.cli as cli
+
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: pytest.fail("the run started"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for dest in (str(blocker / "results.json"), str(tmp_path)):
+        code, _, err = run(capsys, "eval", "--json", dest, "--model", str(tiny_model_dir))
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and f"--json {dest}:" in lines[0], err
+
+
+def test_a_failed_results_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    """The results are written to a temporary file and renamed: a full disk no longer leaves half a JSON file."""
+    import errno
+    import os
+
+    from kvpolicy_core.eval.tasks.cli_options import write_json
+
+    dest = tmp_path / "results.json"
+    write_json({"run": 1}, str(dest))
+    assert json.loads(dest.read_text()) == {"run": 1}
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(ValueError, match=r"--json .*results\.json: could not be written \(No space left on device\)"):
+        write_json({"run": 2, "rows": list(range(1000))}, str(dest))
+    assert json.loads(dest.read_text()) == {"run": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # no temporary file left behind

@@ -313,3 +313,69 @@ def test_first_chunk_then_the_rest_is_the_whole_context_prefill(tiny, gemma_mode
             (ka, _, pa, _), (kb, _, pb, _) = a.retained(), b.retained()
             assert np.array_equal(np.array(pa), np.array(pb)), spec
             np.testing.assert_allclose(np.array(ka), np.array(kb), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the suite's options (issue 39)
+RULER = ["eval", "--task", "ruler", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--lengths", "1000000000"], "--lengths: each must be at most 1048576"),  # grew memory by 9 GB, silently
+        (["--lengths", "5000"], "--lengths: 5000 tokens is beyond the model's 4096 positions"),
+        (["--ratio", "nan"], "--ratio: expected finite numbers"),
+        (["--ratio", "inf"], "--ratio: expected finite numbers"),
+        (["--ratio", "1e-9"], "--ratio: each must be at least 1"),
+        (["--ruler-tasks", ","], "--ruler-tasks: no task given"),
+        (["--protocol", ""], "--protocol: no protocol given"),
+        (["--seeds", "1000000000"], "--seeds must be in [1, 65536]"),
+        (["--prefill-step", "99999999999"], "--prefill-step must be in [1, 1048576]"),
+        (["--from-jsonl", "."], "--from-jsonl .: not a file"),
+        (["--from-jsonl", "/nonexistent.jsonl"], "--from-jsonl /nonexistent.jsonl: no such file"),
+        (["--json", "."], "--json .: is a folder"),
+        (["--export-jsonl", "/dev/null/x.jsonl"], "--export-jsonl /dev/null/x.jsonl: cannot write there"),
+    ],
+)
+def test_suite_options_are_one_line_naming_the_option(capsys, tiny_model_dir, extra, needle):
+    code = main(RULER + ["--model", str(tiny_model_dir), "--lengths", "400"] + extra)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvpolicy: error:") and needle in lines[0], lines
+
+
+def test_suite_json_to_an_unwritable_path_fails_before_the_run(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    import kvpolicy_core.apps.cli as cli
+
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: pytest.fail("the run started"))
+    (tmp_path / "file").write_text("")
+    code = main(RULER + ["--model", str(tiny_model_dir), "--json", str(tmp_path / "file" / "r.json")])
+    assert code == 2 and "--json " in capsys.readouterr().err
+
+
+def test_from_jsonl_ids_outside_the_vocabulary_are_refused_naming_the_line(capsys, tiny_model_dir, tmp_path):
+    rec = {"id": "c", "task": "niah_single", "length": 64, "context_ids": [1, 2, 5000],
+           "questions": [{"question_ids": [3], "answers": ["1"], "max_new_tokens": 2}]}  # fmt: skip
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    code = main(RULER + ["--model", str(tiny_model_dir), "--from-jsonl", str(path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"{path}:1.context_ids: token id 5000 at index 2" in lines[0], lines
+    path.write_text("")
+    code = main(RULER + ["--model", str(tiny_model_dir), "--from-jsonl", str(path)])
+    assert code == 2 and "the file holds no context" in capsys.readouterr().err
+
+
+def test_long_context_report_on_a_corrupt_file_is_one_line_naming_the_option(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "long_context.py"
+    bad = tmp_path / "bad.json"
+    cases = (('{"rows": [', "not a JSON file"), ('{"rows": [{"id": 1}]}', "row 0 lacks"), ("[]", "no 'rows'"))
+    for text, needle in cases:
+        bad.write_text(text)
+        done = subprocess.run([sys.executable, str(script), "--report", str(bad)], capture_output=True, text=True)
+        lines = [x for x in done.stderr.strip().splitlines() if "warning" not in x]
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert lines[0].startswith("long_context.py: error: --report ") and needle in lines[0], lines

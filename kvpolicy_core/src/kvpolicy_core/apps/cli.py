@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -400,8 +401,6 @@ def cmd_eval(args) -> int:
         from ..eval.tasks.needle import cli_run
 
         return cli_run(args, runs, _load_model)
-    if args.tokens < 2:
-        raise CLIError("--tokens must be at least 2")
     try:
         text = load_corpus(args.file)
     except FileNotFoundError as exc:
@@ -434,9 +433,9 @@ def cmd_eval(args) -> int:
         if args.json == "-":
             print(json.dumps(payload))
         elif _world()[0] == 0:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(payload, indent=1))
-            print(f"wrote {args.json}", file=sys.stderr)
+            from ..eval.tasks.cli_options import write_json
+
+            write_json(payload, args.json)  # atomically: a failed write leaves the previous file whole
     return 0
 
 
@@ -511,6 +510,29 @@ def cmd_convert(args) -> int:
 
 
 # ----------------------------------------------------------------------------- parser
+def _check_numbers(args) -> None:
+    """The numeric options within what the model and machine can do, before anything loads (CLIError naming the
+    option). The tasks' own options (``--lengths``, ``--seeds``, ...) are checked by the tasks
+    (:mod:`~kvpolicy_core.eval.tasks.cli_options`); budgets by the config."""
+    from ..eval.tasks.cli_options import MAX_LENGTH
+
+    chunk = getattr(args, "chunk", None)
+    if chunk is not None and chunk < 1:
+        raise CLIError("--chunk must be >= 1")
+    for attr, option, low in (("chunk", "--chunk", 1), ("tokens", "--tokens", 2), ("max_tokens", "--max-tokens", 1),
+                              ("prefill_step_size", "--prefill-step-size", 1)):  # fmt: skip
+        value = getattr(args, attr, None)
+        if value is not None and not low <= value <= MAX_LENGTH:
+            raise CLIError(f"{option} must be in [{low}, {MAX_LENGTH}] (got {value})")
+    temp = getattr(args, "temp", None)
+    if temp is not None and not (math.isfinite(temp) and temp >= 0):
+        raise CLIError(f"--temp must be a finite number >= 0 (0: greedy) (got {temp})")
+    if isinstance(getattr(args, "json", None), str) and getattr(args, "task", None) == "perplexity":
+        from ..eval.tasks.cli_options import check_output
+
+        check_output(args.json, "--json")  # before the run, not after it
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpolicy", description="KV-cache eviction policies for mlx-lm.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -622,10 +644,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if getattr(args, "chunk", 1) is not None and getattr(args, "chunk", 1) < 1:
-        print("kvpolicy: error: --chunk must be >= 1", file=sys.stderr)
-        return 2
     try:
+        _check_numbers(args)
         if args.command in ("generate", "eval"):
             from ..runtime.distributed import rank_zero_output
 

@@ -31,7 +31,15 @@ import mlx.core as mx
 from ...cache.policy_cache import PolicyCache
 from ..perplexity import kv_bytes, make_caches, parse_spec, spec_label
 from . import DEFAULT_DEPTHS
-from .cli_options import check_seeds_and_steps, number_list, progress_log, write_json
+from .cli_options import (
+    MAX_LENGTH,
+    check_int_option,
+    check_output,
+    check_seeds_and_steps,
+    number_list,
+    progress_log,
+    write_json,
+)
 from .greedy import greedy_tokens
 from .haystack import haystack_text
 from .tokens import bos_ids, encode
@@ -349,10 +357,13 @@ def format_summary(summary: Sequence[Dict[str, Any]]) -> str:
 # ----------------------------------------------------------------------------- command line
 def cli_run(args, specs: Sequence[Any], load_model) -> int:
     """``kvpolicy eval --task needle ...``: run the grid, print the per-depth table, write JSON."""
-    depths = number_list(args.depths, "depths", float)
-    lengths = number_list(args.lengths or "1000", "lengths")
+    depths = number_list(args.depths, "depths", float, minimum=0.0, maximum=1.0)
+    lengths = number_list(args.lengths or "1000", "lengths", positive=True, maximum=MAX_LENGTH)
     steps = args.prefill_step or [None]
     check_seeds_and_steps(args.seeds, steps)
+    if args.task != "needle":
+        check_int_option(args.keys, "keys", 1, len(KEY_WORDS))
+    check_output(args.json, "--json")
     model, tokenizer, path = load_model(args.model, args.dtype)
     log = progress_log(
         args.no_progress,

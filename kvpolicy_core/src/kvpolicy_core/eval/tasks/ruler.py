@@ -62,6 +62,8 @@ import string
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ...integration.token_ids import check_token_ids
+from .cli_options import MAX_LENGTH
 from .haystack import haystack_text
 from .tokens import bos_ids, encode
 
@@ -873,14 +875,25 @@ def write_jsonl(path, contexts: Iterable[Context]) -> Path:
     return path
 
 
-def _ids(value, where: str) -> List[int]:
+def _ids(value, where: str, vocab_size: Optional[int] = None) -> List[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         raise ValueError(f"{where}: expected a list of token ids (non-negative integers)")
+    if len(value) > MAX_LENGTH:
+        raise ValueError(f"{where}: {len(value)} token ids, more than {MAX_LENGTH}")
+    check_token_ids(value, vocab_size, where)
     return value
 
 
-def from_record(rec: Dict[str, Any], where: str = "record") -> Context:
-    """A context from its JSONL line; ValueError naming the field for a malformed line."""
+def _count(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LENGTH:
+        raise ValueError(f"{where}: expected an integer in [1, {MAX_LENGTH}] (got {value!r})")
+    return value
+
+
+def from_record(rec: Dict[str, Any], where: str = "record", vocab_size: Optional[int] = None) -> Context:
+    """A context from its JSONL line; ValueError naming the field for a malformed line. ``vocab_size``: the
+    model's, which every token id must be below (:func:`~kvpolicy_core.integration.token_ids.check_token_ids`;
+    None: not checked)."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object")
     for field in ("id", "task", "length", "context_ids", "questions"):
@@ -898,11 +911,11 @@ def from_record(rec: Dict[str, Any], where: str = "record") -> Context:
                 raise ValueError(f"{qw}: missing field {field!r}")
         if not isinstance(q["answers"], list) or not q["answers"] or not all(isinstance(a, str) for a in q["answers"]):
             raise ValueError(f"{qw}.answers: expected a non-empty list of strings")
-        n = q["max_new_tokens"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{qw}.max_new_tokens: expected an integer >= 1 (got {n!r})")
+        n = _count(q["max_new_tokens"], f"{qw}.max_new_tokens")
         questions.append(
-            Question(str(q.get("question", "")), _ids(q["question_ids"], f"{qw}.question_ids"), q["answers"], n)
+            Question(
+                str(q.get("question", "")), _ids(q["question_ids"], f"{qw}.question_ids", vocab_size), q["answers"], n
+            )
         )
     metric = rec.get("metric", "all")
     if metric not in ("all", "part"):
@@ -910,30 +923,35 @@ def from_record(rec: Dict[str, Any], where: str = "record") -> Context:
     return Context(
         str(rec["id"]),
         str(rec["task"]),
-        int(rec["length"]),
+        _count(rec["length"], f"{where}.length"),
         str(rec.get("haystack", "")),
         str(rec.get("model", "")),
         str(rec.get("chat", "none")),
         int(rec.get("seed", 0)),
         metric,
-        _ids(rec["context_ids"], f"{where}.context_ids"),
+        _ids(rec["context_ids"], f"{where}.context_ids", vocab_size),
         questions,
         [tuple(s) for s in rec.get("spans", [])],
-        _ids(rec.get("stop_ids", []), f"{where}.stop_ids"),
+        _ids(rec.get("stop_ids", []), f"{where}.stop_ids", vocab_size),
     )
 
 
-def read_jsonl(path) -> List[Context]:
-    """The contexts of a JSONL file written by :func:`write_jsonl` (errors name the file and line)."""
+def read_jsonl(path, vocab_size: Optional[int] = None) -> List[Context]:
+    """The contexts of a JSONL file written by :func:`write_jsonl` (errors name the file and line); every token id
+    below ``vocab_size`` (the model's: an id past its embedding is an out-of-bounds read; None: not checked)."""
     path = Path(path)
     out = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{n}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{n}: invalid JSON: {exc.msg}") from None
-            out.append(from_record(rec, f"{path}:{n}"))
+            out.append(from_record(rec, f"{path}:{n}", vocab_size))
     return out

@@ -6,9 +6,17 @@ This module imports no mlx (the parser is built first); the run imports :mod:`.r
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
-from .cli_options import check_seeds_and_steps, number_list, progress_log, write_json
+from .cli_options import (
+    MAX_LENGTH,
+    check_input_file,
+    check_output,
+    check_seeds_and_steps,
+    number_list,
+    progress_log,
+    write_json,
+)
 from .ruler import CHATS, DEFAULT_PRESET, NOISE, PRESETS, TASKS
 
 DEFAULT_RATIOS = "4,8"
@@ -66,6 +74,31 @@ def specs_for(specs: Sequence[Any], budgets: Sequence[int], with_budget: Callabl
     return out
 
 
+def model_max_positions(model) -> Optional[int]:
+    """The positions ``model`` was made for: its config's ``max_position_embeddings`` (or its text config's)."""
+    args = getattr(model, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        n = (
+            source.get("max_position_embeddings")
+            if isinstance(source, dict)
+            else getattr(source, "max_position_embeddings", None)
+        )
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
+
+
+def check_lengths(model, lengths: Sequence[int], option: str) -> None:
+    """Every context length (prompt, question and answer) within the model's positions, else a ValueError naming
+    ``option``."""
+    limit = model_max_positions(model)
+    too_long = [n for n in lengths if limit is not None and n > limit]
+    if too_long:
+        raise ValueError(
+            f"{option}: {too_long[0]} tokens is beyond the model's {limit} positions (max_position_embeddings)"
+        )
+
+
 def cli_run(args, specs: Sequence[Any], with_budget: Callable, load_model) -> int:
     """Generate (or read) the contexts, run every method in each protocol, print the table, write JSON."""
     from pathlib import Path
@@ -73,22 +106,40 @@ def cli_run(args, specs: Sequence[Any], with_budget: Callable, load_model) -> in
     from . import ruler
 
     tasks = [t.strip() for t in args.ruler_tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError(f"--ruler-tasks: no task given; choose from {', '.join(TASKS)}")
     for t in tasks:
         if t not in TASKS:
             raise ValueError(f"--ruler-tasks: unknown task {t!r}; choose from {', '.join(TASKS)}")
     protocols = [p.strip() for p in args.protocol.split(",") if p.strip()]
+    if not protocols:
+        raise ValueError("--protocol: no protocol given; choose query-agnostic, question-in-prompt")
     for p in protocols:
         if p not in ("query-agnostic", "question-in-prompt"):
             raise ValueError(f"--protocol: unknown protocol {p!r}; choose query-agnostic, question-in-prompt")
-    lengths = number_list(args.lengths, "lengths", positive=True) if args.lengths else [DEFAULT_LENGTH]
-    ratios = number_list(args.ratio, "ratio", float, positive=True)
+    lengths = (
+        number_list(args.lengths, "lengths", positive=True, maximum=MAX_LENGTH) if args.lengths else [DEFAULT_LENGTH]
+    )
+    ratios = number_list(args.ratio, "ratio", float, positive=True, minimum=1.0)  # budget = length / ratio
     step = (args.prefill_step or [2048])[0]
     check_seeds_and_steps(args.seeds, [step])
+    check_input_file(args.from_jsonl, "--from-jsonl")
+    check_output(args.json, "--json")
+    check_output(args.export_jsonl, "--export-jsonl")
+    if not args.from_jsonl:  # every method at every budget it will run with, before the model loads
+        for length in lengths:
+            specs_for(specs, args.budget or [max(8, int(length / r)) for r in ratios], with_budget)
     model, tokenizer, path = load_model(args.model, args.dtype)
     chat = MODEL_CHAT.get(args.model or "", "none") if args.chat == "auto" else args.chat
     if args.from_jsonl:
-        contexts = ruler.read_jsonl(args.from_jsonl)
+        from ...integration.token_ids import model_vocab_size
+
+        contexts = ruler.read_jsonl(args.from_jsonl, model_vocab_size(model))
+        if not contexts:
+            raise ValueError(f"--from-jsonl {args.from_jsonl}: the file holds no context")
+        check_lengths(model, sorted({c.length for c in contexts}), f"--from-jsonl {args.from_jsonl}")
     else:
+        check_lengths(model, lengths, "--lengths")
         contexts = ruler.build_suite(
             tokenizer,
             tasks,

@@ -165,7 +165,6 @@ class ServerStats:
         self._lock = threading.Lock()
         self._recent: deque = deque(maxlen=_RECENT)
         self._count = 0
-
         self.document: Optional[dict] = None  # --prompt-cache: the file, its length, requests that extend it or not
 
     def serve_document(self, path: str, tokens: int) -> None:
@@ -186,6 +185,7 @@ class ServerStats:
             else:
                 self.document["requests_not_extending"] += 1
                 self.document["last_not_extending"] = detail
+
     def decoded(self, rows: int) -> None:
         """One batched decode step over ``rows`` sequences (tracks the largest batch seen)."""
         if rows > self.peak_batch:
@@ -214,10 +214,10 @@ class ServerStats:
         }
         if prompt_cache is not None:
             out["prompt_cache"] = {"sequences": len(prompt_cache), "bytes": prompt_cache.nbytes}
-        return out
         if self.document is not None:
             with self._lock:
                 out["prompt_cache_file"] = dict(self.document)
+        return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -308,7 +308,6 @@ def _server_classes():
                 self._not_extending(pinned[0][0], tokens, covered)
             return cache, rest
 
-        def _fetch_stored(self, model, tokens):
         def _not_extending(self, ids: List[int], tokens, covered: int) -> None:
             tokens = list(tokens)
             same = next((i for i, (a, b) in enumerate(zip(ids, tokens)) if a != b), min(len(ids), len(tokens)))
@@ -325,6 +324,7 @@ def _server_classes():
                 "Send the document's text exactly as cache-prompt read it, then the question"
             )
 
+        def _fetch_stored(self, model, tokens):
             """mlx-lm's look-up, but never "all of the prompt is cached, nothing to feed".
 
             mlx-lm answers an exact match with the stored cache and no tokens left, and its batched
@@ -614,9 +614,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ..config.policy import build_policy
 
         build_policy(config)  # every part of the method is installed and builds from this config
+        document = None
         if ours.prompt_cache:
             config, model_path, ours.dtype, document = _prompt_file_settings(ours, config)
-        document = None
         else:
             model_path = resolve_model_path(ours.model)
     except (KVPolicyError, ModelUnavailable) as exc:
@@ -640,9 +640,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 caches, info = document
                 check_caches(ours.prompt_cache, caches, mp.model, info, model_path)
                 mp.document = (info["document_ids"], caches)
+                stats.serve_document(ours.prompt_cache, len(info["document_ids"]))
         except Exception as exc:
             failed.append(exc)
-                stats.serve_document(ours.prompt_cache, len(info["document_ids"]))
             raise SystemExit(2)
         return mp
 
@@ -689,11 +689,11 @@ def _prompt_file_settings(ours, config):
         raise KVPolicyError(
             f"--model {ours.model} is not the model of --prompt-cache {ours.prompt_cache} ({metadata['model']})"
         )
-    dtype = info.get("dtype") if ours.dtype == "auto" and info.get("dtype") else ours.dtype
-    return saved, Path(metadata["model"]), dtype, (caches, info)
     # the caches and metadata verified (a damaged file is named as such), then the weights at the model path
     caches, metadata, info = load_prompt_file(ours.prompt_cache)
     check_model(ours.prompt_cache, info, metadata["model"])
+    dtype = info.get("dtype") if ours.dtype == "auto" and info.get("dtype") else ours.dtype
+    return saved, Path(metadata["model"]), dtype, (caches, info)
 
 
 @contextlib.contextmanager

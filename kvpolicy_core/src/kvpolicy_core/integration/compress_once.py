@@ -325,12 +325,10 @@ def cut(
         load_kept(cache, k, v, kept, s, L)
         out.scores.append(s)
         out.kept.append(kept)
+    hold_hook(model, out.caches)
     return out
 
-    hold_hook(model, out.caches)
 
-@dataclass(frozen=True)
-class CompressOnceSpec:
 def hold_hook(model, caches: Sequence[Any]) -> None:
     """Let ``caches`` hold kvpolicy's attention hook when their layers keep different numbers of tokens.
 
@@ -352,6 +350,8 @@ def hold_hook(model, caches: Sequence[Any]) -> None:
             c.attention_hook = hook
 
 
+@dataclass(frozen=True)
+class CompressOnceSpec:
     """A method run compress-once: ``scorer`` (``"kvzip"``) cuts the context to ``config``'s budget at once."""
 
     scorer: str

@@ -121,3 +121,23 @@ def test_replayed_prefill_is_the_real_prefill(model_name, llama_model, gemma_mod
         shared = run_trial(model, tok, trial, spec, None, record)
         keys = ("output", "kv_bytes_kept", "needle_kept")
         assert [real[k] for k in keys] == [shared[k] for k in keys], spec
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--lengths", "1000000000"], "--lengths: each must be at most 1048576"),
+        (["--lengths", "0"], "--lengths: expected positive numbers"),
+        (["--depths", "1.5"], "--depths: each must be at most 1.0"),
+        (["--depths", "nan"], "--depths: expected finite numbers"),
+        (["--task", "needle-multikey", "--keys", "1000"], "--keys must be in [1, "),
+        (["--json", "."], "--json .: is a folder"),
+    ],
+)
+def test_cli_needle_options_are_checked_before_the_model_loads(capsys, tiny_model_dir, monkeypatch, extra, needle):
+    import kvpolicy_core.apps.cli as cli
+
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: pytest.fail("the run started"))
+    code = main(["eval", "--task", "needle", "--model", str(tiny_model_dir), *extra])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvpolicy: error:") and needle in lines[0], lines

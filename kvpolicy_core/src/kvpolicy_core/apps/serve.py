@@ -51,6 +51,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, List, Optional
 
+from ..integration.token_ids import check_token_ids
 from .serve_requests import (
     EMPTY_PROMPT,
     BadRequest,
@@ -424,6 +425,7 @@ def _server_classes():
                 raise BadRequest(f"{what}: cannot be tokenized: {type(exc).__name__}: {exc}") from None
             if not tokenized[0]:
                 raise BadRequest(EMPTY_PROMPT[request.request_type])
+            check_token_ids(tokenized[0], getattr(self.model_provider, "vocab_size", None), what, BadRequest)
             request._kvpolicy_tokenized = (tokenizer, tokenized)
 
         def _tokenize(self, tokenizer, request, args):

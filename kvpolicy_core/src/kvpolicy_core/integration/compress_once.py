@@ -43,6 +43,7 @@ from ..errors import ConfigError
 from ..parts.pooling import pool_by_position
 from .builder import KVCacheBuilder
 from .reconstruction import reconstruction_scores, repeat_chunks, window_scores
+from .token_ids import check_model_token_ids
 
 #: the compress-once scorers: ``kvzip`` shares the kept tokens out over the layers by one ranking (KVzip's rule),
 #: ``kvzip-layerwise`` keeps ``budget`` per layer (kvpress's ``layerwise=True``)
@@ -250,6 +251,7 @@ def compress_context(
     config = parse_config(spec)
     budget, n_sink = config.policy.budget, config.policy.n_sink
     ids = [int(t) for t in context_ids]
+    check_model_token_ids(model, ids, "compress_context: context_ids")  # an id past the embedding: out-of-bounds read
     L = len(ids)
     if budget >= L:
         raise ConfigError(

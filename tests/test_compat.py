@@ -1,27 +1,32 @@
-"""Plugins written against kvpolicy 0.1.0 keep working in 0.2.0 (with a DeprecationWarning where a form changed)."""
+"""Forms of 0.1 and 0.2 removed in 0.3: a plugin that still uses one gets one clear error naming the form and its
+replacement (CHANGELOG), never a silent change."""
+
+import re
 
 import mlx.core as mx
-import numpy as np
 import pytest
+from helpers import random_kv
 
-from kvpolicy_core import MergeUpdate, MethodSpec, PolicyCache, PolicyConfig, hookimpl, pick_lowest
+from kvpolicy_core import MergeUpdate, MethodSpec, PluginError, PolicyCache, PolicyConfig, hookimpl, pick_lowest
+from kvpolicy_core.config.policy import build_policy
+from kvpolicy_core.parts.base import Disposition, Scorer, Selector
 from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
-from kvpolicy_core.testing.conformance import feed, random_kv
+from kvpolicy_core.testing.conformance import feed
 
 
 class OldSelector:
-    """0.1.0 form: select() only, and no look at view.dead: the cache still evicts dead slots first."""
+    """0.1 form: select() only."""
 
     @classmethod
     def from_config(cls, config):
         return cls()
 
     def select(self, view, n_evict):
-        return pick_lowest(-view.positions.astype(mx.float32), n_evict)  # newest first, ignores `dead`
+        return pick_lowest(-view.positions.astype(mx.float32), n_evict)
 
 
 class OldMerge:
-    """0.1.0 form: MergeUpdate with positional draws/merges counters."""
+    """0.1 form: MergeUpdate with positional draws/merges counters (now the 5th field is ``stats``)."""
 
     @classmethod
     def from_config(cls, config):
@@ -29,7 +34,7 @@ class OldMerge:
 
     def dispose(self, view, losers, key):
         zeros = mx.zeros((*losers.shape, view.values.shape[-1]), view.values.dtype)
-        return MergeUpdate(losers * 0 + 1, None, zeros, None, mx.array(2), mx.array(1))
+        return MergeUpdate(losers * 0 + 1, None, zeros, None, mx.array(2))
 
 
 class OldPlugin:
@@ -54,28 +59,40 @@ def old_plugin():
     unregister_plugin("old")
 
 
-def test_old_merge_update_counters_still_count_with_a_deprecation_warning(old_plugin):
+def test_a_selector_with_the_removed_select_form_is_refused_naming_rank(old_plugin):
+    with pytest.raises(PluginError, match=r"old_newest.*select\(view, n_evict\).*removed in 0.3.*rank\(view\)"):
+        PolicyCache("oldsel:budget=8,n_sink=1,recent=1")
+
+
+def test_merge_update_counters_in_the_removed_fields_are_refused_naming_stats(old_plugin):
     keys, values = random_kv(B=1, H=2, S=30, D=4)
     cache = PolicyCache("oldmerge:budget=8,n_sink=1,recent=1")
-    with pytest.warns(DeprecationWarning, match="stats="):
+    with pytest.raises(PluginError, match=r"old_merge.*stats.*draws/merges were removed in 0.3"):
         feed(cache, keys, values, (1,) * 30)
-    cache.settle()
-    assert cache.stats() == {"gate_draws": 2 * 22, "merges": 22} and cache.merges == 22 and cache.gate_draws == 44
 
 
-def test_old_selector_on_a_window_layer_gets_window_dead_slots_evicted_first(old_plugin):
-    keys, values = random_kv(B=1, H=2, S=24, D=4)
-    cache = PolicyCache("oldsel:budget=8,n_sink=0,recent=0", window=6)
-    feed(cache, keys, values, (16,) + (1,) * 8)
-    cache.settle()
-    pos = np.array(cache.retained()[2])
-    # with 24 seen and window 6, every slot at position <= 18 is dead: the cache evicts those first
-    assert pos.shape[-1] == 8 and (pos[..., -5:] == np.arange(19, 24)).all()
+@pytest.mark.parametrize(
+    "kind, flag, field",
+    [
+        ("scorer", "needs_attention", "Needs(attention=True)"),
+        ("scorer", "trim_exact", "Needs(trim_exact=True)"),
+        ("disposition", "uses_log_weights", "Needs(log_weights=True)"),
+        ("selector", "batch_rows", "Needs(batch_rows=True)"),
+        ("disposition", "compile_decode", "traits(compile_decode=True)"),
+        ("disposition", "uses_key_norms", "traits(key_norms=True)"),
+    ],
+)
+def test_a_removed_class_flag_is_refused_naming_its_replacement(kind, flag, field):
+    base = {"scorer": Scorer, "selector": Selector, "disposition": Disposition}[kind]
+    old = type(f"Old{kind.title()}", (base,), {flag: True, "rank": lambda self, view: view.scores})
+    policy = build_policy("h2o:budget=8,signal=proxy")
+    with pytest.raises(PluginError, match=rf"Old{kind.title()} sets .{flag}..*removed in 0.3.*{re.escape(field)}"):
+        PolicyCache(policy._replace(**{kind: old()}))
 
 
 def test_counters_and_config_fields_by_name():
     cache = PolicyCache("h2o:budget=8")
-    assert cache.merges == 0 and cache.gate_draws == 0 and cache.stats() == {}  # 0.1.0 names read 0
+    assert cache.merges == 0 and cache.gate_draws == 0 and cache.stats() == {}
     assert cache.budget == 8 and cache.n_sink == 4
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         cache.nonsense

@@ -1,4 +1,4 @@
-"""The one decode write (SlotStore.write): its compiled call, its eager fallback, and the stacked rows' use of it."""
+"""The one decode write (SlotStore.write) and the decode choice: compiled calls, their eager fallbacks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 from helpers import feed, random_kv
 
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.cache.slots import Choice, SlotStore, Token
+from kvpolicy_core.cache.slots import SlotStore, Token
 from kvpolicy_core.parts.base import MergeUpdate
 from kvpolicy_core.parts.lowest_score import LowestScoreSelector
 
@@ -17,30 +17,24 @@ def same_state(a: PolicyCache, b: PolicyCache) -> bool:
     )
 
 
-def test_a_choice_whose_selector_cannot_be_traced_is_made_by_the_checked_selection(monkeypatch):
-    """H2O's fused choice with a selector that mx.compile cannot trace (a host read in rank): the write falls
-    back to the step's own selection, keeps doing so, and leaves exactly the cache the unfused step leaves."""
+def eager(config: str) -> PolicyCache:
+    cache = PolicyCache(config)
+    cache._step.compiling.choose = cache._step.compiling.dispose = False
+    return cache
+
+
+def test_a_selector_that_cannot_be_traced_chooses_eager_from_then_on_with_the_same_losers(monkeypatch):
+    """A decode choice whose rank mx.compile cannot trace (a host read in rank): the step falls back to the eager
+    choice, keeps doing so, and leaves exactly the cache the eager choice leaves."""
     real = LowestScoreSelector.rank
     monkeypatch.setattr(LowestScoreSelector, "rank", lambda self, view: (view.scores.sum().item(), real(self, view))[1])
     keys, values = random_kv(B=2, S=30)
-    written = []
-    real_write = SlotStore.write
-    monkeypatch.setattr(
-        SlotStore,
-        "write",
-        lambda self, t, losers, *a, **k: (
-            written.append(isinstance(losers, Choice)),
-            real_write(self, t, losers, *a, **k),
-        )[1],
-    )
-    fused = PolicyCache("h2o:budget=8,n_sink=1,signal=proxy")
-    feed(fused, keys, values, [12] + [1] * 18)
-    assert written[0] and not any(written[1:])  # one Choice tried, then the checked selection
-    assert fused._step.compiling.select is False
-    unfused = PolicyCache("h2o:budget=8,n_sink=1,signal=proxy")
-    unfused._step.fuses_drop = False
-    feed(unfused, keys, values, [12] + [1] * 18)
-    assert same_state(fused, unfused)
+    tried = PolicyCache("h2o:budget=8,n_sink=1,signal=proxy")
+    feed(tried, keys, values, [12] + [1] * 18)
+    assert tried._step.compiling.choose is False
+    plain = eager("h2o:budget=8,n_sink=1,signal=proxy")
+    feed(plain, keys, values, [12] + [1] * 18)
+    assert same_state(tried, plain)
 
 
 def test_a_compiled_write_that_cannot_be_traced_writes_the_same_eager():
@@ -81,29 +75,19 @@ def test_a_write_compiled_and_eager_give_the_same_buffers_bit_for_bit():
     assert a.positions[:, :, 0].tolist() == [[6, 6], [9, 9]]
 
 
-def test_a_fused_choice_that_reads_key_norms_makes_the_store_keep_them_new_token_included(monkeypatch):
-    """H2O's fused choice (a Choice traced into the write) with a selector whose ranking reads ``view.key_norms``,
-    first read at a decode step: that write makes the store keep the norms, the new token's included, so every
-    later step's view has them kept (the eager path's rule); the choices are the unfused step's, slot for slot."""
+def test_a_compiled_choice_that_reads_key_norms_makes_the_store_keep_them_new_token_included(monkeypatch):
+    """A compiled decode choice whose ranking reads ``view.key_norms``, first read at a decode step: the store keeps
+    the norms from then on, the new token's included (the eager path's rule); the choices are the eager step's."""
     real = LowestScoreSelector.rank
     monkeypatch.setattr(LowestScoreSelector, "rank", lambda self, view: real(self, view) + view.key_norms)
     keys, values = random_kv(B=2, S=30)
-    written = []
-    real_write = SlotStore.write
-
-    def write(self, t, losers, *a, **k):
-        written.append(isinstance(losers, Choice))
-        return real_write(self, t, losers, *a, **k)
-
-    monkeypatch.setattr(SlotStore, "write", write)
-    fused = PolicyCache("h2o:budget=8,n_sink=1,signal=proxy")
-    feed(fused, keys, values, [9] + [1] * 14)  # the prompt evicts nothing: the first read is inside the Choice
-    assert written[0] and not any(written[1:])  # the Choice read norms: kept from then on, no Choice needed
-    sl = fused._slots
+    compiled = PolicyCache("h2o:budget=8,n_sink=1,signal=proxy")
+    feed(compiled, keys, values, [9] + [1] * 14)  # the prompt evicts nothing: the first read is a compiled one
+    assert compiled._step.compiling.choose
+    sl = compiled._slots
     assert sl.track_key_norms and sl.key_norms is not None
     norms = mx.sqrt((sl.keys[..., : sl.n, :].astype(mx.float32) ** 2).sum(axis=-1))
     assert mx.allclose(sl.key_norms[..., : sl.n], norms)
-    unfused = PolicyCache("h2o:budget=8,n_sink=1,signal=proxy")
-    unfused._step.fuses_drop = False
-    feed(unfused, keys, values, [9] + [1] * 14)
-    assert same_state(fused, unfused) and mx.array_equal(sl.key_norms, unfused._slots.key_norms)
+    plain = eager("h2o:budget=8,n_sink=1,signal=proxy")
+    feed(plain, keys, values, [9] + [1] * 14)
+    assert same_state(compiled, plain) and mx.array_equal(sl.key_norms, plain._slots.key_norms)

@@ -20,7 +20,7 @@ def test_primitive_level(gate):
     for c in caches:
         c.update_and_fetch(K, V)
     views = [c._view(0) for c in caches]
-    losers = [p.selector.select(v, 8) for p, v in zip((h2o, cam, merged), views)]
+    losers = [c._step.choose(v, 8) for c, v in zip(caches, views)]
     assert mx.array_equal(losers[0], losers[1]) and mx.array_equal(losers[0], losers[2])
     for c in caches:
         c.settle()  # the 8 losers leave; drop leaves every survivor as it was

@@ -49,8 +49,8 @@ ALLOWED = {
         "errors",
     },
 }
-#: modules of the package root that are plumbing, not a layer (lazy exports, moved-path aliases)
-ROOT_PLUMBING = {"_lazy", "_moved"}
+#: modules of the package root that are plumbing, not a layer (lazy exports)
+ROOT_PLUMBING = {"_lazy"}
 
 
 def layer_of(module: str) -> str:
@@ -120,19 +120,3 @@ def test_at_most_twelve_modules_at_the_top_of_the_package():
 
     top = [p.name for p in Path(kvpolicy_core.__file__).parent.glob("*.py")]
     assert len(top) <= 12, sorted(top)
-
-
-def test_a_moved_module_path_is_the_same_module_with_a_deprecation_warning():
-    import importlib
-    import sys
-    import warnings
-
-    sys.modules.pop("kvpolicy_core.slots", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = importlib.import_module("kvpolicy_core.slots")
-    new = importlib.import_module("kvpolicy_core.cache.slots")
-    assert old is new and new.__spec__.name == "kvpolicy_core.cache.slots"
-    assert any(
-        issubclass(w.category, DeprecationWarning) and "kvpolicy_core.cache.slots" in str(w.message) for w in caught
-    )

@@ -16,9 +16,8 @@ from kvpolicy_core.cache.batch import BatchPolicyCache
 from kvpolicy_core.cache.batch_rows import can_stack
 from kvpolicy_core.cache.step import Compiling
 from kvpolicy_core.config.policy import build_policy
-from kvpolicy_core.parts import shipped
+from kvpolicy_core.parts import traits
 from kvpolicy_core.parts.base import OLD_FLAGS, CacheView, policy_needs
-from kvpolicy_core.parts.drop import DropDisposition
 from kvpolicy_core.parts.lowest_score import LowestScoreSelector
 
 BASE = "h2o:budget=8,n_sink=1,recent=1,signal=proxy"
@@ -83,54 +82,11 @@ def _stacks(cache):
     return can_stack([cache, other])
 
 
-#: (kind, the 0.2 flag, a part class without it, a check of the behaviour the need turns on)
-CASES = [
-    ("scorer", "needs_attention", QueryScorer, _observed),
-    ("scorer", "trim_exact", PositionScorer, _trimmable),
-    ("disposition", "uses_log_weights", DropDisposition, _log_weights),
-    ("selector", "batch_rows", OldestSelector, _stacks),
-]
-
-
-@pytest.mark.parametrize("kind, flag, base, behaviour", CASES, ids=[c[1] for c in CASES])
-def test_an_old_flag_still_works_as_the_needs_field_it_became_with_a_deprecation_warning(kind, flag, base, behaviour):
-    field = OLD_FLAGS[flag]
-    declared = dict(vars(base.needs))
-    old = type(f"Old{base.__name__}", (base,), {flag: True})
-    new = type(f"New{base.__name__}", (base,), {"needs": Needs(**{**declared, field: True})})
-    plain = type(f"Plain{base.__name__}", (base,), {})
-    old_cache, said = deprecations(lambda: PolicyCache(policy_with(**{kind: old()})))
-    new_cache, quiet = deprecations(lambda: PolicyCache(policy_with(**{kind: new()})))
-    assert any(flag in m and old.__name__ in m and f"Needs({field}=True)" in m for m in said), said
-    assert quiet == []
-    assert old_cache._step.needs == new_cache._step.needs
-    assert getattr(new_cache._step.needs, field) and not getattr(
-        PolicyCache(policy_with(**{kind: plain()}))._step.needs, field
-    )
-    got_old, got_new = behaviour(old_cache), behaviour(new_cache)
-    without = behaviour(PolicyCache(policy_with(**{kind: plain()})))
-    assert np.array_equal(got_old, got_new) and not np.array_equal(got_new, without)
-
-
-def test_old_engine_flags_of_a_plugin_part_are_still_honoured_with_a_deprecation_warning():
-    """``compile_decode`` and ``uses_key_norms`` (0.2) on a plugin's disposition: compiled decode steps, key
-    norms kept from the first token."""
-
-    class OldMerge(Disposition):
-        compile_decode = True
-        uses_key_norms = True
-
-    cache, said = deprecations(lambda: PolicyCache(policy_with(disposition=OldMerge())))
-    assert cache._step.needs.compile_disposition and cache._slots.track_key_norms
-    assert any("'compile_decode'" in m for m in said) and any("'uses_key_norms'" in m for m in said)
-    assert not PolicyCache(policy_with(disposition=Disposition()))._slots.track_key_norms
-
-
 @pytest.mark.parametrize("method", SHIPPED_METHODS)
 def test_shipped_parts_declare_needs_and_set_no_old_flag(method):
     cache, said = deprecations(lambda: PolicyCache(with_fields(method, "budget=16,n_sink=2")))
     assert said == []
-    flags = set(OLD_FLAGS) | set(shipped.OLD_TRAIT_FLAGS)
+    flags = set(OLD_FLAGS) | set(traits.REMOVED_FLAGS)
     for part in (cache.policy.scorer, cache.policy.selector, cache.policy.disposition):
         assert not [f for f in flags if hasattr(part, f)], type(part)
     for base in (Scorer, Selector, Disposition):
@@ -217,7 +173,7 @@ def test_view_offset_is_int32_b11_on_prefill_decode_and_compiled_decode(monkeypa
         cache = PolicyCache(config)
         assert cache._step.needs.compile_selector
         feed(cache, K, V, (9,) + (1,) * 11)
-        assert cache._step.compiling == Compiling(select=True, dispose=True)
+        assert cache._step.compiling == Compiling(choose=True, dispose=True)
     assert any(value is None for *_, value in offsets_seen())  # seen inside a compiled graph
 
 

@@ -379,3 +379,27 @@ def test_expected_attention_holds_the_prompts_scores_at_decode_by_default():
     assert parse_config("h2o:score=keydiff").policy.rescore_interval == 8
     with pytest.raises(ConfigError, match="rescore_every=2: applies to score='keydiff' or 'expected_attention'"):
         parse_config("h2o:rescore_every=2")
+
+
+def test_a_non_finite_key_scores_lowest_and_leaves_the_other_scores_of_its_head_alone():
+    """One NaN key used to make the anchor NaN, so every score of its head became NaN (0 in the cache)."""
+    from kvpolicy_core.parts.keydiff import NONFINITE_SCORE, _pooled_keydiff
+
+    rng = np.random.default_rng(3)
+    k = rng.normal(size=(1, 2, 12, 8)).astype(np.float32) + 1.0
+    bad = k.copy()
+    bad[0, 0, 5, 3] = np.nan
+    bad[0, 1, 2, 0] = np.inf
+    got = np.array(keydiff_scores(mx.array(bad)))
+    assert np.isfinite(got).all()
+    assert got[0, 0, 5] == NONFINITE_SCORE and got[0, 1, 2] == NONFINITE_SCORE
+    assert (np.delete(got[0, 0], 5) > NONFINITE_SCORE).all()  # the lowest: evicted first
+    for h, j in ((0, 5), (1, 2)):  # the others: as if the broken key were not there
+        want = keydiff_reference(np.delete(k[:, h : h + 1], j, axis=2).astype(np.float64))[0, 0]
+        np.testing.assert_allclose(np.delete(got[0, h], j), want, atol=1e-5)
+    pos = mx.broadcast_to(mx.arange(12, dtype=mx.int32), (1, 2, 12))
+    pooled = np.array(_pooled_keydiff(mx.array(bad), None, pos, 3))
+    assert pooled[0, 0, 5] == NONFINITE_SCORE and np.isfinite(pooled).all()
+    np.testing.assert_allclose(pooled[0, 0, 4], max(got[0, 0, 3], got[0, 0, 4]), atol=1e-6)  # lifts no neighbour
+    s = KeyDiffScorer(pool=3).on_append(view(mx.array(bad), mx.array(bad), pos, 12), mx.array(bad), pos[0, 0])
+    np.testing.assert_array_equal(np.array(s), pooled)

@@ -8,7 +8,7 @@ from typing import Optional
 import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate, Needs
-from kvpolicy_core.parts.shipped import shipped
+from kvpolicy_core.parts.traits import traits
 
 #: The counters CaM's dispositions report (``cache.stats()``, ``cache.gate_draws``, ``cache.merges``).
 STATS = {"gate_draws": "losers that drew the Bernoulli merge gate", "merges": "losers merged into survivors"}
@@ -129,9 +129,9 @@ def bernoulli(p: mx.array, key: mx.array, head_offset: int = 0, heads_total: Opt
     return u < p
 
 
-# kvpolicy_core.parts.shipped: decode updates trusted, guarded on the device; decode steps one compiled graph instead
-# of ~40 small ops; key norms kept from the first token (merge_targets needs no pass over every key)
-@shipped(compile_decode=True, key_norms=True)
+# decode steps one compiled graph instead of ~40 small ops; key norms kept from the first token (merge_targets
+# needs no pass over every key)
+@traits(compile_decode=True, key_norms=True)
 class GatedMergeDisposition(Disposition):
     """Merge each loser l into its target t (the most similar surviving non-sink key).
 

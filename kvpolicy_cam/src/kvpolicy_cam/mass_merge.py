@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate, Needs
 from kvpolicy_core.parts.merge import per_target_sum
-from kvpolicy_core.parts.shipped import shipped
+from kvpolicy_core.parts.traits import traits
 
 from .gated_merge import STATS, bernoulli, blend_update, finite_rows, gate_probability, merge_targets, per_row, take
 
@@ -51,9 +51,9 @@ def after_tokens(after: float, budget: int) -> int:
     return int(math.ceil(min(after * budget, _INT32_MAX)))
 
 
-# kvpolicy_core.parts.shipped: decode updates trusted, guarded on the device; decode steps one compiled graph instead
-# of ~40 small ops; key norms kept from the first token (merge_targets needs no pass over every key)
-@shipped(compile_decode=True, key_norms=True)
+# decode steps one compiled graph instead of ~40 small ops; key norms kept from the first token (merge_targets
+# needs no pass over every key)
+@traits(compile_decode=True, key_norms=True)
 class MassMergeDisposition(Disposition):
     """Merge each loser into its nearest survivor, weighted by attention drawn.
 

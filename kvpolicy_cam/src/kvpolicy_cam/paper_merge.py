@@ -5,14 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kvpolicy_core.parts.base import CacheView, Disposition, MergeUpdate, Needs
-from kvpolicy_core.parts.shipped import shipped
 
 from .gated_merge import STATS, bernoulli, finite_rows, gate_probability, loser_mask, per_row, take
 
 _INT_MAX = 2**31 - 1
 
 
-@shipped  # kvpolicy_core.parts.shipped: decode updates trusted, guarded on the device
 class PaperMergeDisposition(Disposition):
     """Spread the loser's value over the m retained tokens that follow it.
 

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from . import _moved
 from ._lazy import after_import
-
-_moved.install()
 
 __version__ = "0.2.0"
 

@@ -141,8 +141,7 @@ class StackedRows:
         try:
             offs = self._offsets()
             view = self._view(0, offs)
-            losers, pending = self.step.losers(view, 1)
-            update, counts = self.step.dispose(view, losers, list(self.offsets), pending)
+            losers, update, counts = self.step.evict(view, 1, list(self.offsets))
             if counts:
                 zero = mx.zeros((len(self.rows),), mx.int32)
                 self.counters = {**self.counters, **{k: self.counters.get(k, zero) + v for k, v in counts.items()}}

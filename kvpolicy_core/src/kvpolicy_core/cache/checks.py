@@ -1,9 +1,9 @@
 """The value checks of part outputs as compiled MLX graphs: one small fused graph per check.
 
 Each function returns flags for :class:`~kvpolicy_core.cache.step.PolicyStep`, which evaluates every
-flag of one eviction in a single host sync. They check plugins' parts (and every part's prompt-chunk
-update); the shipped parts' decode outputs are trusted (:mod:`kvpolicy_core.parts.shipped`), a shipped
-merge's guarded on the device (:meth:`kvpolicy_core.cache.slots.SlotStore.add`), and cost no sync. On CPU
+flag of one eviction in a single host sync: a disposition's update at a prompt chunk's eviction and at a
+cache's first decode evictions (later ones are guarded on the device, :meth:`kvpolicy_core.cache.slots.
+SlotStore.add`, and cost no sync). A selector's choice needs no check: the engine picks it from the ranks. On CPU
 each MLX op that is not fused (a reduction, a gather) costs ~10-25 µs on this project's machines, so a
 merge update's checks are one summary code with one reduction per array and no gather (:func:`update_checks`); the
 exact per-row rule is decided on the
@@ -42,20 +42,6 @@ def _rows(x: mx.array, safe: mx.array) -> mx.array:
     return mx.take_along_axis(x, safe[..., None] if x.ndim == 4 else safe, axis=2)
 
 
-def _loser_flags(
-    idx: mx.array, positions: mx.array, n_sink: mx.array, last: mx.array, dead: Optional[mx.array]
-) -> mx.array:
-    """[2] bool: (an index outside [0, L) or repeated in its row, a sink among the losers that is not window-dead).
-
-    ``n_sink`` and ``last = L - 1`` are int32 scalar arrays (inputs, not constants of the compiled kernels).
-    """
-    safe = mx.clip(idx, 0, last)
-    sink = _rows(positions, safe) < n_sink
-    if dead is not None:
-        sink = sink & ~_rows(dead, safe)
-    return mx.stack([_out_of_range(idx, last, True), mx.any(sink)])
-
-
 def _target_flags(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.array, mx.array]]) -> mx.array:
     """[1 + len(pairs)] bool: (a target outside [0, L), then per (delta, base) a non-finite delta for a finite row)."""
     safe = mx.clip(targets, 0, last)
@@ -65,23 +51,10 @@ def _target_flags(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.ar
     return mx.stack(flags)
 
 
-_compiled_losers = mx.compile(lambda idx, positions, n_sink, last: _loser_flags(idx, positions, n_sink, last, None))
-_compiled_losers_dead = mx.compile(_loser_flags)
-
-
 def scalar(x: int) -> mx.array:
     return mx.array(x, dtype=mx.int32)
 
 
-def loser_flags(idx: mx.array, positions: mx.array, n_sink: int, dead: Optional[mx.array]) -> mx.array:
-    """Flags of :func:`_loser_flags` (compiled); ``n_sink`` enters as an array (no retrace per value)."""
-    n, last = scalar(n_sink), scalar(positions.shape[-1] - 1)
-    if dead is None:
-        return _compiled_losers(idx, positions, n, last)
-    return _compiled_losers_dead(idx, positions, n, last, dead)
-
-
-#: bits of an update's check summary (:func:`update_checks`)
 TARGET_OUT_OF_RANGE = 4  # some target outside [0, L)
 NONFINITE = 2  # some delta element is NaN or inf: broken only where its target row is finite (re-checked on the host)
 

@@ -1,7 +1,5 @@
-"""Decode steps of parts as compiled MLX graphs (the ``compile_decode`` trait of shipped parts,
-:mod:`kvpolicy_core.parts.shipped`): a selector's choice with its value checks and a disposition's update
-(a trusted selector's choice with the new token's write, H2O's whole decode eviction, is
-:meth:`kvpolicy_core.cache.slots.SlotStore.write`'s, cached per selector in :mod:`.traces`).
+"""Decode steps of parts as compiled MLX graphs (parts with the ``compile_decode`` trait, :mod:`kvpolicy_core.parts.
+traits`): a selector's ranks with the choice made from them, and a disposition's update.
 
 On CPU each MLX op has a fixed cost of ~5-10 µs, and a merge step is ~40 small ops over [B, H, L]
 arrays; :func:`mx.compile` fuses them (CaM's mass merge at L = 1024: ~600 µs eager, ~200 µs compiled,
@@ -10,9 +8,9 @@ the budget is reached, so the graph is traced once per (shape, layout) and reuse
 The offset enters the graph as the int32 array [B, 1, 1] every view gives (``CacheView.offset``; a Python int
 would be a constant and retrace every step), and a part must not sync with the host inside.
 
-The results are the part's own, field for field: the selector's losers (with the value flags of
-:func:`kvpolicy_core.cache.checks.loser_flags` computed in the same graph), the disposition's
-:class:`~kvpolicy_core.parts.base.MergeUpdate`.
+The results are the part's own, field for field: the losers :func:`kvpolicy_core.cache.step.choose` picks from
+the selector's ranks, the disposition's :class:`~kvpolicy_core.parts.base.MergeUpdate`. A traced output of the
+wrong type or shape raises, and the eager call then reports it.
 """
 
 from __future__ import annotations
@@ -22,10 +20,10 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import mlx.core as mx
 
 from ..parts.base import CacheView, MergeUpdate, kept_key_norms, on_key_norms
-from .checks import UpdateChecks, _loser_flags, scalar, update_checks
+from .checks import scalar
 from .traces import per_part, weak
 
-_FIELDS = ("targets", "d_keys", "d_values", "d_scores", "draws", "merges", "d_log_weights")
+_FIELDS = ("targets", "d_keys", "d_values", "d_scores", "d_log_weights")
 _OPTIONAL_VIEW = ("dead", "log_weights", "key_norms")
 
 
@@ -38,11 +36,6 @@ class _PartRef:
     @property
     def part(self):
         return self._ref()
-
-
-def wants_compile(compile_decode: bool, n_evict: int) -> bool:
-    """Decode steps (one loser per row) of a part with the ``compile_decode`` trait."""
-    return n_evict == 1 and compile_decode
 
 
 def _view(arrays, layout, read: Optional[list] = None) -> CacheView:
@@ -85,40 +78,39 @@ def _norms_were_read(view: CacheView, read: list) -> None:
         view.key_norms  # noqa: B018
 
 
-class _CompiledSelect(_PartRef):
-    """A ranked selector's decode choice and its value flags, one trace per view layout."""
+class _CompiledChoose(_PartRef):
+    """A selector's decode ranks and the one loser chosen from them, one trace per view layout."""
 
-    def __init__(self, selector, n_sink: int, with_flags: bool = True) -> None:
+    def __init__(self, selector) -> None:
         self._hold(selector)
-        self.n_sink, self.with_flags = n_sink, with_flags
         self._fns: Dict[Tuple, Callable] = {}
 
-    def __call__(self, view: CacheView, n_evict: int):
+    def __call__(self, view: CacheView, n_sink: int):
+        from .step import choose  # the one choice rule (step imports this module)
+
         layout, arrays = _layout(view)
         fn, read = self._fns.get(layout, (None, []))
         if fn is None:
 
-            def fn(n_sink, last, *arrays):
+            def fn(n_sink, *arrays):
                 v = _view(arrays, layout, read)
-                losers = self.part.select(v, n_evict)
-                if not isinstance(losers, mx.array) or losers.ndim != 3 or not mx.issubdtype(losers.dtype, mx.integer):
-                    raise TypeError("not an integer [B, H, E] array")  # the eager call reports what it is
-                losers = losers.astype(mx.int32)
-                if not self.with_flags:
-                    return losers, None
-                return losers, _loser_flags(losers, v.positions, n_sink, last, v.dead)
+                ranked = self.part.rank(v)
+                if not isinstance(ranked, mx.array) or ranked.shape != v.scores.shape:
+                    raise TypeError("ranks of the wrong type or shape")  # the eager call reports what they are
+                if not (mx.issubdtype(ranked.dtype, mx.floating) or mx.issubdtype(ranked.dtype, mx.integer)):
+                    raise TypeError("ranks of a non-real dtype")
+                return choose(ranked.astype(mx.float32), v.positions, n_sink, v.dead, 1)
 
             fn = mx.compile(fn)
             self._fns[layout] = (fn, read)
-        out = fn(scalar(self.n_sink), scalar(view.scores.shape[-1] - 1), *arrays)
+        out = fn(scalar(n_sink), *arrays)
         _norms_were_read(view, read)
         return out
 
 
-def compiled_select(selector, n_sink: int, with_flags: bool = True) -> Callable:
-    """``f(view, n_evict) -> (losers int32, flags)``: the compiled choice of a ranked ``selector``
-    (``with_flags=False``: no checks computed, flags None)."""
-    return per_part(selector, ("select", n_sink, with_flags), lambda: _CompiledSelect(selector, n_sink, with_flags))
+def compiled_choose(selector) -> Callable:
+    """``f(view, n_sink) -> losers [B, H, 1] int32``: the compiled decode choice of ``selector``."""
+    return per_part(selector, ("choose",), lambda: _CompiledChoose(selector))
 
 
 class _Traced(NamedTuple):
@@ -128,27 +120,20 @@ class _Traced(NamedTuple):
     stat_names: List[str]  #: counters returned as arrays, in output order (after the fields)
     constants: dict  #: counters returned as Python values
     no_stats: bool  #: ``stats`` was None
-    has_log_weights: bool  #: the checks include finite log-weight deltas (after the check code)
 
 
 class _Compiled(_PartRef):
-    """One disposition's compiled ``dispose``, one trace per view layout (which optional fields are set).
+    """One disposition's compiled ``dispose``, one trace per view layout (which optional fields are set)."""
 
-    With ``checks``, the update's value checks (:func:`kvpolicy_core.cache.checks.update_checks`) are traced
-    into the same graph, so a decode step's merge is one compiled call; the call returns them next to the
-    update. Without (a shipped disposition, :mod:`kvpolicy_core.parts.shipped`), the graph is the update alone.
-    """
-
-    def __init__(self, disposition, checks: bool = True) -> None:
+    def __init__(self, disposition) -> None:
         self._hold(disposition)
-        self.checks = checks
         self._fns: Dict[Tuple, Tuple[Callable, List, List]] = {}
 
     def _build(self, layout: Tuple) -> Tuple[Callable, List, List]:
         spec: List[Optional[_Traced]] = [None]  # filled while tracing (None: the part returned no MergeUpdate)
         read: List = []  # filled while tracing: the part read key norms the view lacks
 
-        def fn(losers, key, last, *arrays):
+        def fn(losers, key, *arrays):
             view = _view(arrays, layout, read)
             u = self.part.dispose(view, losers, key)
             if not isinstance(u, MergeUpdate) or (u.stats is not None and not isinstance(u.stats, dict)):
@@ -160,44 +145,34 @@ class _Compiled(_PartRef):
                 for k, v in (u.stats or {}).items()
                 if isinstance(v, mx.array)
             ]  # counters as int32 scalars
-            targets = u.targets.astype(mx.int32) if mx.issubdtype(u.targets.dtype, mx.integer) else u.targets
-            pairs = [
-                (getattr(u, f), base)
-                for f, base in (("d_keys", view.keys), ("d_values", view.values), ("d_scores", view.scores))
-                if getattr(u, f) is not None
-            ]
-            checks = list(update_checks(targets, last, pairs, u.d_log_weights)) if self.checks else []
             spec[0] = _Traced(
                 fields,
                 [k for k, _ in stats],
                 {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)},
                 u.stats is None,
-                len(checks) > 1 and checks[1] is not None,
             )
-            return [getattr(u, f) for f in fields] + [v for _, v in stats] + [c for c in checks if c is not None]
+            return [getattr(u, f) for f in fields] + [v for _, v in stats]
 
         return mx.compile(fn), spec, read
 
-    def __call__(self, view: CacheView, losers: mx.array, key: mx.array):
-        """(the MergeUpdate or None, its in-graph checks (check code, finite d_log_weights) or None)."""
+    def __call__(self, view: CacheView, losers: mx.array, key: mx.array) -> MergeUpdate:
+        """The MergeUpdate (None: the part returned something else; the eager call then reports it)."""
         layout, arrays = _layout(view)
         if layout not in self._fns:
             self._fns[layout] = self._build(layout)
         fn, spec, read = self._fns[layout]
-        out = fn(losers, key, scalar(view.scores.shape[-1] - 1), *arrays)
+        out = fn(losers, key, *arrays)
         _norms_were_read(view, read)
         traced = spec[0]
-        if traced is None:  # not a MergeUpdate: the eager call gives the part's own result to check
-            return self.part.dispose(view, losers, key), None
+        if traced is None:
+            return None
         fields, names = traced.fields, traced.stat_names
         update = dict(zip(fields, out[: len(fields)]))
         n = len(fields) + len(names)
         stats = None if traced.no_stats else {**traced.constants, **dict(zip(names, out[len(fields) : n]))}
-        checks = UpdateChecks(out[n], out[n + 1] if traced.has_log_weights else None) if self.checks else None
-        return MergeUpdate(**update, stats=stats), checks
+        return MergeUpdate(**update, stats=stats)
 
 
-def compiled(disposition, checks: bool = True) -> Callable:
-    """The compiled ``dispose`` of ``disposition``, with its update's checks unless ``checks=False`` (shared by
-    every layer's cache)."""
-    return per_part(disposition, ("dispose", checks), lambda: _Compiled(disposition, checks))
+def compiled(disposition) -> Callable:
+    """The compiled ``dispose`` of ``disposition`` (shared by every layer's cache)."""
+    return per_part(disposition, ("dispose",), lambda: _Compiled(disposition))

@@ -343,30 +343,21 @@ class PolicyCache(CacheState, CacheDiagnostics):
         return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
 
     def _evict(self, n_evict: int, token: Optional[Token] = None) -> mx.array:
-        """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors.
+        """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors
+        (:meth:`~.step.PolicyStep.evict`, the one route of every eviction).
 
-        ``token``: decode's new token, written into the loser's slot with the update (:meth:`SlotStore.write`: one
-        compiled call for a one-target merge, or, with drop, for the choice too: H2O's whole eviction, whose losers
-        are then the :class:`~.slots.Choice` the write made)."""
+        ``token``: decode's new token, written into the loser's slot with the update (:meth:`SlotStore.write`, one
+        compiled call once the store is full)."""
         sl = self._slots
         self._run, self._run_open = {}, False  # an eviction ends the run
-        full = token is not None and self.n == sl.keys.shape[2]
-        losers = None
-        if full and sl.log_weights is None and sl.key_norms is None:  # no view built: a Choice reads the buffers
-            H, (rank, size) = sl.keys.shape[1], self.head_shard
-            losers = self._step.choice(self.n, (rank * H, size * H), self._window_dead(), lambda: self._view(0))
-        update = None
-        if losers is None:
-            view = self._view(0)
-            losers, pending = self._step.losers(view, n_evict)
-            update, counts = self._step.dispose(view, losers, self.offset, pending)
-            if update is not None:
-                self._lw_used = self._lw_used or update.d_log_weights is not None
-            if counts:
-                zero = mx.array(0, dtype=mx.int32)
-                self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
+        losers, update, counts = self._step.evict(self._view(0), n_evict, self.offset)
+        if update is not None:
+            self._lw_used = self._lw_used or update.d_log_weights is not None
+        if counts:
+            zero = mx.array(0, dtype=mx.int32)
+            self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
         if token is not None:
-            sl.write(token, losers, update, compiled=full and update is not None and update.targets.shape[-1] == 1)
+            sl.write(token, losers, update, compiled=self.n == sl.keys.shape[2])
         elif update is not None:
             sl.add(update)
         return losers

@@ -15,12 +15,11 @@ references (:meth:`snapshot`) is a complete, cheap snapshot.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from ..parts.base import CacheView, MergeUpdate, key_norm, on_key_norms
-from .traces import per_part, weak
+from ..parts.base import CacheView, MergeUpdate, key_norm
 
 _INT_MAX = 2**31 - 1
 FIELDS = ("keys", "values", "positions", "scores", "n")
@@ -48,22 +47,15 @@ class Token(NamedTuple):
     offset: Union[int, mx.array]  #: its position: an int, or int32 [B, 1, 1] per row of stacked rows
 
 
-class Choice(NamedTuple):
-    """Decode losers chosen inside :meth:`SlotStore.write`'s compiled call: ``selector.select(view, 1)`` over the
-    store's full buffers (a trusted selector, whose choice needs no checks, with a disposition that needs no
-    losers: drop), so the choice and the write are one call. ``fallback()``: the same losers [B, H, 1] int32
-    chosen outside it, for a selector that cannot be traced."""
-
-    selector: Any
-    head_shard: Tuple[int, Optional[int]]  #: the view's (head_offset, heads_total)
-    dead: Optional[mx.array]  #: the view's window-dead slots [B, H, L] bool, or None
-    fallback: Callable[[], mx.array]
-
-
 def _nothing(like: mx.array) -> mx.array:
     """-0.0 shaped like ``like``: ``x + (-0.0)`` is ``x`` for every x (-0.0 and NaN included), where ``x + 0.0``
     turns -0.0 into 0.0. Computed, not a literal: a -0.0 constant in a compiled graph is emitted as 0.0."""
     return -mx.zeros_like(like)
+
+
+def _inside(delta: mx.array, inside: mx.array) -> mx.array:
+    """``delta`` [B, H, T(, D)] with -0.0 (adds nothing) where its target is outside (``inside`` [B, H, T] False)."""
+    return mx.where(inside[..., None] if delta.ndim == 4 else inside, delta, _nothing(delta))
 
 
 def _kept(delta: mx.array, buffer: mx.array, targets: mx.array) -> mx.array:
@@ -81,55 +73,28 @@ _UPDATE_FIELDS = ("d_keys", "d_values", "d_scores", "d_log_weights")
 _writes: dict = {}  # compiled decode writes without a choice, per (store fields, update fields)
 
 
-def _write_graph(
-    fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optional[Choice], read: Optional[list] = None
-) -> Callable:
-    """:meth:`SlotStore.write`'s ops as a function of arrays, for ``mx.compile``: ``f(keys, values, offset, losers
-    or targets.., *buffers, *deltas, *dead) -> buffers`` (losers absent with a choice, targets and deltas with no
-    update, dead unless the choice has one); holds a choice's selector weakly, and nothing else of the choice.
-    ``read`` (a list) gets True appended while tracing when the choice's selector reads ``view.key_norms`` (the
-    store has none: they are computed in the graph, and the store keeps them from then on)."""
-    selector = None if choice is None else weak(choice.selector)
-    head_shard = None if choice is None else choice.head_shard
-    n_in = (choice is None) + bool(deltas)
+def _write_graph(fields: Tuple[str, ...], deltas: Tuple[str, ...]) -> Callable:
+    """:meth:`SlotStore.write`'s ops as a function of arrays, for ``mx.compile``: ``f(keys, values, offset, losers,
+    [targets], *buffers, *deltas) -> buffers`` (targets and deltas only with an update)."""
 
-    def fn(keys, values, offset, *arrays):
-        head, bufs, rest = arrays[:n_in], arrays[n_in : n_in + len(fields)], arrays[n_in + len(fields) :]
+    def fn(keys, values, offset, losers, *arrays):
+        n_t = bool(deltas)
+        head, bufs, rest = arrays[:n_t], arrays[n_t : n_t + len(fields)], arrays[n_t + len(fields) :]
         store = SlotStore(track_log_weights="log_weights" in fields, track_key_norms="key_norms" in fields)
         for f, x in zip(fields, bufs):  # _keys first: the keys setter would reset key_norms
             setattr(store, f, x)
-        if selector is None:
-            losers = head[0]
-        else:
-            dead = rest[0] if rest else None
-            view = CacheView(*bufs[:4], offset, 0, dead, *head_shard)
-            if read is not None:
-                on_key_norms(view, lambda keys: read.append(True))
-            losers = selector().select(view, 1).astype(mx.int32)
         if deltas:
-            store.add(MergeUpdate(head[-1], **dict(zip(deltas, rest))))
+            store.add(MergeUpdate(head[0], **dict(zip(deltas, rest))))
         store._put(losers, keys, values, offset)
         return [getattr(store, f) for f in fields]
 
     return fn
 
 
-def _compiled_write(
-    fields: Tuple[str, ...], deltas: Tuple[str, ...], choice: Optional[Choice]
-) -> Tuple[Callable, list]:
-    """:func:`_write_graph` compiled, one per layout (shared by every layer; MLX retraces on a new shape or dtype);
-    with a choice, one per (selector, fields, head shard, dead given). Also the list its traces fill when the
-    choice read key norms (always empty without a choice)."""
-    if choice is not None:  # per selector (.traces: freed with the policy)
-        key = ("write", fields, choice.head_shard, choice.dead is not None)
-
-        def make():
-            read: list = []
-            return mx.compile(_write_graph(fields, deltas, choice, read)), read
-
-        return per_part(choice.selector, key, make)
+def _compiled_write(fields: Tuple[str, ...], deltas: Tuple[str, ...]) -> Callable:
+    """:func:`_write_graph` compiled, one per layout (shared by every layer; MLX retraces on a new shape or dtype)."""
     if (fields, deltas) not in _writes:
-        _writes[fields, deltas] = mx.compile(_write_graph(fields, deltas, None)), []
+        _writes[fields, deltas] = mx.compile(_write_graph(fields, deltas))
     return _writes[fields, deltas]
 
 
@@ -334,43 +299,30 @@ class SlotStore:
             self.log_weights = mx.concatenate([lw, mx.zeros((B, H, S), mx.float32)], axis=2)
         self.n = need
 
-    def write(
-        self, token: Token, losers: Union[mx.array, Choice], update: Optional[MergeUpdate] = None, *, compiled=False
-    ) -> None:
+    def write(self, token: Token, losers: mx.array, update: Optional[MergeUpdate] = None, *, compiled=False) -> None:
         """Decode's one write: ``update`` added (:meth:`add`, its guards included), then the new ``token`` into
         the slots ``losers`` [B, H, 1]: its key, value, position ``token.offset`` and score 0 (log-weight 0, its
-        key norm), where losers is a :class:`Choice`, the slots it picks in the same call.
+        key norm).
 
         ``compiled``: the same ops as one ``mx.compile`` call (a merge's ~25 scatters and elementwise ops cost
-        ~10 µs each eager); a layout that cannot be traced runs them eager (a choice: its ``fallback()``'s
-        losers). A choice always runs compiled, and needs no ``update`` and no log-weights or key norms; one whose
-        selector read ``view.key_norms`` makes the store keep them from then on (:meth:`norms_read`).
+        ~10 µs each eager); a layout that cannot be traced runs them eager.
         """
         offset = token.offset if isinstance(token.offset, mx.array) else mx.array(token.offset, dtype=mx.int32)
-        choice = losers if isinstance(losers, Choice) else None
-        if compiled or choice is not None:
+        if compiled:
             fields = _BUFFERS
             if self.log_weights is not None or self.key_norms is not None:
                 fields = tuple(f for f in _DECODE_FIELDS if getattr(self, f) is not None)
             deltas = () if update is None else tuple(f for f in _UPDATE_FIELDS if getattr(update, f) is not None)
-            if choice is not None and (update is not None or fields is not _BUFFERS):
-                raise ValueError("a Choice of losers writes without an update, log-weights or key norms")
-            head = [] if choice else [losers, update.targets] if deltas else [losers]
-            dead = [] if choice is None or choice.dead is None else [choice.dead]
-            arrays = head + [getattr(self, f) for f in fields] + [getattr(update, f) for f in deltas] + dead
-            fn, read = _compiled_write(fields, deltas, choice)
+            head = [update.targets] if deltas else []
+            arrays = head + [getattr(self, f) for f in fields] + [getattr(update, f) for f in deltas]
             try:
-                out = fn(token.keys, token.values, offset, *arrays)
+                out = _compiled_write(fields, deltas)(token.keys, token.values, offset, losers, *arrays)
             except Exception:  # not traceable here (nothing written yet): the same ops, eager
                 out = None
             if out is not None:
                 for f, x in zip(fields, out):
                     setattr(self, f, x)
-                if read and self.key_norms is None:  # the choice read key norms: kept from now on (new token's too)
-                    self.norms_read(self._keys)
                 return
-            if choice is not None:
-                losers = choice.fallback()
         if update is not None:
             self.add(update)
         self._put(losers, token.keys, token.values, offset)
@@ -413,15 +365,20 @@ class SlotStore:
         - an update whose every delta is then 0 (no loser merged) leaves every buffer, key norms and
           log-weights included, bit for bit as it was.
 
-        The value checks refuse a plugin's update that breaks the first rule before it gets here (the guard
-        is then the identity); a shipped disposition's decode update comes here unchecked
-        (:mod:`kvpolicy_core.parts.shipped`), and these guards are what protects the cache from it.
+        - a target outside the ``n`` valid slots (``scores`` [B, H, n]) adds nothing (MLX does not bounds-check a
+          scatter).
+
+        A prompt chunk's update and a cache's first decode updates are value-checked before they get here
+        (:mod:`.step`; the guards are then the identity); later decode updates come here unchecked, and these
+        guards are what protects the cache from a broken one.
         """
         B, H = self.keys.shape[:2]
         bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
         t = u.targets.astype(mx.int32)
+        inside = (t >= 0) & (t < self.scores.shape[-1])  # outside the n valid slots: adds nothing (no bounds check)
+        t = mx.where(inside, t, 0)
         d_values, d_keys, d_scores = (
-            None if d is None else _kept(d, buf, t)
+            None if d is None else _inside(_kept(d, buf, t), inside)
             for d, buf in ((u.d_values, self.values), (u.d_keys, self._keys), (u.d_scores, self.scores))
         )
         d_lw = getattr(u, "d_log_weights", None)
@@ -429,6 +386,7 @@ class SlotStore:
             if self.log_weights is None:
                 raise ValueError("MergeUpdate.d_log_weights needs a part that declares Needs(log_weights=True)")
             d_lw = mx.clip(mx.nan_to_num(d_lw.astype(mx.float32), nan=0.0), -LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+            d_lw = mx.where(inside, d_lw, 0.0)
         present = [d for d in (d_values, d_keys, d_scores, d_lw) if d is not None]
         changes = mx.array(False)
         for d in present:

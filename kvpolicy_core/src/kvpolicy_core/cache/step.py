@@ -1,19 +1,30 @@
-"""The policy step of one layer: call the parts, check what they return, evict window-dead slots first.
+"""The policy step of one layer: the one route of every eviction (score, choose, dispose), checked at the part
+boundary.
 
-The parts are plain objects shared by every layer (:class:`~kvpolicy_core.config.policy.Policy`);
-everything per layer (the layer index in error messages, the PRNG key of each eviction)
-is added here. A part that raises, or returns the wrong shape, becomes a
-:class:`~kvpolicy_core.errors.PluginError` naming the part and its plugin.
+Every path that evicts (a decode step, a prompt chunk over budget, the end-of-prompt cut, a batch's stacked rows,
+compress-once's cut) calls :meth:`PolicyStep.evict`: the selector *ranks* and the engine chooses (window-dead slots
+first, sinks never, the lowest ranks of the rest: valid slot indices by construction), then the disposition's
+update is checked. The parts are plain objects shared by every layer (:class:`~kvpolicy_core.config.policy.
+Policy`); everything per layer (the layer index in error messages, the PRNG key of each eviction) is added here.
+A part that raises, or returns the wrong shape or type, becomes a :class:`~kvpolicy_core.errors.PluginError`
+naming the part and its plugin.
+
+Checks, the same for every part (no part is trusted): output metadata (types, shapes, dtypes) at every call, on
+the host without a sync; output values (a merge's targets in range, finite deltas for finite rows) evaluated in
+one host sync for a prompt chunk's eviction and for the first :data:`CHECKED_DECODE_EVICTIONS` decode evictions
+of each cache, so a broken part is reported early and by name; after those, decode steps make no host sync and
+the slot store's device-side guards (:meth:`~.slots.SlotStore.add`) keep any update from writing outside the
+cache or a non-finite delta into a finite slot.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
+import numpy as np
 
 from ..config.policy import Policy, step_key, step_keys
 from ..errors import KVPolicyError, ModelError, PluginError
@@ -28,10 +39,8 @@ from ..parts.base import (
     pick_lowest,
     policy_needs,
 )
-from ..parts.shipped import is_shipped
-from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, loser_flags, nonfinite_flags
-from .compiled import compiled, compiled_select, wants_compile
-from .slots import Choice
+from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, nonfinite_flags
+from .compiled import compiled, compiled_choose
 
 Counters = Dict[str, mx.array]
 _INT32_MAX = 2**31 - 1
@@ -49,18 +58,35 @@ def wrong_output(owner: str, what: str, x, expected: Tuple[int, ...]) -> PluginE
     return PluginError(f"{owner} returned {what} of shape {tuple(x.shape)}, expected {tuple(expected)}")
 
 
-def valid_by_construction(part) -> bool:
-    """Whether ``part``'s decode outputs are trusted without value checks (and their host sync): its class is
-    exactly one the shipped packages registered (:mod:`kvpolicy_core.parts.shipped`; a subclass, a copy or any
-    other plugin part is checked)."""
-    return is_shipped(part)
+#: decode evictions of each cache whose disposition update is value-checked (one host sync each); later ones are
+#: guarded on the device (:meth:`~.slots.SlotStore.add`) and make no host sync
+CHECKED_DECODE_EVICTIONS = 4
+_RANK_CAP = 3.0e38  # finite ranks are capped here, below float32's max, which protected (+inf, NaN) ranks take
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def choose(ranked: mx.array, positions: mx.array, n_sink, dead: Optional[mx.array], n_evict: int) -> mx.array:
+    """Losers [B, H, E] int32 from a selector's ranks [B, H, L]: the E lowest of ::
+
+        r_j = -inf if dead_j  else  +inf if pos_j < n_sink  else  max32 if rank_j in {+inf, NaN}
+              else min(rank_j, 3e38)
+
+    four strict tiers: window-dead slots go first, then the selector's finite ranks (lowest first), then the
+    slots it protects, and a sink never unless window-dead. Distinct indices in ``[0, L)`` by construction
+    (:func:`pick_lowest`), whatever the ranks are."""
+    protected = mx.isnan(ranked) | mx.isposinf(ranked)
+    r = mx.where(protected, mx.array(_FLOAT32_MAX, dtype=mx.float32), mx.minimum(ranked, _RANK_CAP))
+    r = mx.where(positions < n_sink, mx.array(math.inf, dtype=mx.float32), r)
+    if dead is not None:
+        r = mx.where(dead, mx.array(-math.inf, dtype=mx.float32), r)
+    return pick_lowest(r, n_evict)
 
 
 class Pending(NamedTuple):
-    """A part's value checks, evaluated with the others of the eviction in one host sync (:meth:`PolicyStep.
-    _raise_broken`) before anything is written."""
+    """A part's value checks, evaluated in one host sync (:meth:`PolicyStep._raise_broken`) before anything is
+    written."""
 
-    kind: str  #: the part: "selector" or "disposition"
+    kind: str  #: the part: "disposition"
     flags: mx.array  #: the checks' outputs
     #: flag i true means ``messages[i]`` is broken; or a callable taking the flags' values and returning the
     #: broken rule's message or None (the disposition's check code, :meth:`PolicyStep._checked_update`)
@@ -69,17 +95,11 @@ class Pending(NamedTuple):
 
 @dataclass
 class Compiling:
-    """Which decode calls may run compiled; each turns False for good once its compiled call failed."""
+    """Which decode calls may run compiled (parts with the ``compile_decode`` trait); each turns False for good
+    once its compiled call failed."""
 
-    select: bool = True  #: the selector's choice (alone, or with the new token's write: :class:`.slots.Choice`)
+    choose: bool = True  #: the selector's rank and the choice
     dispose: bool = True  #: the disposition's update
-
-
-def dead_first(dead: mx.array, chosen: mx.array, n_evict: int) -> mx.array:
-    """Losers [B, H, E]: the window-dead slots (dead [B, H, L]) first, then the selector's ``chosen``."""
-    picked = mx.put_along_axis(mx.zeros(dead.shape, mx.float32), chosen, mx.array(1.0), axis=2)
-    ranked = mx.where(dead, -1.0, mx.where(picked > 0, 0.0, math.inf))
-    return pick_lowest(ranked, n_evict)
 
 
 class PolicyStep:
@@ -90,35 +110,24 @@ class PolicyStep:
         #: what the parts need of the cache, resolved once (the only reader of the parts' declarations)
         self.needs: PolicyNeeds = policy_needs(policy, policy.owners)
         sel = type(policy.selector)
-        # selectors on the 0.2.0 form rank; Selector.select then puts window-dead slots first
-        self.ranked_selection = getattr(sel, "select", None) is Selector.select
-        self._warned = False
+        if getattr(sel, "select", None) is not None:
+            raise PluginError(
+                f"{policy.owners['selector']} ({sel.__module__}.{sel.__qualname__}) implements select(view, "
+                "n_evict), the 0.1 form removed in 0.3: implement rank(view) -> float32 [B, H, L] (lower is evicted "
+                "first, +inf protected); the cache chooses from the ranks (docs/plugins/hooks.md)"
+            )
         #: the first score updates are evaluated on the spot, so that a scorer whose output only fails when
         #: MLX evaluates it (e.g. a gather with float indices) is caught inside the transaction (prefill and
         #: the first decode steps, where a sync costs nothing noticeable); later steps add no host sync
         self.eager_checks = 4
+        #: decode evictions left whose disposition update is value-checked (:data:`CHECKED_DECODE_EVICTIONS`)
+        self.checked_decode = CHECKED_DECODE_EVICTIONS
         #: the selector may evict more than the overflow (its own ``evict_count``)
         self._counts_more = getattr(sel, "evict_count", Selector.evict_count) is not Selector.evict_count
         self.compiling = Compiling()
-        #: which parts' decode outputs are valid by construction (decided once: the parts do not change)
-        self.trusted = {
-            kind: valid_by_construction(getattr(policy, kind)) for kind in ("scorer", "selector", "disposition")
-        }
-        #: whether the scorer's on_append can change the scores: not for the base class's (it returns them as
-        #: they are), nor for core's own scorers with an observed signal (they score from the attention hook)
-        scorer = policy.scorer
-        self.appends = not (
-            type(scorer).on_append is Scorer.on_append
-            or (self.trusted["scorer"] and getattr(scorer, "signal", "proxy") != "proxy")
-        )
-        #: a decode eviction's choice may be made inside the new token's write (:class:`.slots.Choice`): core's
-        #: selector with drop
-        self.fuses_drop = (
-            type(policy.disposition).dispose is Disposition.dispose
-            and self.ranked_selection
-            and wants_compile(self.needs.compile_selector, 1)
-            and self.trusted["selector"]
-        )
+        #: whether the scorer's on_append can change the scores (not the base class's: it returns them as they are)
+        self.appends = type(policy.scorer).on_append is not Scorer.on_append
+        self.n_sink = getattr(policy.config.policy, "n_sink", 0)
 
     def n_evict(self, over: int, L: int) -> int:
         """How many of ``L`` slots an eviction removes for an overflow of ``over > 0``: the selector's
@@ -217,16 +226,9 @@ class PolicyStep:
         )
 
     def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
-        scores = self.call("scorer", self.policy.scorer.on_attention_weights, view, weights)
-        if (
-            weights.shape[3] == 1
-            and self.trusted["scorer"]
-            and isinstance(scores, mx.array)
-            and scores.dtype == mx.float32
-            and scores.shape == view.scores.shape
-        ):
-            return scores  # core's decode accumulation: finite scores + finite weights, nothing to sanitise
-        return self.scores(scores, view.scores.shape)
+        return self.scores(
+            self.call("scorer", self.policy.scorer.on_attention_weights, view, weights), view.scores.shape
+        )
 
     def _index_meta(self, kind: str, what: str, idx, shape: Tuple[int, ...]) -> mx.array:
         """Metadata checks of slot indices a part returned (an integer mx.array of ``shape``); int32 indices."""
@@ -264,126 +266,66 @@ class PolicyStep:
                 raise PluginError(broken)
         return values
 
-    def choice(self, L: int, head_shard: Tuple[int, int], dead: Optional[mx.array], view) -> Optional[Choice]:
-        """A decode eviction's losers as a :class:`.slots.Choice` that the new token's write makes in its own
-        compiled call, where the choice needs no checks and drop no losers (:attr:`fuses_drop`), else None.
+    def evict(self, view: CacheView, n_evict: int, offset) -> Tuple[mx.array, Optional[MergeUpdate], Counters]:
+        """The one eviction route: losers [B, H, n_evict] int32 (:meth:`choose`), the disposition's update for the
+        survivors (or None) and the counters it reports (:meth:`dispose`). Nothing is written here: the caller
+        writes the update and removes (or overwrites) the losers."""
+        losers = self.choose(view, n_evict)
+        update, counts = self.dispose(view, losers, offset)
+        return losers, update, counts
 
-        For a full store of ``L`` slots without log-weights or key norms; ``head_shard``: the view's (head_offset,
-        heads_total); ``dead``: its window-dead slots or None; ``view()``: the view, for the fallback."""
-        if not (self.fuses_drop and self.compiling.select and self.policy.selector.leaves_a_loser(L)):
-            return None
-        return Choice(self.policy.selector, head_shard, dead, lambda: self._unfused(view()))
-
-    def losers(self, view: CacheView, n_evict: int) -> Tuple[mx.array, list]:
-        """Losers [B, H, n_evict] int32 (window-dead slots first, then the selector's choice) and the
-        pending value checks to pass to :meth:`dispose`, which evaluates them before anything is written.
-
-        Checked: every index in [0, L) and distinct per (batch, head), and no loser a sink (position
-        < n_sink) unless it is window-dead (the contract of ``n_sink``). Until then the returned losers
-        are clamped into [0, L), so the disposition's gathers stay in bounds whatever the selector returned.
-        """
-        L = view.scores.shape[-1]
-        n_sink = getattr(self.policy.config.policy, "n_sink", 0)
-        selector, losers, flags = self.policy.selector, None, None
-        # core's own selector at decode: valid by construction (window-dead slots first, then the lowest
-        # unprotected score), so no checks and no host sync
-        trusted = n_evict == 1 and self.trusted["selector"] and selector.leaves_a_loser(L)
-        if self.ranked_selection and wants_compile(self.needs.compile_selector, n_evict) and self.compiling.select:
-            try:  # the choice (and its value flags unless trusted) in one compiled graph
-                losers, flags = compiled_select(selector, n_sink, with_flags=not trusted)(view, n_evict)
+    def choose(self, view: CacheView, n_evict: int) -> mx.array:
+        """The selector's ranks, checked, and the losers chosen from them (:func:`choose`): one compiled call at
+        decode for a selector with the ``compile_decode`` trait (the eager call reports a part's error)."""
+        if n_evict == 1 and self.needs.compile_selector and self.compiling.choose:
+            try:
+                return compiled_choose(self.policy.selector)(view, self.n_sink)
             except Exception:  # not compilable (or a part error): the eager call below decides
-                self.compiling.select = False
-        if losers is None:
-            losers = self.call("selector", selector.select, view, n_evict)
-        losers = self._index_meta("selector", "losers", losers, (*view.scores.shape[:2], n_evict))
-        if trusted:
-            return losers, []
-        if flags is None:
-            flags = loser_flags(losers, view.positions, n_sink, view.dead)
+                self.compiling.choose = False
+        ranked = self.call("selector", self.policy.selector.rank, view)
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
-        pending = [
-            Pending(
-                "selector",
-                flags,
-                [
-                    f"{owner} returned losers outside the cache: each must be in [0, L) and distinct per (batch, head), "  # noqa: E501
-                    f"with L = {L}",
-                    f"{owner} returned losers that include a sink (position < n_sink = {n_sink}); sinks are never evicted",  # noqa: E501
-                ],
-            )
-        ]
-        if not self.ranked_selection:  # a select() of the part's own: clamp until checked
-            losers = mx.clip(losers, 0, L - 1)
-            if view.dead is not None:
-                losers = dead_first(view.dead, losers, n_evict)
-        return losers, pending
+        shape = view.scores.shape
+        if not isinstance(ranked, mx.array) or tuple(ranked.shape) != tuple(shape):
+            raise wrong_output(owner, "ranks", ranked, shape)
+        if not (mx.issubdtype(ranked.dtype, mx.floating) or mx.issubdtype(ranked.dtype, mx.integer)):
+            raise PluginError(f"{owner} returned ranks of dtype {ranked.dtype}, expected a real dtype")
+        ranked = ranked if ranked.dtype == mx.float32 else ranked.astype(mx.float32)
+        return choose(ranked, view.positions, self.n_sink, view.dead, n_evict)
 
-    def _unfused(self, view: CacheView) -> mx.array:
-        """A :class:`.slots.Choice`'s losers where its compiled call failed: from now on chosen by :meth:`losers`
-        (which reports a part's error; drop reads no losers, so its checks are evaluated here)."""
-        self.compiling.select = False
-        losers, pending = self.losers(view, 1)
-        self._raise_broken(pending)
-        return losers
-
-    def dispose(self, view: CacheView, losers: mx.array, offset, pending=()) -> Tuple[Optional[MergeUpdate], Counters]:
+    def dispose(self, view: CacheView, losers: mx.array, offset) -> Tuple[Optional[MergeUpdate], Counters]:
         """The disposition's update for the survivors (or None) and the counters it reports.
 
-        ``pending``: the value checks of :meth:`losers`; they and the update's are evaluated in one host
-        sync here, before the cache writes anything (a selector's broken rule is reported first).
-        ``offset``: the cache's tokens seen (one key, counters summed), or a list of B per-row
-        offsets for a view of B stacked rows (:mod:`.batch_rows`: keys [B, 2], counters [B]).
+        ``offset``: the cache's tokens seen (one key, counters summed), or a list of B per-row offsets for a view
+        of B stacked rows (:mod:`.batch_rows`: keys [B, 2], counters [B]). A prompt chunk's update and the first
+        :data:`CHECKED_DECODE_EVICTIONS` decode updates are value-checked in one host sync here, before the cache
+        writes anything; later decode updates are guarded on the device as the store adds them.
         """
         rows = len(offset) if isinstance(offset, (list, tuple)) else None
         disposition = self.policy.disposition
         if type(disposition).dispose is Disposition.dispose:  # drop (H2O): no update, no key to draw
-            self._raise_broken(pending)
             return None, {}
         seed = self.policy.config.seed
         key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
-        pending = list(pending)
-        # a shipped disposition's decode update (one loser per row): no value checks to read, its guards run on
-        # the device as the store adds it (SlotStore.add); a prompt chunk's update is checked like a plugin's
-        trusted = self.trusted["disposition"] and losers.shape[-1] == 1
-        try:
-            update, in_graph, done = None, None, False
-            if wants_compile(self.needs.compile_disposition, losers.shape[-1]) and self.compiling.dispose:
-                try:
-                    update, in_graph = compiled(disposition, checks=not trusted)(view, losers, key)
-                    done = True
-                except Exception:  # not compilable (or a part error): the eager call below decides
-                    self.compiling.dispose = False
-            if not done:
-                update = self.call("disposition", disposition.dispose, view, losers, key)
-            if update is not None:
-                update, checks = self._checked_update(view, update, in_graph, check_values=not trusted)
-                if checks is not None:
-                    pending.append(checks)
-        except PluginError:
-            if pending:
-                self._raise_broken(pending[:1])  # the selector's outputs were wrong first
-            raise
-        values = self._raise_broken(pending)
+        decode = losers.shape[-1] == 1
+        check = not decode or self.checked_decode > 0
+        if decode and check:
+            self.checked_decode -= 1
+        update = None
+        if decode and not check and self.needs.compile_disposition and self.compiling.dispose:
+            try:
+                update = compiled(disposition)(view, losers, key)
+            except Exception:  # not compilable (or a part error): the eager call below decides
+                self.compiling.dispose = False
+        if update is None:
+            update = self.call("disposition", disposition.dispose, view, losers, key)
         if update is None:
             return None, {}
-        counts = self._counts(update.stats, rows)
-        if update.draws is not None or update.merges is not None:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"{self.policy.owners['disposition']}: MergeUpdate.draws/merges are deprecated since "
-                    "kvpolicy 0.2.0; return MergeUpdate(..., stats={'gate_draws': ..., 'merges': ...})",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-            for name, value in self._counts({"gate_draws": update.draws, "merges": update.merges}).items():
-                counts.setdefault(name, value)
-        if trusted:  # an update that changes nothing writes nothing (decided on the device, SlotStore.add)
-            return update, counts
-        # the update's check code (the last pending check) is 0: every delta is 0 (e.g. no loser merged), nothing
-        # to write (the counters still count)
-        code = values[-1][0]  # the update's check code: the last pending check's one value
-        return (None if code == 0 else update), counts
+        update, pending = self._checked_update(view, update, check_values=check)
+        if pending is not None:
+            code = self._raise_broken([pending])[-1][0]
+            if code == 0:  # every delta is 0 (no loser merged): nothing to write, the counters still count
+                return None, self._counts(update.stats, rows)
+        return update, self._counts(update.stats, rows)
 
     def _counts(self, stats, rows: Optional[int] = None) -> Counters:
         """A disposition's counters as int32 scalars (summed over a batch), or per row ``[rows]``.
@@ -419,14 +361,12 @@ class PolicyStep:
             out[str(name)] = value.reshape(rows) if rows is not None else value.sum()
         return out
 
-    def _checked_update(self, view: CacheView, u, in_graph=None, check_values: bool = True):
+    def _checked_update(self, view: CacheView, u, check_values: bool = True):
         """A disposition's MergeUpdate with its metadata checked (deltas shaped like their rows, real dtypes) and
         its pending value check (targets in range, finite deltas for finite rows), whose code also says whether the
         update changes anything (:func:`~kvpolicy_core.cache.checks.update_checks`).
-
-        ``in_graph``: the :class:`~.checks.UpdateChecks` when the compiled decode path already traced
-        :func:`~kvpolicy_core.cache.checks.update_checks` into the disposition's graph; else computed here.
-        ``check_values=False`` (a trusted update): the metadata checks only, and None for the pending check.
+        ``check_values=False`` (a decode update past the checked ones): the metadata checks only, and None for
+        the pending check.
         """
         owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
         if not isinstance(u, MergeUpdate):
@@ -447,7 +387,10 @@ class PolicyStep:
                 "no log-weights)"
             )
         if u.stats is not None and not isinstance(u.stats, dict):
-            raise PluginError(f"{owner} returned stats of type {type(u.stats).__name__}, expected a dict")
+            raise PluginError(
+                f"{owner} returned stats of type {type(u.stats).__name__}, expected a dict name -> count (MergeUpdate"
+                "'s 0.1 fields draws/merges were removed in 0.3: return stats={'gate_draws': ..., 'merges': ...})"
+            )
         deltas = [
             (name, x)
             for name, x in (("d_keys", u.d_keys), ("d_values", u.d_values), ("d_scores", u.d_scores))
@@ -461,8 +404,7 @@ class PolicyStep:
         if not check_values:
             return u._replace(targets=targets), None
         pairs = [(x, bases[name]) for name, x in deltas]
-        if in_graph is None:
-            in_graph = checked_update(targets, L, pairs, u.d_log_weights)
+        in_graph = checked_update(targets, L, pairs, u.d_log_weights)
         code, lw = in_graph.code, in_graph.d_log_weights
         names = [name for name, _ in deltas]
 

@@ -11,15 +11,13 @@ The whole contract, on one page: docs/plugins/minimal.md. A part implements one 
 
 from __future__ import annotations
 
-import math
-import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, NamedTuple, Optional
 
 import mlx.core as mx
 
 from ..errors import PluginError
-from .shipped import traits_of
+from .traits import traits_of
 
 #: The ``batch_rows`` contract (``Needs(batch_rows=True)``). Such a part is correct on a view that stacks B
 #: independent sequences (a batch's decode step, :mod:`kvpolicy_core.cache.batch_rows`), where
@@ -64,7 +62,7 @@ class Needs:
     rope: bool = False
 
 
-#: the 0.2 per-class flags -> the :class:`Needs` field each one became (still read, with a DeprecationWarning)
+#: the 0.2 per-class flags -> the :class:`Needs` field each one became (a part that still sets one is refused)
 OLD_FLAGS = {
     "needs_attention": "attention",
     "uses_log_weights": "log_weights",
@@ -72,49 +70,35 @@ OLD_FLAGS = {
     "trim_exact": "trim_exact",
 }
 _SCORER_ONLY = ("attention", "trim_exact", "rope")
-_warned: set = set()
-
-
-def warn_old_flag(part, flag: str, instead: str) -> None:
-    """One DeprecationWarning per (part class, old flag) that a part still sets."""
-    cls = type(part)
-    if (cls, flag) in _warned:
-        return
-    _warned.add((cls, flag))
-    warnings.warn(
-        f"{cls.__module__}.{cls.__qualname__} sets {flag!r}, deprecated: {instead} "
-        "(docs/plugins/minimal.md; the old flag is still read)",
-        DeprecationWarning,
-        stacklevel=4,
-    )
 
 
 def needs_of(part) -> Needs:
-    """The :class:`Needs` of ``part``: its ``needs`` declaration, with any old flag it still sets
-    (:data:`OLD_FLAGS`, e.g. ``needs_attention = True``) taking precedence, with a DeprecationWarning.
+    """The :class:`Needs` of ``part`` (its ``needs`` declaration; none: ``Needs()``).
 
-    Raises :class:`~kvpolicy_core.errors.PluginError` when ``needs`` is not a :class:`Needs`."""
+    Raises :class:`~kvpolicy_core.errors.PluginError` when ``needs`` is not a :class:`Needs`, or when the part still
+    sets a 0.2 class flag (:data:`OLD_FLAGS`, e.g. ``needs_attention = True``), naming its replacement."""
+    cls = type(part)
     needs = getattr(part, "needs", Needs())
     if not isinstance(needs, Needs):
-        cls = type(part)
         raise PluginError(
             f"{cls.__module__}.{cls.__qualname__}.needs must be a kvpolicy_core.Needs (got "
             f"{type(needs).__name__}); e.g. needs = Needs(attention=True)"
         )
-    old = {}
     for flag, field in OLD_FLAGS.items():
         value = getattr(part, flag, None)
-        if value is not None and not callable(value):
-            warn_old_flag(part, flag, f"declare needs = Needs({field}={bool(value)})")
-            old[field] = bool(value)
-    return replace(needs, **old) if old else needs
+        if value is not None and not callable(value) and not isinstance(part, Needs):
+            raise PluginError(
+                f"{cls.__module__}.{cls.__qualname__} sets {flag!r}, a 0.2 class flag removed in 0.3: declare "
+                f"needs = Needs({field}={bool(value)}) instead (docs/plugins/hooks.md)"
+            )
+    return needs
 
 
 class PolicyNeeds(NamedTuple):
     """What one policy (scorer, selector, disposition) needs of the cache, resolved once per cache.
 
-    The public declarations (:func:`needs_of`) and the engine's own traits of shipped parts
-    (:func:`kvpolicy_core.parts.shipped.traits_of`): nothing else in the engine reads a part's flags."""
+    The public declarations (:func:`needs_of`) and the parts' engine traits
+    (:func:`kvpolicy_core.parts.traits.traits_of`): nothing else in the engine reads a part's flags."""
 
     attention: bool  #: the scorer's on_attention gets the model's queries (the attention hook is needed)
     attention_weights: bool  #: ... and it takes the model's attention weights instead (one pass gives both)
@@ -278,17 +262,14 @@ class MergeUpdate(NamedTuple):
     average of several losers into one target needs the number of losers per target:
     :func:`kvpolicy_core.parts.merge.average_into` builds that update for you.
 
-    ``draws``/``merges`` (0.1.0) are deprecated: return
-    ``stats={"gate_draws": ..., "merges": ...}`` instead (the cache maps the old fields
-    to those counters, with a :class:`DeprecationWarning`).
+    Counters go in ``stats`` (``{"gate_draws": ..., "merges": ...}``; the 0.1 fields ``draws``/``merges`` were
+    removed in 0.3).
     """
 
     targets: mx.array
     d_keys: Optional[mx.array] = None
     d_values: Optional[mx.array] = None
     d_scores: Optional[mx.array] = None
-    draws: Optional[mx.array] = None
-    merges: Optional[mx.array] = None
     stats: Optional[Dict[str, mx.array]] = None
     d_log_weights: Optional[mx.array] = None
 
@@ -328,11 +309,11 @@ class Scorer:
 
 
 class Selector:
-    """Which ``n_evict`` slots lose when the cache is over budget.
+    """Which slots lose when the cache is over budget: implement :meth:`rank`.
 
-    Implement :meth:`rank`: the cache then evicts window-dead slots first and
-    the lowest-ranked of the rest. Selectors written for 0.1.0 implement :meth:`select`
-    instead; the cache still moves window-dead slots to the front of their choice.
+    The engine then evicts window-dead slots first and the lowest-ranked of the rest; sinks (positions
+    ``< n_sink``) are never chosen unless window-dead. Ranks are checked (an mx.array of the scores' shape,
+    NaN ranked as protected), so a selector cannot pick a slot outside the cache.
     """
 
     needs: Needs = Needs()
@@ -350,13 +331,6 @@ class Selector:
         or more, e.g. whole chunks (ChunkKV); the budget is an upper bound. An int in ``[over, n - 1]``,
         computed on the host from these two ints alone (no array is read)."""
         return over
-
-    def select(self, view: CacheView, n_evict: int) -> mx.array:
-        """Return loser slot indices [B, H, n_evict] int32, distinct per (batch, head)."""
-        ranked = self.rank(view)
-        if view.dead is not None:
-            ranked = mx.where(view.dead, mx.array(-math.inf, dtype=mx.float32), ranked)
-        return pick_lowest(ranked, n_evict)
 
 
 class Disposition:

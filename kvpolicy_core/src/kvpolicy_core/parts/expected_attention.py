@@ -48,7 +48,6 @@ from .attention_scorer import masked_softmax
 from .base import CacheView, Needs, Scorer
 from .pooling import pool_by_position
 from .rescore import at_decode
-from .shipped import shipped
 
 
 def rotate_pairs(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool) -> mx.array:
@@ -114,7 +113,6 @@ def expected_attention(
     return mx.where(sink, mx.maximum(top, 0.0) + 1.0, s)
 
 
-@shipped
 class ExpectedAttentionScorer(Scorer):
     """Expected attention of future queries, from the model's queries of the current run (see the module).
 
@@ -128,8 +126,6 @@ class ExpectedAttentionScorer(Scorer):
     #: the model's queries (attention hook); each layer's RoPE frequencies through the config (rope_freqs),
     #: filled by the builder; per-row offsets and positions broadcast (view.offset [B, 1, 1])
     needs = Needs(attention=True, rope=True, batch_rows=True)
-    # shipped (kvpolicy_core.parts.shipped): decode scores are a softmax (finite, non-negative: non-finite logits
-    # excluded) times value norms, float32 and shaped as the view's; the cache sanitises NaN from non-finite values
 
     def __init__(
         self,

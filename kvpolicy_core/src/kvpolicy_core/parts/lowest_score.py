@@ -7,7 +7,7 @@ import math
 import mlx.core as mx
 
 from .base import CacheView, Needs, Selector, pick_lowest
-from .shipped import shipped
+from .traits import traits
 
 __all__ = ["LowestScoreSelector", "protected_mask", "pick_lowest"]
 
@@ -18,7 +18,7 @@ def protected_mask(positions: mx.array, offset, n_sink: int, recent: int) -> mx.
     return (positions < n_sink) | (positions >= offset - recent)
 
 
-@shipped(compile_decode=True)  # decode steps: rank, argmin and the value checks as one compiled graph
+@traits(compile_decode=True)  # decode steps: rank, protection and the choice as one compiled graph
 class LowestScoreSelector(Selector):
     """The unprotected tokens with the lowest scores lose.
 
@@ -31,11 +31,6 @@ class LowestScoreSelector(Selector):
     (score 0) is evicted at once and whose kept set freezes on the prompt.
     """
 
-    # shipped (kvpolicy_core.parts.shipped): a decode step's loser is valid by construction, so the cache skips
-    # its value checks and host sync: argmin over [0, L) of finite scores (the cache keeps them finite) where
-    # sinks and the recent window rank +inf and window-dead slots -inf, and the config leaves an unprotected
-    # slot (budget > n_sink + recent, :meth:`leaves_a_loser`), so the loser is in range and a sink only when
-    # it is window-dead (which the contract allows).
     needs = Needs(batch_rows=True)  # view.offset is [B, 1, 1]: protected_mask broadcasts per row
 
     def __init__(self, n_sink: int = 4, recent: int = 0) -> None:

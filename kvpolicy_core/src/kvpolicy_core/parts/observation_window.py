@@ -20,7 +20,6 @@ import mlx.core as mx
 from .attention_scorer import AttentionScorer, finite_weights, observed_weights, proxy_weights
 from .base import CacheView
 from .pooling import pool_by_position
-from .shipped import shipped
 
 
 def window_rows(mask, S: int, W: int):
@@ -41,7 +40,6 @@ def _decode_add(scores: mx.array, weights: mx.array) -> mx.array:
     return scores + finite_weights(weights).sum(axis=(2, 3))
 
 
-@shipped
 class ObservationWindowScorer(AttentionScorer):
     """Scores from the last ``W`` queries of each step, max-pooled over ``P`` positions.
 
@@ -71,8 +69,6 @@ class ObservationWindowScorer(AttentionScorer):
     """
 
     default_signal = "observed"
-    # shipped (kvpolicy_core.parts.shipped): a decode step's scores are valid by construction, finite scores
-    # plus the step's weights with NaN as 0 (each in [0, 1]), float32, shaped as the view's
 
     def __init__(self, signal: str = None, window: int = 32, pool: int = 7) -> None:
         super().__init__(signal)

@@ -91,6 +91,7 @@ def test_a_new_process_that_only_imports_the_package_loads_mlx_lm_prompt_caches_
         assert np.array_equal(got[str(i)].argmax(-1), want[i].argmax(-1)), method  # the same next tokens
 
 
+@pytest.mark.slow
 def test_the_package_import_registers_both_classes_whichever_is_imported_first():
     """In new processes: the package before mlx-lm, mlx-lm before the package, and a cache module alone."""
     check = (
@@ -108,6 +109,7 @@ def test_the_package_import_registers_both_classes_whichever_is_imported_first()
         assert proc.returncode == 0, (first, proc.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_importing_the_package_imports_no_mlx():
     code = "import sys, kvpolicy_core; print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -101,15 +101,15 @@ def eviction_parts(cache, repeat: int) -> dict:
     """A policy cache's selection and its disposition's update of one decode eviction, alone, ms."""
     step = cache._step
     view = cache._view(0)
-    losers, _ = step.losers(view, 1)
+    losers = step.choose(view, 1)
     mx.eval(losers)
     del view  # a view holds the buffers
 
     def select():
-        mx.eval(step.losers(cache._view(0), 1)[0])
+        mx.eval(step.choose(cache._view(0), 1))
 
     def dispose():
-        update, _ = step.dispose(cache._view(0), losers, cache.offset, [])
+        update, _ = step.dispose(cache._view(0), losers, cache.offset)
         mx.eval([x for x in (update or ()) if isinstance(x, mx.array)])
 
     return {"select_ms": ms_of(select, repeat), "dispose_ms": ms_of(dispose, repeat)}

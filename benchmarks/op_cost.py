@@ -13,7 +13,7 @@ Measured side by side in one run, medians of ``--repeat`` evaluations (after a w
    ``budget`` slots, as benchmarks/step_cost.py times it) and what the speed targets leave for a policy on
    top of it: 0.3x of that step for ``h2o`` (1.3x), 0.5x for ``cam`` (1.5x).
 3. CaM's decode eviction in the three compiled calls the cache makes, each timed alone and evaluated:
-   the selector's choice, the disposition's merge with its value checks, and the merge update with the
+   the selector's choice, the disposition's merge (no value checks at steady decode), and the merge update with the
    new token's write (``SlotStore.write(..., compiled=True)``). Alone, each pays one evaluation's round trip (the
    one-op chain's time less the per-op cost); the cache evaluates the three in two (its sync before the
    write, then the step), so the sum less two round trips is the eviction's cost in the cache, also given
@@ -32,7 +32,7 @@ from merge_batching import fields
 from step_cost import Stepper
 
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.cache.compiled import compiled, compiled_select
+from kvpolicy_core.cache.compiled import compiled, compiled_choose
 from kvpolicy_core.cache.slots import SlotStore, Snapshot, Token
 from kvpolicy_core.parts.base import CacheView
 
@@ -77,12 +77,13 @@ def cam_parts_us(budget: int, D: int, H: int, repeat: int) -> dict:
     K, V, P, S, LW, N = fields(1, H, L, D, 0)
     P = P + 0  # a buffer of its own, as the cache's
     view = CacheView(K, V, P, S, 4 * L, 0, None, 0, H, LW, key_norms=N)
-    select = compiled_select(cache.policy.selector, cache.policy.config.policy.n_sink, with_flags=False)
+    n_sink = cache.policy.config.policy.n_sink
+    select = lambda view, E: (compiled_choose(cache.policy.selector)(view, n_sink),)  # noqa: E731
     merge = compiled(cache.policy.disposition)
     key = mx.random.key(0)
     losers = select(view, 1)[0]
     mx.eval(losers)
-    u, _ = merge(view, losers, key)
+    u = merge(view, losers, key)
     mx.eval(u.targets, u.d_keys, u.d_values, u.d_scores, u.d_log_weights)
     store = SlotStore(track_log_weights=True, track_key_norms=True)
     store.restore(Snapshot(K, V, P, S, L, LW))
@@ -91,16 +92,8 @@ def cam_parts_us(budget: int, D: int, H: int, repeat: int) -> dict:
     mx.eval(k)
 
     def merged():
-        u, checks = merge(view, losers, key)
-        mx.eval(
-            u.targets,
-            u.d_keys,
-            u.d_values,
-            u.d_scores,
-            u.d_log_weights,
-            *u.stats.values(),
-            *[c for c in checks if c is not None],
-        )
+        u = merge(view, losers, key)
+        mx.eval(u.targets, u.d_keys, u.d_values, u.d_scores, u.d_log_weights, *u.stats.values())
 
     def write():
         store.write(Token(k, k, 4 * L), losers, u, compiled=True)
@@ -108,7 +101,7 @@ def cam_parts_us(budget: int, D: int, H: int, repeat: int) -> dict:
 
     return {
         "select_us": 1e6 * timed(lambda: mx.eval(select(view, 1)[0]), repeat),
-        "merge_and_checks_us": 1e6 * timed(merged, repeat),
+        "merge_us": 1e6 * timed(merged, repeat),
         "merge_write_us": 1e6 * timed(write, repeat),
         "merges": int(u.stats["merges"].sum().item()),
     }
@@ -133,7 +126,7 @@ def main():
     parts = cam_parts_us(budget, D, H, a.repeat)
     # timed alone, each piece pays an evaluation's round trip; the cache evaluates the three in two (a sync, the step)
     trip = max(ops["gather_eval_us"] - ops["gather_us"], 0.0)
-    eviction = parts["select_us"] + parts["merge_and_checks_us"] + parts["merge_write_us"] - 2 * trip
+    eviction = parts["select_us"] + parts["merge_us"] + parts["merge_write_us"] - 2 * trip
     row = {
         "budget": budget,
         "head_dim": D,
@@ -158,8 +151,8 @@ def main():
         f"(cam, 1.5x) for the policy"
     )
     print(
-        f"CaM's decode eviction alone: select {parts['select_us']:.0f} + merge and checks "
-        f"{parts['merge_and_checks_us']:.0f} + merge write {parts['merge_write_us']:.0f} - two evaluations' round "
+        f"CaM's decode eviction alone: select {parts['select_us']:.0f} + merge "
+        f"{parts['merge_us']:.0f} + merge write {parts['merge_write_us']:.0f} - two evaluations' round "
         f"trips {2 * trip:.0f} = {eviction:.0f} µs "
         f"(~{row['cam_eviction_ops']:.0f} ops): a step of at least {row['cam_floor_ratio']:.2f}x KVCache "
         "before scoring and attention"

@@ -1,4 +1,5 @@
-"""Decode-step cost of validating part outputs: the same cache with validation on and off, alternated.
+"""Decode-step cost of value-checking every disposition update (one host sync each) against the cache's default
+(the first few decode evictions checked, the rest guarded on the device): the same cache both ways, alternated.
 
     python benchmarks/validation_cost.py [--rounds 3] [--steps 600]
     python benchmarks/validation_cost.py --smoke
@@ -11,32 +12,22 @@ from __future__ import annotations
 from _common import Stopwatch, interleave, mx, parser, result_name, write_json  # the BLAS first
 
 from kvpolicy_core import PolicyCache  # noqa: E402
-from kvpolicy_core.cache.step import PolicyStep  # noqa: E402
 from kvpolicy_core.testing.conformance import random_kv  # noqa: E402
-
-CHECKED = PolicyStep._raise_broken
-
-
-def unchecked(self, pending):  # the value checks are built but never evaluated (no host sync): every update applies
-    return [[1]] * len(pending)
 
 
 def ms_per_step(method: str, steps: int, validated: bool, prompt: int = 256) -> float:
-    PolicyStep._raise_broken = CHECKED if validated else unchecked
-    try:
-        K, V = random_kv(B=1, H=8, S=prompt + steps, D=64, seed=1)
-        c = PolicyCache(method)
-        k, v = c.update_and_fetch(K[:, :, :prompt], V[:, :, :prompt])
-        c.before_attention(K[:, :, :prompt], 64**-0.5, "causal")  # the attention hook, queries = keys
-        mx.eval(k, v, c.scores)
-        sw = Stopwatch()
-        for i in range(prompt, prompt + steps):
-            k, v = c.update_and_fetch(K[:, :, i : i + 1], V[:, :, i : i + 1])
-            c.before_attention(K[:, :, i : i + 1], 64**-0.5, None)
-            mx.eval(k, v)
-        return sw.wall / steps * 1e3
-    finally:
-        PolicyStep._raise_broken = CHECKED
+    K, V = random_kv(B=1, H=8, S=prompt + steps, D=64, seed=1)
+    c = PolicyCache(method)
+    c._step.checked_decode = 10**9 if validated else 0  # every decode eviction checked, or none
+    k, v = c.update_and_fetch(K[:, :, :prompt], V[:, :, :prompt])
+    c.before_attention(K[:, :, :prompt], 64**-0.5, "causal")  # the attention hook, queries = keys
+    mx.eval(k, v, c.scores)
+    sw = Stopwatch()
+    for i in range(prompt, prompt + steps):
+        k, v = c.update_and_fetch(K[:, :, i : i + 1], V[:, :, i : i + 1])
+        c.before_attention(K[:, :, i : i + 1], 64**-0.5, None)
+        mx.eval(k, v)
+    return sw.wall / steps * 1e3
 
 
 def main() -> None:

@@ -5,7 +5,9 @@ from helpers import SHIPPED_METHODS, with_fields
 
 from kvpolicy_core.testing.conformance import PolicyConformance, run_conformance
 
-SHIPPED = [with_fields(m, "budget=16,n_sink=2") for m in SHIPPED_METHODS]
+#: the schedule's variants (kvpolicy_core.parts.allocation, when=prompt_end) on the shipped methods
+SCHEDULES = ["h2o:when=prompt_end", "cam:when=prompt_end,allocation=pyramid", "h2o:signal=proxy,allocation=pyramid"]
+SHIPPED = [with_fields(m, "budget=16,n_sink=2") for m in SHIPPED_METHODS + SCHEDULES]
 
 
 @pytest.fixture(params=SHIPPED, ids=lambda m: m.replace(":", "-"))

@@ -5,6 +5,7 @@ import pytest
 from helpers import feed, random_kv
 
 from kvpolicy_core import PolicyCache, attach, build_policy, detach
+from kvpolicy_core.testing.equivalence import assert_equivalent
 
 GATES = ["gate=true", "gate=false"]
 
@@ -62,3 +63,14 @@ def test_generated_tokens_are_identical(tiny_model_dir, gate):
     merged = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24)]
     detach(model)
     assert merged != outputs[0]  # the comparison can tell policies apart
+
+
+# ---------------------------------------------------------------- the public kit (kvpolicy_core.testing.equivalence)
+@pytest.mark.parametrize("gate", GATES)
+def test_the_kit_finds_cam_with_drop_to_be_h2o_over_chunks_decode_and_batched_rows(gate):
+    assert_equivalent(f"cam:budget=12,n_sink=2,merge=drop,{gate}", "h2o:budget=12,n_sink=2")
+
+
+def test_the_kit_tells_a_merging_cam_from_h2o_naming_where():
+    with pytest.raises(AssertionError, match=r"(one sequence|batched rows).*(logits|layer \d+: kept)"):
+        assert_equivalent("cam:budget=12,n_sink=2,min_sim=-1,prompt=true,cap=none", "h2o:budget=12,n_sink=2")

@@ -32,6 +32,7 @@ def build_policy(config: Any) -> Policy:
     spec = registry.method(config.method)
     parts, owners = {}, {}
     for kind, name in spec.part_names(config.policy).items():
+        registry.check_refused(kind + "s", name)
         table = registry.parts[kind + "s"]
         if name not in table:
             raise PluginError(

@@ -106,6 +106,9 @@ class Registry:
         self.failures: List[str] = []
         self.conflicts: List[Conflict] = []
         self.blocked: List[str] = []
+        #: (kind, name) -> the clash message: under ``KVPOLICY_STRICT_PLUGINS=1`` a name two plugins registered is
+        #: refused (its lookups raise), while every other name of both plugins stays usable
+        self.refused: Dict[tuple, str] = {}
 
     # -- filling ---------------------------------------------------------------------------
     def add(self, kind: str, name: str, obj: Any, plugin: str, dist=None, version=None) -> None:
@@ -131,8 +134,17 @@ class Registry:
         table[name] = Registered(obj, plugin, dist, version)
 
     # -- lookup ----------------------------------------------------------------------------
+    def check_refused(self, kind: str, name: str) -> None:
+        """Raise :class:`~kvpolicy_core.errors.PluginError` if strict mode refused ``name`` of ``kind`` (a clash)."""
+        message = self.refused.get((kind, name))
+        if message is not None:
+            raise PluginError(
+                f"kvpolicy: {message}; KVPOLICY_STRICT_PLUGINS=1 refuses the name until the clash is gone"
+            )
+
     def method(self, name: str) -> MethodSpec:
         """The method called ``name``, or an error listing the installed ones."""
+        self.check_refused("methods", name)
         table = self.parts["methods"]
         if name not in table:
             installed = ", ".join(sorted(table)) or "none"
@@ -208,6 +220,7 @@ class Registry:
     def part(self, kind: str, name: str, field: str) -> Registered:
         """The part ``name`` of ``kind`` (``"allocations"``, ...) that config field ``field`` names, or a
         :class:`ConfigError` naming the field and the registered names."""
+        self.check_refused(kind, name)
         table = self.parts[kind]
         if name not in table:
             raise ConfigError(
@@ -270,8 +283,9 @@ def fill(registry: Registry, pm, strict: bool) -> None:
     A plugin whose hook raises (``SystemExit`` included), or that registers something invalid,
     is reported (warning, or :class:`PluginError` when ``strict``) and its own registrations
     of that kind are rolled back; the other plugins carry on. A name another plugin already
-    registered is reported the same way and only that registration is skipped. Shipped plugins
-    (:data:`SHIPPED`) register first, so a clash never takes a shipped name away; the other
+    registered is reported (a warning) and only that registration is skipped; under ``strict`` the name
+    itself is refused (:attr:`Registry.refused`: looking it up raises), and every other name stays usable.
+    Shipped plugins (:data:`SHIPPED`) register first, so a clash never takes a shipped name away; the other
     plugins register in ``pm``'s registration order (entry points by distribution name).
     """
     for kind in KINDS:
@@ -293,8 +307,8 @@ def fill(registry: Registry, pm, strict: bool) -> None:
                 try:
                     registry.add(_kind, name, obj, _plugin, _d, _v)
                 except NameClash as clash:  # only this registration is skipped; the plugin's others stand
-                    if strict:
-                        raise
+                    if strict:  # the name itself is refused (the kept registration too); nothing else is
+                        registry.refused[(_kind, name)] = str(clash)
                     skipped = registry.conflicts[-1].skipped
                     message = f"kvpolicy: {clash}; the {_kind[:-1]} {name!r} of {skipped!r} is skipped"
                     registry.failures.append(message)
@@ -304,8 +318,6 @@ def fill(registry: Registry, pm, strict: bool) -> None:
 
             try:
                 impl.function(register=register)
-            except NameClash as exc:  # strict: the clash is the error
-                raise PluginError(f"kvpolicy: {exc}") from None
             except (Exception, SystemExit) as exc:  # a hook's sys.exit() must not end the host program
                 for name in added:
                     registry.parts[kind].pop(name, None)

@@ -7,9 +7,10 @@ Subclass :class:`PolicyConformance` in your plugin's tests and name your method:
     class TestMyPolicy(PolicyConformance):
         method = "mypolicy:budget=16,n_sink=2"
 
-pytest then runs every check below against it: budget held, sinks kept, shapes across
-batch and heads, chunked prefill, determinism with a seed, ``state`` round trip, the
-mlx-lm contract on a tiny random-weight model, and clear errors for invalid configs.
+pytest then runs every check below against it: budget held, sinks kept, each layer's allocated budget,
+batched rows decoding as each row alone, shapes across batch and heads, chunked prefill, determinism with a
+seed, ``state`` round trip, the mlx-lm contract on a tiny random-weight model, and clear errors for invalid
+configs. Equivalences between two methods are :mod:`kvpolicy_core.testing.equivalence`'s.
 ``run_conformance(method)`` runs the same checks from a plain function.
 """
 
@@ -76,21 +77,76 @@ class PolicyConformance:
 
     # -- checks --------------------------------------------------------------------------------
     def test_budget_held_and_sinks_kept(self):
+        """Every update returns the slots the cache holds; decode never holds more than ``budget + 1``; a streaming
+        method that evicts exactly the overflow holds ``min(seen, budget) + S`` (a method that cuts at the end of
+        the prompt holds the prompt until its first one-token update, and one that evicts whole chunks may hold
+        fewer); sinks are kept and positions are distinct."""
         _, budget, n_sink = self.config()
         for chunks in CHUNK_PATTERNS:
             total = sum(chunks)
             keys, values = random_kv(S=total, seed=len(chunks))
             cache = self.cache()
+            exact = cache.policy.config.policy.when == "stream" and not cache._step._counts_more
             t = 0
             for S in chunks:
                 (shape,) = feed(cache, keys[:, :, t : t + S], values[:, :, t : t + S], (S,), scale=0.25)
-                assert shape[2] == min(t, budget) + S, "update_and_fetch must return retained + new"
+                assert shape[2] == cache.n, "update_and_fetch must return every slot the cache holds"
+                if exact:
+                    assert shape[2] == min(t, budget) + S, "update_and_fetch must return retained + new"
                 t += S
-                assert cache.tokens_kept == min(t, budget) and cache.offset == t
+                if S == 1:
+                    assert cache.n <= budget + 1, "a decode step holds at most budget + 1 slots"
+                assert 0 < cache.tokens_kept <= min(t, budget) and cache.offset == t
             pos = np.array(cache.retained()[2])
-            assert pos.shape[-1] == min(total, budget)
+            assert pos.shape[-1] <= min(total, budget)
             assert (np.diff(pos, axis=-1) > 0).all(), "retained positions must be distinct"
             assert (pos[..., : min(n_sink, total)] == np.arange(min(n_sink, total))).all(), "sinks must be kept"
+
+    def test_each_layer_gets_its_allocated_budget_and_keeps_it(self):
+        """Built for a model, each layer's cache has the budget of the method's allocation and keeps at most it."""
+        from mlx_lm.generate import generate_step
+
+        from ..config.policy import layer_budgets
+        from ..parts.allocation import LayerInfo
+
+        model = tiny_llama(seed=2)
+        try:
+            caches = KVCacheBuilder.for_model(model, self.method)
+            n = len(caches)
+            want = layer_budgets(self.method, [LayerInfo(i, n, None) for i in range(n)])
+            assert [c.budget for c in caches] == want, "each layer's budget is its allocation's"
+            prompt = mx.random.randint(0, VOCAB, (max(want) + 12,), key=mx.random.key(2))
+            for _, _ in zip(generate_step(prompt, model, prompt_cache=caches, prefill_step_size=9), range(4)):
+                pass
+            assert all(0 < c.tokens_kept <= c.budget for c in caches)
+        finally:
+            detach(model)
+
+    def test_batched_rows_decode_each_as_alone(self):
+        """Rows of different lengths in mlx-lm's batch cache (``BatchPolicyCache``) decode exactly as each row
+        alone, whether the parts declare ``Needs(batch_rows=True)`` (stacked steps) or not (one step per row)."""
+        from ..cache.batch import BatchPolicyCache
+
+        _, budget, _ = self.config()
+        keys, values = random_kv(B=1, S=budget + 30, seed=4)
+        rows, alone = [], []
+        for n in (budget + 6, budget + 9):
+            for out in (rows, alone):
+                cache = self.cache(seed=3)
+                feed(cache, keys[:, :, :n], values[:, :, :n], (n,))
+                out.append(cache)
+        batch = BatchPolicyCache.merge(rows)
+        for t in range(8):
+            k = mx.concatenate([keys[:, :, budget + 10 + t : budget + 11 + t]] * 2)
+            v = mx.concatenate([values[:, :, budget + 10 + t : budget + 11 + t]] * 2)
+            batch.update_and_fetch(k, v)
+            batch.before_attention(k, 0.25, None)
+            for r, cache in enumerate(alone):
+                feed(cache, k[r : r + 1], v[r : r + 1], (1,), scale=0.25)
+        for r, cache in enumerate(alone):
+            got = batch.extract(r)
+            for x, y in zip(got.retained(), cache.retained()):
+                np.testing.assert_array_equal(np.array(x), np.array(y))
 
     def test_shapes_across_batch_heads_and_dims(self):
         _, budget, _ = self.config()
@@ -133,7 +189,8 @@ class PolicyConformance:
         try:
             tokens = mx.random.randint(0, VOCAB, (1, budget + 20), key=mx.random.key(0))
             # with a budget above the length, logits equal mlx-lm's plain cache exactly
-            big = KVCacheBuilder.for_model(model, parse_config(self.method, budget=4 * budget + 64))
+            B = 4 * budget + 64  # every layer's budget (whatever the allocation) above the length
+            big = KVCacheBuilder.for_model(model, parse_config(self.method, budget=B), budgets=[B] * len(model.layers))
             logits = []
             for caches in (big, [KVCache() for _ in model.layers]):
                 out = [model(tokens[:, :10], cache=caches)] + [
@@ -151,7 +208,7 @@ class PolicyConformance:
             ]
             assert len(out) == 8
             for c in caches:
-                assert c.tokens_kept == budget and c.offset >= tokens.shape[1] + 8
+                assert c.tokens_kept == min(c.budget, c.offset) and c.offset >= tokens.shape[1] + 8
         finally:
             detach(model)
 

@@ -195,3 +195,20 @@ def test_an_allocation_returning_the_wrong_count_is_refused_naming_it():
             layer_budgets("h2o:allocation=broken_alloc", [LayerInfo(0, 2, None), LayerInfo(1, 2, None)])
     finally:
         unregister_plugin("broken-alloc")
+
+
+def test_the_end_of_prompt_cut_protects_the_observation_window_not_the_decode_recent_window():
+    """SnapKV's rule: the cut keeps the prompt's last W tokens (whose queries scored it) and the best-scored rest;
+    decode steps after it protect the method's own recent window (budget // 2)."""
+    from kvpolicy_core.config.policy import build_policy
+
+    policy = build_policy("h2o:budget=64,when=prompt_end,obs_window=16")
+    assert policy.cut_selector.recent == 16 and policy.selector.recent == 32
+    assert build_policy("h2o:budget=64").cut_selector is None  # streaming: no cut of its own
+    K, V = random_kv(B=1, H=2, S=201)
+    cache = PolicyCache(policy)
+    feed(cache, K[:, :, :200], V[:, :, :200], (100, 100))
+    cache.update_and_fetch(K[:, :, 200:201], V[:, :, 200:201])
+    pos = np.array(cache.retained()[2])
+    assert (pos[..., -17:] == np.arange(184, 201)).all()  # the window and the new token
+    assert (pos < 200 - 32).sum(axis=-1).min() > 64 - 4 - 32  # more than the decode rule would leave the rest

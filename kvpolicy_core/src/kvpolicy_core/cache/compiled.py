@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from ..parts.base import CacheView, MergeUpdate, kept_key_norms, on_key_norms
 from .checks import scalar
+from .choose import choose
 from .traces import per_part, weak
 
 _FIELDS = ("targets", "d_keys", "d_values", "d_scores", "d_log_weights")
@@ -86,8 +87,6 @@ class _CompiledChoose(_PartRef):
         self._fns: Dict[Tuple, Callable] = {}
 
     def __call__(self, view: CacheView, n_sink: int):
-        from .step import choose  # the one choice rule (step imports this module)
-
         layout, arrays = _layout(view)
         fn, read = self._fns.get(layout, (None, []))
         if fn is None:

@@ -132,13 +132,14 @@ class PolicyCache(CacheState, CacheDiagnostics):
         saved = self._save()
         try:
             n_evict = self._n_evict(S)
+            cut = self._holds_prompt and self._run_open  # this eviction cuts a held prompt at its end
             self._run = dict(self._run) if (self._run_open and S > 1 and n_evict == 0) else {}
             self._run_open = S > 1
-            if n_evict == 1 and S == 1:
+            if n_evict == 1 and S == 1 and not cut:
                 self._evict(1, Token(keys, values, self.offset))
             else:
                 if n_evict > 0:
-                    self._slots.compact(self._evict(n_evict))
+                    self._slots.compact(self._evict(n_evict, cut=cut))
                 self._slots.append(keys, values, self.offset, self.budget)
             self.offset += S
             if self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
@@ -249,7 +250,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         if n_evict > 0:
             saved = self._save()
             try:
-                self._slots.compact(self._evict(n_evict))
+                self._slots.compact(self._evict(n_evict, cut=self._holds_prompt and self._run_open))
             except BaseException:
                 self._restore(saved)
                 raise
@@ -342,7 +343,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         pos = self.positions
         return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
 
-    def _evict(self, n_evict: int, token: Optional[Token] = None) -> mx.array:
+    def _evict(self, n_evict: int, token: Optional[Token] = None, cut: bool = False) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors
         (:meth:`~.step.PolicyStep.evict`, the one route of every eviction).
 
@@ -350,7 +351,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         compiled call once the store is full)."""
         sl = self._slots
         self._run, self._run_open = {}, False  # an eviction ends the run
-        losers, update, counts = self._step.evict(self._view(0), n_evict, self.offset)
+        losers, update, counts = self._step.evict(self._view(0), n_evict, self.offset, cut)
         if update is not None:
             self._lw_used = self._lw_used or update.d_log_weights is not None
         if counts:

@@ -19,12 +19,10 @@ cache or a non-finite delta into a finite slot.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
-import numpy as np
 
 from ..config.policy import Policy, step_key, step_keys
 from ..errors import KVPolicyError, ModelError, PluginError
@@ -36,10 +34,10 @@ from ..parts.base import (
     Scorer,
     Selector,
     offset_read,
-    pick_lowest,
     policy_needs,
 )
 from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, nonfinite_flags
+from .choose import choose
 from .compiled import compiled, compiled_choose
 
 Counters = Dict[str, mx.array]
@@ -61,25 +59,6 @@ def wrong_output(owner: str, what: str, x, expected: Tuple[int, ...]) -> PluginE
 #: decode evictions of each cache whose disposition update is value-checked (one host sync each); later ones are
 #: guarded on the device (:meth:`~.slots.SlotStore.add`) and make no host sync
 CHECKED_DECODE_EVICTIONS = 4
-_RANK_CAP = 3.0e38  # finite ranks are capped here, below float32's max, which protected (+inf, NaN) ranks take
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def choose(ranked: mx.array, positions: mx.array, n_sink, dead: Optional[mx.array], n_evict: int) -> mx.array:
-    """Losers [B, H, E] int32 from a selector's ranks [B, H, L]: the E lowest of ::
-
-        r_j = -inf if dead_j  else  +inf if pos_j < n_sink  else  max32 if rank_j in {+inf, NaN}
-              else min(rank_j, 3e38)
-
-    four strict tiers: window-dead slots go first, then the selector's finite ranks (lowest first), then the
-    slots it protects, and a sink never unless window-dead. Distinct indices in ``[0, L)`` by construction
-    (:func:`pick_lowest`), whatever the ranks are."""
-    protected = mx.isnan(ranked) | mx.isposinf(ranked)
-    r = mx.where(protected, mx.array(_FLOAT32_MAX, dtype=mx.float32), mx.minimum(ranked, _RANK_CAP))
-    r = mx.where(positions < n_sink, mx.array(math.inf, dtype=mx.float32), r)
-    if dead is not None:
-        r = mx.where(dead, mx.array(-math.inf, dtype=mx.float32), r)
-    return pick_lowest(r, n_evict)
 
 
 class Pending(NamedTuple):
@@ -266,23 +245,27 @@ class PolicyStep:
                 raise PluginError(broken)
         return values
 
-    def evict(self, view: CacheView, n_evict: int, offset) -> Tuple[mx.array, Optional[MergeUpdate], Counters]:
+    def evict(
+        self, view: CacheView, n_evict: int, offset, cut: bool = False
+    ) -> Tuple[mx.array, Optional[MergeUpdate], Counters]:
         """The one eviction route: losers [B, H, n_evict] int32 (:meth:`choose`), the disposition's update for the
         survivors (or None) and the counters it reports (:meth:`dispose`). Nothing is written here: the caller
-        writes the update and removes (or overwrites) the losers."""
-        losers = self.choose(view, n_evict)
+        writes the update and removes (or overwrites) the losers. ``cut``: the end-of-prompt cut of a held prompt
+        (``when="prompt_end"``), chosen by the policy's ``cut_selector`` where it has one."""
+        losers = self.choose(view, n_evict, cut)
         update, counts = self.dispose(view, losers, offset)
         return losers, update, counts
 
-    def choose(self, view: CacheView, n_evict: int) -> mx.array:
+    def choose(self, view: CacheView, n_evict: int, cut: bool = False) -> mx.array:
         """The selector's ranks, checked, and the losers chosen from them (:func:`choose`): one compiled call at
         decode for a selector with the ``compile_decode`` trait (the eager call reports a part's error)."""
-        if n_evict == 1 and self.needs.compile_selector and self.compiling.choose:
+        selector = self.policy.cut_selector if cut and self.policy.cut_selector is not None else self.policy.selector
+        if n_evict == 1 and not cut and self.needs.compile_selector and self.compiling.choose:
             try:
-                return compiled_choose(self.policy.selector)(view, self.n_sink)
+                return compiled_choose(selector)(view, self.n_sink)
             except Exception:  # not compilable (or a part error): the eager call below decides
                 self.compiling.choose = False
-        ranked = self.call("selector", self.policy.selector.rank, view)
+        ranked = self.call("selector", selector.rank, view)
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
         shape = view.scores.shape
         if not isinstance(ranked, mx.array) or tuple(ranked.shape) != tuple(shape):

@@ -19,6 +19,9 @@ class Policy(NamedTuple):
     selector: Any
     disposition: Any
     owners: dict  #: part kind -> "name (plugin)" for error messages
+    #: ``when="prompt_end"``: the selector of the end-of-prompt cut, built with ``recent`` = the observation window
+    #: (:func:`cut_config`); None: the cut uses ``selector``
+    cut_selector: Any = None
 
     @property
     def budget(self) -> int:
@@ -45,7 +48,29 @@ def build_policy(config: Any) -> Policy:
             parts[kind] = entry.obj.from_config(config.policy)
         except Exception as exc:
             raise PluginError(f"{owners[kind]} failed to build from the config: {type(exc).__name__}: {exc}") from exc
-    return Policy(config, parts["scorer"], parts["selector"], parts["disposition"], owners)
+    cut = cut_config(config.policy, getattr(parts["scorer"], "window", 0))
+    cut_selector = None
+    if cut is not None:
+        entry = registry.parts["selectors"][spec.part_names(config.policy)["selector"]]
+        try:
+            cut_selector = entry.obj.from_config(cut)
+        except Exception as exc:
+            raise PluginError(f"{owners['selector']} failed to build for the end-of-prompt cut: {exc}") from exc
+    return Policy(config, parts["scorer"], parts["selector"], parts["disposition"], owners, cut_selector)
+
+
+def cut_config(policy, W: int) -> Any:
+    """The config of the end-of-prompt cut (``when="prompt_end"``), or None when the cut is the selector's own.
+
+    The cut keeps the prompt's most important tokens and its last ``W`` (the scorer's observation window, whose
+    queries scored it: the question when the prompt ends with one), as SnapKV does, so ``recent = W`` there (at
+    most ``budget - n_sink - 1``); decode steps after it protect the method's own ``recent``. ``W``: the scorer's
+    ``window`` (:class:`~kvpolicy_core.parts.observation_window.ObservationWindowScorer`); a scorer without one,
+    or whose window is every row (0), cuts with the method's own ``recent``."""
+    if policy.when != "prompt_end" or not isinstance(W, int) or W <= 0:
+        return None
+    W = min(W, policy.budget - policy.n_sink - 1)
+    return None if W == policy.recent_tokens else policy.model_copy(update={"recent": W})
 
 
 def layer_budgets(config: Any, layers: Sequence[Any]) -> List[int]:

@@ -1,7 +1,11 @@
-"""A plugin part's output is checked before it reaches the cache: loser indices outside the cache, repeated or
-of the wrong dtype or shape, a sink chosen, merge targets outside the cache, deltas of the wrong shape or
-dtype, non-finite in the cache's dtype, outputs that are not mx.array: each is a PluginError saying what is
-wrong, the call is rolled back and the next one works."""
+"""A plugin part's output is checked before it reaches the cache: ranks that are not an mx.array of the scores'
+shape and a real dtype, a selector in the removed select form, merge targets outside the cache, deltas of the
+wrong shape or dtype, non-finite in the cache's dtype, stats that are not a dict, outputs that are not mx.array:
+each is a PluginError naming the part and saying what is wrong, the call is rolled back and the next one works.
+Ranks need no value check: whatever they are, the engine evicts distinct slots of the cache and never a live
+sink. Merge updates are value-checked at prompt chunks and a cache's first decode evictions; after those, the
+slot store's device guards keep a broken update from writing outside the cache or a non-finite delta into a
+finite slot."""
 
 import math
 
@@ -11,26 +15,49 @@ import pytest
 from helpers import random_kv
 
 from kvpolicy_core import MergeUpdate, MethodSpec, PluginError, PolicyCache, PolicyConfig, hookimpl
-from kvpolicy_core.parts.base import Scorer, Selector
+from kvpolicy_core.parts.base import Disposition, Scorer, Selector
 from kvpolicy_core.parts.lowest_score import LowestScoreSelector
+from kvpolicy_core.parts.traits import traits
 from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
 from kvpolicy_core.testing.conformance import feed
 
 
-# ----------------------------------------------------------------------------- loser indices and merge updates
+# ----------------------------------------------------------------------------- ranks and merge updates
 class BadSelector(Selector):
-    mode = "big"
+    """Ranks that are not an mx.array of the scores' shape and a real dtype (``mode``; None: good ranks)."""
+
+    mode = "short"
+
+    def rank(self, view):
+        B, H, L = view.scores.shape
+        mode = BadSelector.mode
+        if mode == "raise":
+            raise ValueError("no ranks today")
+        return {
+            None: view.scores,
+            "short": view.scores[..., :-1],  # [B, H, L - 1]
+            "list": view.scores.tolist(),
+            "numpy": np.array(view.scores),
+            "complex": view.scores.astype(mx.complex64),
+            "bool": view.scores > 0,
+        }[mode]
+
+
+@traits(compile_decode=True)
+class CompiledBadSelector(BadSelector):
+    """The same with its decode choice compiled: the compiled call fails, the eager call reports it."""
+
+
+class SelectForm:
+    """The 0.1 form: select(view, n_evict) returning indices, removed in 0.3."""
+
+    @classmethod
+    def from_config(cls, config):
+        return cls()
 
     def select(self, view, n_evict):
         B, H, L = view.scores.shape
-        base = mx.broadcast_to(mx.arange(n_evict, dtype=mx.int32), (B, H, n_evict))
-        return {
-            "big": base + 10**6,
-            "neg": base - 1,
-            "dup": base * 0 + 2,
-            "float": base.astype(mx.float32) + 2,
-            "list": [[[0]]],
-        }[BadSelector.mode]
+        return mx.broadcast_to(mx.arange(n_evict, dtype=mx.int32), (B, H, n_evict))
 
 
 class BadMerge:
@@ -48,8 +75,7 @@ class BadMerge:
 
 
 class SinkEatingSelector(LowestScoreSelector):
-    """A plugin's subclass of core's selector that ranks sinks lowest: it inherits ``valid_by_construction``
-    from core's class but is a plugin part, so its output is checked like any plugin's."""
+    """A plugin's subclass of core's selector that ranks sinks lowest (-inf)."""
 
     def rank(self, view):
         return mx.where(view.positions < self.n_sink, -math.inf, super().rank(view))
@@ -59,7 +85,9 @@ class BadPlugin:
     @hookimpl
     def register_selectors(self, register):
         register("bad_sel", BadSelector)
+        register("bad_sel_compiled", CompiledBadSelector)
         register("bad_lowest", SinkEatingSelector)
+        register("select_form", SelectForm)
 
     @hookimpl
     def register_dispositions(self, register):
@@ -68,46 +96,81 @@ class BadPlugin:
     @hookimpl
     def register_methods(self, register):
         register(MethodSpec("badsel", PolicyConfig, "cumulative_attention", "bad_sel", "drop"))
+        register(MethodSpec("badselc", PolicyConfig, "cumulative_attention", "bad_sel_compiled", "drop"))
         register(MethodSpec("badmerge", PolicyConfig, "cumulative_attention", "lowest_score", "bad_merge"))
         register(MethodSpec("badlowest", PolicyConfig, "cumulative_attention", "bad_lowest", "drop"))
+        register(MethodSpec("selectform", PolicyConfig, "cumulative_attention", "select_form", "drop"))
 
 
 @pytest.fixture
 def bad_plugin():
     register_plugin(BadPlugin(), "bad")
     yield
+    BadSelector.mode = "short"
     unregister_plugin("bad")
 
 
 @pytest.mark.parametrize(
     "mode, needle",
     [
-        ("big", "outside the cache"),
-        ("neg", "outside the cache"),
-        ("dup", "distinct"),
-        ("float", "dtype float32"),
-        ("list", "shape"),
+        ("short", r"returned ranks of shape \(2, 3, 11\), expected \(2, 3, 12\)"),
+        ("list", r"returned ranks as a list, not an mx\.array: it must return an mx\.array of shape \(2, 3, 12\)"),
+        ("numpy", r"returned ranks as a numpy\.ndarray, not an mx\.array"),
+        ("complex", "returned ranks of dtype .*complex64, expected a real dtype"),
+        ("bool", "returned ranks of dtype .*bool, expected a real dtype"),
+        ("raise", "raised ValueError: no ranks today"),
     ],
 )
-@pytest.mark.parametrize("chunks", [(12, 1), (12, 6)])  # the decode write and the chunked compaction
-def test_bad_loser_indices_are_a_plugin_error_and_the_cache_stays_usable(bad_plugin, mode, needle, chunks):
+@pytest.mark.parametrize("method", ["badsel", "badselc"])  # eager, and compiled at decode
+@pytest.mark.parametrize("chunks", [(12, 1), (12, 6)])  # a multi-loser eviction, then the chunked compaction
+def test_bad_ranks_are_a_plugin_error_naming_the_part_and_the_cache_stays_usable(
+    bad_plugin, mode, needle, method, chunks
+):
     BadSelector.mode = mode
     keys, values = random_kv(S=20)
-    cache = PolicyCache("badsel:budget=8,n_sink=1,recent=1")
+    cache = PolicyCache(f"{method}:budget=8,n_sink=1,recent=1")
     feed(cache, keys[:, :, :12], values[:, :, :12], chunks[:1])
-    with pytest.raises(PluginError, match=needle):
+    name = "bad_sel_compiled" if method == "badselc" else "bad_sel"
+    with pytest.raises(PluginError, match=rf"layer 0: selector '{name}' of plugin 'bad' {needle}"):
         feed(cache, keys[:, :, 12:], values[:, :, 12:], chunks[1:])
     assert cache.offset == 12 and cache.n == 12  # rolled back: nothing half-applied, nothing corrupted
     assert mx.array_equal(cache.keys[..., :12, :], keys[:, :, :12]) and cache.scores.shape[-1] == 12
+    BadSelector.mode = None
+    feed(cache, keys[:, :, 12:], values[:, :, 12:], chunks[1:])  # the next call works
+    assert cache.offset == 12 + chunks[1]
 
 
-def test_a_plugin_subclass_of_cores_selector_is_still_checked(bad_plugin):
-    """Core's own selector skips its decode checks (valid by construction); a plugin's subclass does not."""
+@pytest.mark.parametrize("mode", ["short", "list", "complex"])
+@pytest.mark.parametrize("method", ["badsel", "badselc"])
+def test_bad_ranks_at_a_steady_decode_step_are_a_plugin_error(bad_plugin, mode, method):
+    """A selector that turns bad at a later decode step (one loser, past the first checked steps; compiled for a
+    selector with the compile_decode trait) is still refused by name: ranks are checked at every call."""
+    BadSelector.mode = None
     keys, values = random_kv(S=20)
-    cache = PolicyCache("badlowest:budget=8,n_sink=1,recent=1")
-    feed(cache, keys[:, :, :8], values[:, :, :8], (8,))
-    with pytest.raises(PluginError, match="sink"):
-        feed(cache, keys[:, :, 8:12], values[:, :, 8:12], (1, 1, 1, 1))
+    cache = PolicyCache(f"{method}:budget=8,n_sink=1,recent=1")
+    feed(cache, keys[:, :, :15], values[:, :, :15], (9,) + (1,) * 6)
+    BadSelector.mode = mode
+    with pytest.raises(PluginError, match="selector 'bad_sel.*' of plugin 'bad' returned ranks"):
+        feed(cache, keys[:, :, 15:16], values[:, :, 15:16], (1,))
+    assert cache.offset == 15 and cache.n == 9
+    BadSelector.mode = None
+    feed(cache, keys[:, :, 15:], values[:, :, 15:], (1,) * 5)
+    assert cache.offset == 20
+
+
+def test_a_selector_in_the_select_form_is_refused_naming_rank(bad_plugin):
+    with pytest.raises(PluginError, match=r"select_form.*select\(view, n_evict\).*rank\(view\)"):
+        PolicyCache("selectform:budget=8,n_sink=1,recent=1")
+
+
+def test_a_plugin_subclass_of_cores_selector_ranking_sinks_lowest_never_evicts_them(bad_plugin):
+    """Ranking the sinks -inf does not evict them: the engine protects sinks whatever the ranks."""
+    keys, values = random_kv(S=20)
+    cache = PolicyCache("badlowest:budget=8,n_sink=2,recent=1")
+    feed(cache, keys, values, (8, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1))
+    assert cache.offset == 20
+    pos = np.array(cache.positions[..., : cache.n])
+    assert ((pos == 0).sum(-1) == 1).all() and ((pos == 1).sum(-1) == 1).all()
 
 
 @pytest.mark.parametrize(
@@ -175,17 +238,20 @@ class OddMerge:
             return MergeUpdate(t, None, dv, mx.full((B, H, E), math.inf))
         elif mode in ("bool", "complex"):
             dv = dv.astype(mx.bool_ if mode == "bool" else mx.complex64)
-        elif mode == "draws_str":
-            return MergeUpdate(t, None, dv, None, draws="three")
+        elif mode == "stats_list":
+            return MergeUpdate(t, None, dv, None, stats=[3])
+        elif mode == "stats_array":  # the 0.1 positional draws counter, now in stats' place
+            return MergeUpdate(t, None, dv, None, mx.array(3))
         elif mode == "stats_float_list":
             return MergeUpdate(t, None, dv, None, stats={"merges": [1.5]})
         return MergeUpdate(t, None, dv, None)
 
 
 class SinkSelector(Selector):
-    def select(self, view, n_evict):
-        B, H, L = view.scores.shape
-        return mx.broadcast_to(mx.arange(n_evict, dtype=mx.int32), (B, H, n_evict))  # slot 0: position 0, a sink
+    """Oldest first: ranks position 0, a sink, lowest."""
+
+    def rank(self, view):
+        return view.positions
 
 
 class OddPlugin:
@@ -217,7 +283,8 @@ def odd_plugin():
         ("inf_scores", "d_scores with non-finite values"),
         ("bool", "d_values of dtype"),
         ("complex", "d_values of dtype"),
-        ("draws_str", "counter 'gate_draws'"),
+        ("stats_list", "returned stats of type list, expected a dict name -> count"),
+        ("stats_array", "returned stats of type array, expected a dict .*draws/merges were removed"),
         ("stats_float_list", "counter 'merges'"),
     ],
 )
@@ -238,16 +305,19 @@ def test_a_bad_merge_is_a_plugin_error_rolled_back_and_the_next_call_works(odd_p
     assert cache.offset == 20 and mx.all(mx.isfinite(cache.values[..., : cache.n, :])).item()
 
 
-def test_a_selector_evicting_a_sink_is_a_plugin_error(odd_plugin):
+def test_a_selector_ranking_a_sink_lowest_never_evicts_it(odd_plugin):
+    """The engine, not the selector, protects the sinks: oldest-first keeps positions 0 and 1 (n_sink=2) and the
+    newest; without sinks, the oldest slots are a fair choice."""
     keys, values = random_kv(S=20)
     cache = PolicyCache("sinksel:budget=8,n_sink=2,recent=1")
-    feed(cache, keys[:, :, :12], values[:, :, :12], (12,))
-    with pytest.raises(PluginError, match="sink"):
-        feed(cache, keys[:, :, 12:13], values[:, :, 12:13], (1,))
-    assert cache.offset == 12 and cache.n == 12
+    feed(cache, keys, values, (12,) + (1,) * 8)
+    assert cache.offset == 20 and cache.n == 9
+    cache.settle()
+    assert (np.sort(np.array(cache.positions[..., : cache.n]), axis=-1) == [0, 1, 14, 15, 16, 17, 18, 19]).all()
     ok = PolicyCache("sinksel:budget=8,n_sink=0,recent=1")  # without sinks, slot 0 is a fair choice
     feed(ok, keys, values, (12,) + (1,) * 8)
-    assert ok.offset == 20
+    ok.settle()
+    assert (np.sort(np.array(ok.positions[..., : ok.n]), axis=-1) == list(range(12, 20))).all()
 
 
 def test_targets_past_int32_are_out_of_range_not_wrapped_into_the_cache(odd_plugin):
@@ -284,18 +354,129 @@ def test_a_non_finite_delta_for_a_non_finite_row_is_allowed(odd_plugin):
     assert cache.offset == 10 and mx.all(mx.isnan(cache.values[:, :, 1])).item()
 
 
-def test_cores_selector_built_by_hand_to_protect_everything_is_still_checked():
-    """valid_by_construction holds only when some slot is unprotected; a hand-built policy that protects
-    every slot is checked, and its sink choice is a PluginError, not a silently evicted sink."""
+# ----------------------------------------------------------------------------- after the checked decode evictions
+class StickyMerge(Disposition):
+    """Merges nothing (all-zero deltas) while ``mode`` is None; else the same broken update at every call."""
+
+    mode = None
+
+    def dispose(self, view, losers, key):
+        B, H, E = losers.shape
+        L, Dv = view.scores.shape[-1], view.values.shape[-1]
+        t = mx.zeros((B, H, E), mx.int32) + 1
+        dv, ds = mx.zeros((B, H, E, Dv)), None
+        mode = StickyMerge.mode
+        if mode is not None:
+            dv = dv + 1.0  # written, it would change slot 1
+        if mode == "big_target":
+            t = t + L + 2
+        elif mode == "negative_target":
+            t = t - 3
+        elif mode == "wide_target":
+            t = mx.zeros((B, H, E), mx.int64) + 2**32 + 1
+        elif mode == "nan":
+            dv, ds = dv * math.nan, mx.full((B, H, E), math.inf)
+        elif mode == "overflow":  # finite in float32, inf once added to a float16 cache
+            dv = dv * 1e6
+        return MergeUpdate(t, None, dv, ds)
+
+
+@traits(compile_decode=True)
+class CompiledStickyMerge(StickyMerge):
+    """The same, its decode updates compiled (past the checked decode evictions)."""
+
+
+class StickyPlugin:
+    @hookimpl
+    def register_dispositions(self, register):
+        register("sticky", StickyMerge)
+        register("sticky_compiled", CompiledStickyMerge)
+
+    @hookimpl
+    def register_methods(self, register):
+        register(MethodSpec("sticky", PolicyConfig, "cumulative_attention", "lowest_score", "sticky"))
+        register(MethodSpec("stickyc", PolicyConfig, "cumulative_attention", "lowest_score", "sticky_compiled"))
+        register(MethodSpec("plaindrop", PolicyConfig, "cumulative_attention", "lowest_score", "drop"))
+
+
+@pytest.fixture
+def sticky_plugin():
+    register_plugin(StickyPlugin(), "sticky")
+    yield
+    StickyMerge.mode = None
+    unregister_plugin("sticky")
+
+
+@pytest.mark.parametrize(
+    "mode, needle",
+    [
+        ("big_target", "merge targets outside the cache"),
+        ("negative_target", "merge targets outside the cache"),
+        ("wide_target", "merge targets outside the cache"),
+        ("nan", "non-finite values"),
+        ("overflow", "d_values with non-finite values"),
+    ],
+)
+@pytest.mark.parametrize("method", ["sticky", "stickyc"])
+def test_a_broken_merge_is_refused_while_checked_then_guarded_on_the_device(sticky_plugin, method, mode, needle):
+    """A disposition whose every update is broken: refused (rolled back, the next call works) at a cache's first
+    decode evictions and at every prompt chunk's; at later decode evictions, which are not value-checked, the
+    store's guards add nothing of it (no write outside the cache, no non-finite delta into a finite slot), so the
+    cache is exactly the one a plain drop leaves."""
+    from kvpolicy_core.cache.step import CHECKED_DECODE_EVICTIONS
+
+    config = "budget=8,n_sink=1,recent=1"
+    keys, values = random_kv(S=30, dtype=mx.float16 if mode == "overflow" else mx.float32)
+    cache = PolicyCache(f"{method}:{config}")
+    feed(cache, keys[:, :, :9], values[:, :, :9], (9,))  # budget + 1 slots: every next token evicts one
+    StickyMerge.mode = mode
+    with pytest.raises(PluginError, match=rf"disposition 'sticky(_compiled)?' of plugin 'sticky' .*{needle}"):
+        feed(cache, keys[:, :, 9:10], values[:, :, 9:10], (1,))  # a checked decode eviction
+    before = [mx.array(x) for x in (cache.keys, cache.values, cache.scores)]
+    assert cache.offset == 9 and all(
+        mx.array_equal(a, b) for a, b in zip(before, (cache.keys, cache.values, cache.scores))
+    )
+    StickyMerge.mode = None
+    feed(cache, keys[:, :, 9:12], values[:, :, 9:12], (1,) * 3)  # the next calls work
+    assert cache._step.checked_decode == 0 and CHECKED_DECODE_EVICTIONS == 4  # one refused, three passed
+    StickyMerge.mode = mode
+    feed(cache, keys[:, :, 12:24], values[:, :, 12:24], (1,) * 12)  # unchecked: guarded, no error
+    assert cache._step.needs.compile_disposition == (method == "stickyc") and cache._step.compiling.dispose
+    mx.eval(cache.keys, cache.values, cache.scores)
+    drop = PolicyCache(f"plaindrop:{config}")
+    feed(drop, keys[:, :, :24], values[:, :, :24], (9,) + (1,) * 15)
+    assert cache.offset == drop.offset == 24 and cache.n == drop.n == 9
+    for x, y in zip(cache.state[:4], drop.state[:4]):  # keys, values, positions, scores (not the method's name)
+        assert mx.array_equal(x, y)
+    assert mx.all(mx.isfinite(cache.values)).item() and mx.all(mx.isfinite(cache.scores)).item()
+    # a prompt chunk's eviction (more than one loser) is value-checked whatever the decode count says
+    feed(cache, keys[:, :, 24:27], values[:, :, 24:27], (3,))  # n = budget + 1: this chunk evicts one
+    before = [mx.array(x) for x in (cache.keys, cache.values, cache.scores)]
+    with pytest.raises(PluginError, match=needle):
+        feed(cache, keys[:, :, 27:30], values[:, :, 27:30], (3,))  # n = budget + 3: evicts three
+    assert cache.offset == 27 and all(
+        mx.array_equal(a, b) for a, b in zip(before, (cache.keys, cache.values, cache.scores))
+    )
+    StickyMerge.mode = None
+    feed(cache, keys[:, :, 27:30], values[:, :, 27:30], (3,))
+    assert cache.offset == 30
+
+
+def test_cores_selector_built_by_hand_to_protect_everything_still_keeps_the_sinks():
+    """A hand-built policy whose selector protects every slot (+inf ranks): the engine evicts protected slots
+    then, but never a sink, and never loses a slot to a repeated or out-of-range choice."""
     from kvpolicy_core.config.policy import build_policy
 
     policy = build_policy("h2o:budget=8,n_sink=1,recent=2,signal=proxy")
-    policy.selector.recent = 50  # protects every slot: argmin over all +inf picks slot 0, a sink
-    keys, values = random_kv(S=12)
+    policy.selector.recent = 50  # protects every slot
+    keys, values = random_kv(S=16)
     cache = PolicyCache(policy)
-    feed(cache, keys[:, :, :9], values[:, :, :9], (9,))
-    with pytest.raises(PluginError, match="sink"):
-        feed(cache, keys[:, :, 9:10], values[:, :, 9:10], (1,))
+    feed(cache, keys, values, (9,) + (1,) * 4 + (3,))
+    cache.settle()
+    pos = np.array(cache.positions[..., : cache.n])
+    assert cache.n == 8 and cache.offset == 16 and ((pos >= 0) & (pos < 16)).all()
+    for row in pos.reshape(-1, 8):
+        assert 0 in row.tolist() and len(set(row.tolist())) == 8
 
 
 # ----------------------------------------------------------------------------- part outputs that are not mx.array

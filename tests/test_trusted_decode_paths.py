@@ -167,14 +167,9 @@ def test_window_dead_sinks_are_evicted_first(selector):
     assert (np.sort(pos, axis=-1)[..., -4:] == [26, 27, 28, 29]).all()  # every live slot (window 5) kept
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: a live slot ranked -inf ties with window-dead slots (step.choose does not floor ranks), "
-    "so it can be evicted while a dead slot stays",
-)
 def test_a_live_slot_ranked_minus_inf_goes_after_every_window_dead_slot():
     """step.choose's tiers are strict: window-dead slots go before any live slot, whatever its rank."""
-    from kvpolicy_core.cache.step import choose
+    from kvpolicy_core.cache.choose import choose
 
     ranked = mx.array([[[-math.inf, 5.0, 6.0, 7.0]]])
     positions = mx.array([[[4, 5, 6, 7]]], dtype=mx.int32)
@@ -185,7 +180,7 @@ def test_a_live_slot_ranked_minus_inf_goes_after_every_window_dead_slot():
 def test_choose_orders_dead_then_finite_then_protected_and_never_a_live_sink():
     """step.choose directly: window-dead first, then finite ranks (lowest first, huge ones capped), then the
     protected (+inf, NaN), and a sink (position < n_sink) never unless it is window-dead."""
-    from kvpolicy_core.cache.step import choose
+    from kvpolicy_core.cache.choose import choose
 
     # slots:            sink       dead sink  protected  NaN       huge     finite  dead    finite
     ranked = mx.array([[[-math.inf, 9.0, math.inf, math.nan, 3.3e38, 2.0, 50.0, -1.0]]])

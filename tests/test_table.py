@@ -1,0 +1,77 @@
+"""The rest of the original library's table (kvpolicy-table: snapkv, pyramidkv, chunkkv): registered, conformant,
+and equal bit for bit to H2O where the specification says they are (the equivalence kit)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import feed, random_kv
+
+from kvpolicy_core import KVCacheBuilder, PolicyCache, get_registry
+from kvpolicy_core.testing.conformance import PolicyConformance
+from kvpolicy_core.testing.equivalence import assert_equivalent
+from kvpolicy_core.testing.tiny_models import tiny_llama
+
+TABLE = ["snapkv", "pyramidkv", "chunkkv"]
+
+
+def test_every_method_of_the_table_is_registered_by_its_own_entry_point():
+    methods = get_registry().methods()
+    for name in TABLE:
+        assert methods[name].dist == "kvpolicy-table" and methods[name].plugin == name
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("chunkkv:budget=12,n_sink=2,chunk_size=1", "h2o:budget=12,n_sink=2"),
+        ("pyramidkv:budget=12,n_sink=2,pyramid_beta=1", "h2o:budget=12,n_sink=2"),
+        ("snapkv:budget=12,n_sink=2", "h2o:budget=12,n_sink=2,when=prompt_end,obs_window=32,pool=7"),
+    ],
+    ids=["chunk_size=1 is h2o", "a flat pyramid is h2o", "snapkv is h2o's prompt-end cut"],
+)
+def test_the_specifications_equivalences_hold_bit_for_bit(a, b):
+    assert_equivalent(a, b)
+
+
+def test_the_equivalences_are_not_vacuous():
+    for a in ("chunkkv:budget=12,n_sink=2,chunk_size=4", "pyramidkv:budget=12,n_sink=2", "snapkv:budget=12,n_sink=2"):
+        with pytest.raises(AssertionError):
+            assert_equivalent(a, "h2o:budget=12,n_sink=2")
+
+
+def test_chunkkv_keeps_or_evicts_whole_chunks():
+    K, V = random_kv(B=2, H=3, S=221)
+    cache = PolicyCache("chunkkv:budget=80,n_sink=4,chunk_size=10,signal=proxy")
+    feed(cache, K, V, (200,) + (1,) * 21)
+    cache.settle()
+    pos = np.array(cache.retained()[2])
+    assert pos.shape[-1] <= 80
+    for row in pos.reshape(-1, pos.shape[-1]):
+        chunks, counts = np.unique(row[row < 210] // 10, return_counts=True)
+        assert (counts == 10).all(), dict(zip(chunks, counts))  # every chunk before the newest is whole
+
+
+def test_pyramidkv_budgets_fall_with_depth_and_keep_the_mean():
+    model = tiny_llama(layers=4, seed=1)
+    budgets = [c.budget for c in KVCacheBuilder.for_model(model, "pyramidkv:budget=32,n_sink=2,pyramid_beta=4")]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] > 32 > budgets[-1] and sum(budgets) == 4 * 32
+
+
+def test_snapkv_holds_the_prompt_and_cuts_it_at_its_end():
+    model = tiny_llama(layers=2, seed=1)
+    caches = KVCacheBuilder.for_model(model, "snapkv:budget=16,n_sink=2")
+    model(mx.arange(40)[None], cache=caches)
+    assert all(c.n == 40 for c in caches)
+    model(mx.array([[7]]), cache=caches)
+    assert all(c.n == 17 and c.tokens_kept == 16 for c in caches)
+
+
+@pytest.fixture(params=[f"{m}:budget=16,n_sink=2" for m in TABLE] + ["chunkkv:budget=16,n_sink=2,chunk_size=3"])
+def _method(request):
+    return request.param
+
+
+class TestTableConformance(PolicyConformance):
+    @pytest.fixture(autouse=True)
+    def _use(self, _method):
+        self.method = _method

@@ -299,3 +299,54 @@ def test_a_failed_results_write_leaves_the_previous_file_whole(tmp_path, monkeyp
         write_json({"run": 2, "rows": list(range(1000))}, str(dest))
     assert json.loads(dest.read_text()) == {"run": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # no temporary file left behind
+
+
+DOCUMENT = "The code of the red door is 48213 and the blue door opens with 77. " * 3
+
+
+def test_cache_prompt_refuses_stream_with_a_compress_once_method_in_one_line(capsys, tiny_model_dir, tmp_path):
+    out = tmp_path / "doc.safetensors"
+    code, _, err = run(
+        capsys,
+        *("cache-prompt", DOCUMENT, "--model", str(tiny_model_dir), "--method", "kvzip+cam:budget=32"),
+        *("--compress-once", "stream", "--prompt-cache-file", str(out)),
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvpolicy: error: --compress-once stream"), err
+    assert not out.exists()
+    # a compress-once method with --budget and no --compress-once: the method's own scorer, no contradiction
+    code, out_text, err = run(
+        capsys,
+        *("cache-prompt", DOCUMENT, "--model", str(tiny_model_dir), "--method", "kvzip-layerwise+cam"),
+        *("--budget", "32", "--prompt-cache-file", str(out), "--json"),
+    )
+    assert code == 0, err
+    summary = json.loads(out_text)
+    assert summary["compress_once"] == "kvzip-layerwise" and summary["budget"] == 32
+
+
+def test_generate_from_a_prompt_cache_saves_the_caches_it_ends_with(capsys, tiny_model_dir, tmp_path):
+    from kvpolicy_core.apps.prompt_file import file_metadata
+    from kvpolicy_core.integration.persistence import load_caches
+
+    doc = tmp_path / "doc.safetensors"
+    code, _, err = run(
+        capsys,
+        *("cache-prompt", DOCUMENT, "--model", str(tiny_model_dir), "--method", "cam:budget=32"),
+        *("--prompt-cache-file", str(doc)),
+    )
+    assert code == 0, err
+    before = doc.read_bytes()
+    saved = tmp_path / "after.safetensors"
+    code, _, err = run(
+        capsys,
+        *("generate", "what opens the blue door?", "--prompt-cache", str(doc), "--max-tokens", "4"),
+        *("--save-caches", str(saved), "--json"),
+    )
+    assert code == 0, err
+    summary = json.loads(err.strip().splitlines()[-1])
+    assert summary["caches_file"] == str(saved) and doc.read_bytes() == before
+    caches = load_caches(saved)
+    n_doc = int(file_metadata(doc)[0]["tokens_seen"])
+    # the document, then the question's tokens and the answer's (mlx-lm feeds each token it yields)
+    assert n_doc + summary["prompt_tokens"] < caches[0].offset <= n_doc + summary["prompt_tokens"] + 4

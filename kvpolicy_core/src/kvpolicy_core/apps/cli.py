@@ -1,7 +1,10 @@
 """The ``kvpolicy`` command line: methods, generate, cache-prompt, eval, convert, serve.
 
 Loads the optimised BLAS before mlx on Linux and runs models in fp32 there. Errors
-are one line (``kvpolicy: error: ...``, exit 2); ``KVPOLICY_DEBUG=1`` shows tracebacks.
+are one line (``kvpolicy: error: ...``, exit 2); ``KVPOLICY_DEBUG=1`` shows tracebacks. Long steps (a prefill of
+at least 512 tokens, KVzip's reconstruction, the suite's rows) report their progress on stderr
+(:mod:`.progress`: one line rewritten in place on a terminal, one line per step elsewhere; ``--no-progress``
+silences it where the command has that option).
 """
 
 from __future__ import annotations
@@ -182,6 +185,7 @@ def cmd_generate(args) -> int:
     from mlx_lm.sample_utils import make_sampler
 
     from ..eval.perplexity import kv_bytes, make_caches, spec_label
+    from .progress import reporter
 
     if args.prompt_cache:
         return _generate_from_prompt_cache(args)
@@ -197,6 +201,7 @@ def cmd_generate(args) -> int:
         max_tokens=args.max_tokens,
         sampler=make_sampler(temp=args.temp),
         prompt_cache=caches,
+        prompt_progress_callback=reporter("prefill"),
     ):
         print(response.text, end="", flush=True)
         last = response
@@ -242,6 +247,7 @@ def _generate_from_prompt_cache(args) -> int:
 
     from ..eval.perplexity import kv_bytes
     from ..model.resolve import resolve_model_path
+    from .progress import reporter
     from .prompt_file import file_metadata, load_prompt_file, question_ids
 
     if args.method or args.config or args.budget is not None:
@@ -262,7 +268,13 @@ def _generate_from_prompt_cache(args) -> int:
         raise CLIError("the question has no tokens")
     last = None
     for response in mlx_lm.stream_generate(
-        model, tokenizer, ids, max_tokens=args.max_tokens, sampler=make_sampler(temp=args.temp), prompt_cache=caches
+        model,
+        tokenizer,
+        ids,
+        max_tokens=args.max_tokens,
+        sampler=make_sampler(temp=args.temp),
+        prompt_cache=caches,
+        prompt_progress_callback=reporter("prefill"),
     ):
         print(response.text, end="", flush=True)
         last = response
@@ -279,6 +291,10 @@ def _generate_from_prompt_cache(args) -> int:
         "kv_bytes_full": full,
         "compression_ratio": round(full / kept, 3) if kept else 1.0,
     }
+    if args.save_caches:  # the document and this question's turn, as after any generation (the file is unchanged)
+        from ..integration.persistence import save_caches
+
+        summary["caches_file"] = str(save_caches(args.save_caches, caches))
     if args.json:
         print(json.dumps(summary), file=sys.stderr)
     else:
@@ -303,7 +319,7 @@ def cmd_cache_prompt(args) -> int:
     if compress_once is None:  # the default: kvzip, unless the method names its own compress-once scorer
         from ..integration.compress_once import split_spec
 
-        compress_once = None if isinstance(spec, str) and split_spec(spec) is not None else "kvzip"
+        compress_once = None if split_spec(spec) is not None else "kvzip"
     text = _read_prompt(args)
     model, tokenizer, path = _load_model(args.model, args.dtype, args.parallel)
     summary = cache_prompt(
@@ -314,7 +330,7 @@ def cmd_cache_prompt(args) -> int:
         args.prompt_cache_file,
         model_path=str(Path(path).resolve()),
         prefill_step_size=args.prefill_step_size,
-        compress_once=None if compress_once == "stream" else compress_once,
+        compress_once=compress_once,  # "stream" too: cache_prompt refuses it with a kvzip+METHOD method
     )
     if args.json:
         print(json.dumps(summary))
@@ -388,8 +404,10 @@ def cmd_eval(args) -> int:
         specs = list(DEFAULT_COMPARISON)
     if args.task == "ruler":  # the long-context suite: budgets follow each length (--ratio)
         from ..eval.tasks.ruler_cli import cli_run as ruler_run
+        from .progress import quiet
 
-        return ruler_run(args, specs, _with_budget, _load_model)
+        with quiet(args.no_progress):  # the rows' prefill and reconstruction lines too
+            return ruler_run(args, specs, _with_budget, _load_model)
     budgets = args.budget or [None]
     runs: List[Any] = []
     for spec in specs:
@@ -399,8 +417,10 @@ def cmd_eval(args) -> int:
                 runs.append(item)
     if args.task != "perplexity":
         from ..eval.tasks.needle import cli_run
+        from .progress import quiet
 
-        return cli_run(args, runs, _load_model)
+        with quiet(args.no_progress):
+            return cli_run(args, runs, _load_model)
     try:
         text = load_corpus(args.file)
     except FileNotFoundError as exc:
@@ -570,7 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--save-caches",
         metavar="FILE.safetensors",
-        help="save the caches after generating (under mlx.launch: one file per rank)",
+        help="save the caches after generating (under mlx.launch: one file per rank; with --prompt-cache: the "
+        "document's caches with the question and answer added, the prompt-cache file unchanged)",
     )
     g.add_argument(
         "--prompt-cache",
@@ -653,8 +674,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return args.func(args)
         return args.func(args)
     except KeyboardInterrupt:
+        from .progress import end_line
+
+        end_line()
         return 130
     except Exception as exc:
+        from .progress import end_line
+
+        end_line()  # a stage stopped mid-line on a terminal: the error starts on its own line
         if os.environ.get("KVPOLICY_DEBUG"):
             raise
         from ..errors import KVPolicyError

@@ -113,6 +113,8 @@ def cache_prompt(
     (:func:`~kvpolicy_core.integration.compress_once.compress_context`) instead of streamed through the policy;
     a document no longer than the budget has nothing to cut and is streamed (``compress_once`` "" in the summary).
     ``"stream"`` (or None with a plain method) streams it; ``"stream"`` with a ``kvzip+METHOD`` config is refused.
+    ``progress(done, total)`` is called as the streamed prefill goes (default: :func:`.progress.reporter`'s lines
+    on stderr; compress-once reports its prefill and reconstruction the same way).
     Returns the summary recorded in the file's metadata. ``model_path`` is recorded for mlx-lm's
     ``generate``, which loads the model from it, with its fingerprint (:func:`model_fingerprint`).
     """
@@ -126,6 +128,7 @@ def cache_prompt(
     from ..integration.builder import KVCacheBuilder
     from ..integration.compress_once import SCORERS, compress_context, repeat_prompt, split_spec
     from ..integration.persistence import write_atomically
+    from .progress import reporter
 
     path = Path(path)
     if path.suffix != ".safetensors":
@@ -166,7 +169,7 @@ def cache_prompt(
             max_tokens=0,
             prompt_cache=caches,
             prefill_step_size=prefill_step_size,
-            prompt_progress_callback=progress,
+            prompt_progress_callback=progress or reporter("prefill"),
         ):
             pass
     for c in caches:  # the compressed state every question starts from (saving settles it too)

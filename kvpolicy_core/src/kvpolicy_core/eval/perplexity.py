@@ -113,7 +113,8 @@ def perplexity(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=T - 1, desc=desc or spec_label(spec), unit="tok", leave=False)
+        # disable=None: no bar where stderr is not a terminal (a log gets no bar flood)
+        bar = tqdm(total=T - 1, desc=desc or spec_label(spec), unit="tok", leave=False, disable=None)
     mx.reset_peak_memory()
     start = time.perf_counter()
     for i in range(0, T - 1, chunk):

@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from ..apps.progress import reporter
 from ..cache.policy_cache import PolicyCache
 from ..config.parse import parse_config
 from ..errors import ConfigError
@@ -99,13 +100,17 @@ def prefill_full(model, ids: Sequence[int], prefill_step: int) -> List[KVCache]:
     caches = [KVCache() for _ in model.layers]
     ids = list(ids)
     done = 0
+    progress = reporter("prefill")
+    progress(0, len(ids))
     while len(ids) - done > 1:
         n = min(prefill_step, len(ids) - done - 1)
         model(mx.array(ids[done : done + n], dtype=mx.uint32)[None], cache=caches)
         mx.eval([c.state for c in caches])
         done += n
+        progress(done, len(ids))
     model(mx.array(ids[done:], dtype=mx.uint32)[None], cache=caches)
     mx.eval([c.state for c in caches])
+    progress(len(ids), len(ids))
     return caches
 
 
@@ -301,7 +306,10 @@ def score_context(
     contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
     chunks = repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, chunk, repeat.tail)
     spans = [(a, min(a + chunk, L)) for a in range(0, L, chunk)] if normalise == "chunk" else None
-    scores = reconstruction_scores(model, contexts, chunks, spans, n_sink)
+    progress = reporter("reconstruction")
+    scores = reconstruction_scores(
+        model, contexts, chunks, spans, n_sink, progress=lambda i, _: progress(min(L, i * chunk), L)
+    )
     if window:
         scores = [mx.maximum(s, w) for s, w in zip(scores, window_scores(model, contexts, ids, window))]
     return contexts, [np.array(s) for s in scores]

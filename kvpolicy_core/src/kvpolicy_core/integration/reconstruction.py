@@ -25,7 +25,7 @@ repeat tokens only.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
@@ -128,23 +128,33 @@ def repeat_chunks(
 
 
 def reconstruction_scores(
-    model, contexts: Sequence[tuple], chunks: Sequence[Sequence[int]], spans=None, n_sink: int = 0, whole=None
+    model,
+    contexts: Sequence[tuple],
+    chunks: Sequence[Sequence[int]],
+    spans=None,
+    n_sink: int = 0,
+    whole=None,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> List[mx.array]:
     """``score^{(l)}`` [B, H, L] float32 per layer (module docstring) for the context K/V ``contexts``
     (one ``(keys, values)`` per layer, [B, H, L, D]) and the reconstruction inputs ``chunks``; ``spans`` (one
     ``(a, b)`` per chunk) selects kvpress's per-chunk normalisation with ``n_sink`` sinks, and then a list given as
-    ``whole`` receives the whole-context scores of the same pass (to compare the two)."""
+    ``whole`` receives the whole-context scores of the same pass (to compare the two). ``progress(i, n)`` is
+    called before the first chunk and after each (``i`` of the ``n`` chunks done)."""
     caches = [ReconstructionCache(k, v, n_sink) for k, v in contexts]
     if whole is not None and spans is not None:
         for c in caches:
             c.whole = mx.zeros_like(c.score)
+    progress = progress or (lambda *_: None)
     hook = attention.install(model)
     try:
+        progress(0, len(chunks))
         for i, ids in enumerate(chunks):
             for c in caches:
                 c.span = None if spans is None else spans[i]
             model(mx.array(list(ids), dtype=mx.uint32)[None], cache=caches)
             mx.eval([c.score for c in caches])
+            progress(i + 1, len(chunks))
     finally:
         hook.remove()
     if whole is not None and spans is not None:

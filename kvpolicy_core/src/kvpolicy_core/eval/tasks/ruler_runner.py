@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ...apps.progress import labelled, reporter
 from ...cache.policy_cache import PolicyCache
 from ...integration.compress_once import compress_context, repeat_prompt, split_spec
 from ..perplexity import kv_bytes, make_caches, parse_spec, spec_label
@@ -52,12 +53,18 @@ def copy_caches(caches: Sequence[Any]) -> List[Any]:
     return [copy_row(c) if isinstance(c, PolicyCache) else copy.deepcopy(c) for c in caches]
 
 
-def prefill(model, caches: List[Any], ids: Sequence[int], prefill_step: int) -> None:
-    """Feed ``ids`` into ``caches`` with mlx-lm's own prompt processing (``generate_step``, no token kept)."""
+def prefill(model, caches: List[Any], ids: Sequence[int], prefill_step: int, done: int = 0) -> None:
+    """Feed ``ids`` into ``caches`` with mlx-lm's own prompt processing (``generate_step``, no token kept); its
+    progress on stderr counts the ``done`` tokens already in the caches (:mod:`kvpolicy_core.apps.progress`)."""
     from mlx_lm.generate import generate_step
 
     for _ in generate_step(
-        mx.array(list(ids), dtype=mx.uint32), model, max_tokens=0, prompt_cache=caches, prefill_step_size=prefill_step
+        mx.array(list(ids), dtype=mx.uint32),
+        model,
+        max_tokens=0,
+        prompt_cache=caches,
+        prefill_step_size=prefill_step,
+        prompt_progress_callback=reporter("prefill", offset=done),
     ):
         pass
     mx.eval([c.state for c in caches])
@@ -212,7 +219,19 @@ def run_context(
     early_stop: bool = True,
     log=None,
 ) -> List[Dict[str, Any]]:
-    """Every question of ``ctx`` under ``spec`` in each protocol; one row per (protocol, question)."""
+    """Every question of ``ctx`` under ``spec`` in each protocol; one row per (protocol, question). Long steps
+    (prefill, reconstruction) report their progress on stderr named by the context and the method
+    (:mod:`kvpolicy_core.apps.progress`; silenced inside its ``quiet()``)."""
+    try:
+        name = f"{ctx.id} {method_label(spec)}"
+    except Exception:  # a bad spec: refused below, as before
+        name = ctx.id
+    with labelled(name):
+        return _run_context(model, tokenizer, ctx, spec, protocols, prefill_step, record, early_stop, log)
+
+
+def _run_context(model, tokenizer, ctx, spec, protocols, prefill_step, record, early_stop, log):
+    """:func:`run_context` (its arguments as given)."""
     for p in protocols:
         if p not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)} (got {p!r})")
@@ -239,7 +258,7 @@ def run_context(
     if "query-agnostic" in protocols:
         t = time.perf_counter()
         caches = copy_caches(base) if "question-in-prompt" in protocols else base
-        prefill(model, caches, ctx.context_ids[n:], prefill_step)
+        prefill(model, caches, ctx.context_ids[n:], prefill_step, done=n)
         prefill_seconds = base_seconds + time.perf_counter() - t
         kept_frac = needle_kept(caches, _statement_positions(ctx)) if ctx.spans else None
         ctx_kept, ctx_full = kv_bytes(caches)

@@ -158,7 +158,7 @@ def test_eval_chunked_mode_and_config_files(capsys, tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["eval", "--method", "snapkv"], "unknown method 'snapkv'; installed methods: cam, h2o"),
+        (["eval", "--method", "nosuchkv"], "unknown method 'nosuchkv'; installed methods: cam, chunkkv, h2o"),
         (["eval", "--method", "cam:merge=avg"], "cam_merge: Input should be"),
         (["eval", "--method", "cam:budget"], "item 1 'budget' is not key=value"),
         (["eval", "--method", "rotating:budget=3"], "rotating_budget"),

@@ -1,4 +1,4 @@
-"""Progress of long work on stderr (kvpolicy_core.apps.progress): one line rewritten in place on a terminal, one
+"""Progress of long work on stderr (kvpolicy_core.runtime.progress): one line rewritten in place on a terminal, one
 plain line per step elsewhere (never a bar flood in a log), silent inside quiet() and for short work; and the
 command line's prefill and reconstruction lines on a non-terminal stderr."""
 
@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from kvpolicy_core.apps import progress
 from kvpolicy_core.apps.cli import main
+from kvpolicy_core.runtime import progress
 
 
 class Stream(io.StringIO):

@@ -11,7 +11,7 @@ from kvpolicy_core.testing.conformance import PolicyConformance
 from kvpolicy_core.testing.equivalence import assert_equivalent
 from kvpolicy_core.testing.tiny_models import tiny_llama
 
-TABLE = ["snapkv", "pyramidkv", "chunkkv"]
+TABLE = ["snapkv", "pyramidkv", "chunkkv", "squeeze"]
 
 
 def test_every_method_of_the_table_is_registered_by_its_own_entry_point():
@@ -26,8 +26,9 @@ def test_every_method_of_the_table_is_registered_by_its_own_entry_point():
         ("chunkkv:budget=12,n_sink=2,chunk_size=1", "h2o:budget=12,n_sink=2"),
         ("pyramidkv:budget=12,n_sink=2,pyramid_beta=1", "h2o:budget=12,n_sink=2"),
         ("snapkv:budget=12,n_sink=2", "h2o:budget=12,n_sink=2,when=prompt_end,obs_window=32,pool=7"),
+        ("squeeze:budget=12,n_sink=2,strength=0", "h2o:budget=12,n_sink=2,when=prompt_end"),
     ],
-    ids=["chunk_size=1 is h2o", "a flat pyramid is h2o", "snapkv is h2o's prompt-end cut"],
+    ids=["chunk_size=1 is h2o", "a flat pyramid is h2o", "snapkv is h2o's prompt-end cut", "strength=0 is h2o"],
 )
 def test_the_specifications_equivalences_hold_bit_for_bit(a, b):
     assert_equivalent(a, b)
@@ -37,6 +38,8 @@ def test_the_equivalences_are_not_vacuous():
     for a in ("chunkkv:budget=12,n_sink=2,chunk_size=4", "pyramidkv:budget=12,n_sink=2", "snapkv:budget=12,n_sink=2"):
         with pytest.raises(AssertionError):
             assert_equivalent(a, "h2o:budget=12,n_sink=2")
+    with pytest.raises(AssertionError):
+        assert_equivalent("squeeze:budget=12,n_sink=2,strength=1", "h2o:budget=12,n_sink=2,when=prompt_end")
 
 
 def test_chunkkv_keeps_or_evicts_whole_chunks():
@@ -75,3 +78,30 @@ class TestTableConformance(PolicyConformance):
     @pytest.fixture(autouse=True)
     def _use(self, _method):
         self.method = _method
+
+
+def test_squeeze_sets_each_layers_budget_from_the_prompt_at_its_end_keeping_the_mean():
+    """Uniform until the prompt ends; then budgets from the layers' measured attention change (one host sync),
+    the mean kept; the next turn is measured again."""
+    from mlx_lm.generate import generate_step
+
+    model = tiny_llama(layers=4, seed=1)
+    caches = KVCacheBuilder.for_model(model, "squeeze:budget=16,n_sink=2,strength=1")
+    assert [c.budget for c in caches] == [16] * 4
+    for _ in zip(generate_step(mx.arange(60), model, prompt_cache=caches, prefill_step_size=16), range(3)):
+        pass
+    budgets = [c.budget for c in caches]
+    assert len(set(budgets)) > 1 and abs(sum(budgets) / 4 - 16) <= 1
+    assert all(c.n <= c.budget + 1 for c in caches)
+    calm = KVCacheBuilder.for_model(model, "squeeze:budget=16,n_sink=2,strength=0.5")
+    for _ in zip(generate_step(mx.arange(60), model, prompt_cache=calm, prefill_step_size=16), range(3)):
+        pass
+    spread = lambda bs: max(bs) - min(bs)  # noqa: E731
+    assert spread([c.budget for c in calm]) < spread(budgets)  # strength moves the budgets from uniform
+
+
+def test_squeeze_streaming_is_refused_naming_allocation_and_when():
+    from kvpolicy_core import ConfigError
+
+    with pytest.raises(ConfigError, match=r"allocation: .*squeeze.*when='prompt_end'"):
+        KVCacheBuilder.for_model(tiny_llama(layers=2, seed=1), "squeeze:budget=16,when=stream")

@@ -185,7 +185,7 @@ def cmd_generate(args) -> int:
     from mlx_lm.sample_utils import make_sampler
 
     from ..eval.perplexity import kv_bytes, make_caches, spec_label
-    from .progress import reporter
+    from ..runtime.progress import reporter
 
     if args.prompt_cache:
         return _generate_from_prompt_cache(args)
@@ -247,7 +247,7 @@ def _generate_from_prompt_cache(args) -> int:
 
     from ..eval.perplexity import kv_bytes
     from ..model.resolve import resolve_model_path
-    from .progress import reporter
+    from ..runtime.progress import reporter
     from .prompt_file import file_metadata, load_prompt_file, question_ids
 
     if args.method or args.config or args.budget is not None:
@@ -404,7 +404,7 @@ def cmd_eval(args) -> int:
         specs = list(DEFAULT_COMPARISON)
     if args.task == "ruler":  # the long-context suite: budgets follow each length (--ratio)
         from ..eval.tasks.ruler_cli import cli_run as ruler_run
-        from .progress import quiet
+        from ..runtime.progress import quiet
 
         with quiet(args.no_progress):  # the rows' prefill and reconstruction lines too
             return ruler_run(args, specs, _with_budget, _load_model)
@@ -417,7 +417,7 @@ def cmd_eval(args) -> int:
                 runs.append(item)
     if args.task != "perplexity":
         from ..eval.tasks.needle import cli_run
-        from .progress import quiet
+        from ..runtime.progress import quiet
 
         with quiet(args.no_progress):
             return cli_run(args, runs, _load_model)
@@ -674,12 +674,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return args.func(args)
         return args.func(args)
     except KeyboardInterrupt:
-        from .progress import end_line
+        from ..runtime.progress import end_line
 
         end_line()
         return 130
     except Exception as exc:
-        from .progress import end_line
+        from ..runtime.progress import end_line
 
         end_line()  # a stage stopped mid-line on a terminal: the error starts on its own line
         if os.environ.get("KVPOLICY_DEBUG"):

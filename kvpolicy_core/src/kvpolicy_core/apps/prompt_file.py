@@ -128,7 +128,7 @@ def cache_prompt(
     from ..integration.builder import KVCacheBuilder
     from ..integration.compress_once import SCORERS, compress_context, repeat_prompt, split_spec
     from ..integration.persistence import write_atomically
-    from .progress import reporter
+    from ..runtime.progress import reporter
 
     path = Path(path)
     if path.suffix != ".safetensors":

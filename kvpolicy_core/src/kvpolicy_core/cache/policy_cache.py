@@ -121,6 +121,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._hooked_always = needs.attention or self.uses_log_weights
         #: ``when="prompt_end"``: prompt chunks are held whole and cut at the first decode step (or settle())
         self._holds_prompt = self.policy.config.policy.when == "prompt_end"
+        #: the :class:`~.layer_group.LayerGroup` of a data-driven allocation (set by the builder), or None
+        self.group = None
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -131,8 +133,10 @@ class PolicyCache(CacheState, CacheDiagnostics):
         S = keys.shape[2]
         saved = self._save()
         try:
-            n_evict = self._n_evict(S)
             cut = self._holds_prompt and self._run_open  # this eviction cuts a held prompt at its end
+            if cut and S == 1 and self.group is not None:
+                self._rebudget(self.group.budget_for(self.layer, self.budget))
+            n_evict = self._n_evict(S)
             self._run = dict(self._run) if (self._run_open and S > 1 and n_evict == 0) else {}
             self._run_open = S > 1
             if n_evict == 1 and S == 1 and not cut:
@@ -246,6 +250,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
     def settle(self) -> None:
         """Apply a pending eviction now (after a step), so at most ``budget`` tokens remain (a held prompt,
         ``when="prompt_end"``, is cut here as at its first decode step)."""
+        if self.group is not None and self._holds_prompt and self._run_open:
+            self._rebudget(self.group.budget_for(self.layer, self.budget))
         n_evict = self._n_evict(1)
         if n_evict > 0:
             saved = self._save()
@@ -292,7 +298,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         S = queries.shape[2]
         rows = getattr(self.policy.scorer, "rows_observed", None)
         if not (self._weights_once and attend_once(S) and (rows is None or rows(S) >= S)):
-            return fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
+            out = fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
+            return self._measured(out, values)
         mask = self._attention_mask(queries, mask)
         out, weights = attention_with_weights(  # grouped once evicted: before, mlx-lm's kernel's numbers exactly
             queries,
@@ -308,6 +315,14 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._run = run
         self._bound_graph()
         self._attended = True
+        return self._measured(out, values)
+
+    def _measured(self, out: mx.array, values: mx.array) -> mx.array:
+        """``out`` [B, Hq, S, Dv]; a prompt chunk's attention is measured for a data-driven allocation
+        (:meth:`~.layer_group.LayerGroup.record`; ``values``' last S slots are the chunk's own)."""
+        S = out.shape[2]
+        if self.group is not None and S > 1:
+            self.group.record(self.layer, out, values[:, :, -S:])
         return out
 
     # ------------------------------------------------------------------ internals
@@ -325,6 +340,13 @@ class PolicyCache(CacheState, CacheDiagnostics):
         sl = self._slots
         view = sl.view(self.offset, n_new, self._window_dead() if n_new == 0 else None, self.head_shard, run)
         return view if sl.key_norms is not None else on_key_norms(view, sl.norms_read)
+
+    def _rebudget(self, budget: int) -> None:
+        """Take the budget a data-driven allocation gave this layer at the end of the prompt (its policy with that
+        budget: the selector's protection follows it)."""
+        if budget != self.budget:
+            self.policy = self.group.policy_for(self.layer, budget)
+            self.budget, self._step = budget, PolicyStep(self.policy, self.layer)
 
     def fetched(self, S: int) -> int:
         """How many slots the next update of ``S`` tokens returns (what its attention reads): ``n - E + S``."""

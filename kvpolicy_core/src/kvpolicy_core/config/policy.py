@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
 from ..errors import PluginError
+from ..parts.base import needs_of
 from ..plugin.discovery import get_registry
 from .parse import KVCacheConfig, parse_config
 
@@ -73,17 +74,31 @@ def cut_config(policy, W: int) -> Any:
     return None if W == policy.recent_tokens else policy.model_copy(update={"recent": W})
 
 
-def layer_budgets(config: Any, layers: Sequence[Any]) -> List[int]:
-    """Each layer's budget: the config's ``allocation`` (:mod:`~kvpolicy_core.parts.allocation`) applied to
-    ``budget`` over ``layers`` (:class:`~kvpolicy_core.parts.allocation.LayerInfo`), checked to be one int per
-    layer. A budget below the least a layer may keep (``n_sink + recent + 1``, the config's protected tokens
-    plus one evictable) is raised to it."""
-    config = parse_config(config)
-    policy = config.policy
+def allocation_of(config: Any):
+    """(the config's allocation part, built, and its owner string for messages)."""
+    policy = parse_config(config).policy
     entry = get_registry().part("allocations", policy.allocation, "allocation")
     owner = f"allocation {policy.allocation!r} of plugin {entry.plugin!r}"
     try:
-        budgets = entry.obj.from_config(policy).budgets(policy.budget, list(layers))
+        return entry.obj.from_config(policy), owner
+    except Exception as exc:
+        raise PluginError(f"{owner} failed to build from the config: {type(exc).__name__}: {exc}") from exc
+
+
+def layer_budgets(config: Any, layers: Sequence[Any], stats: Optional[Sequence[Any]] = None) -> List[int]:
+    """Each layer's budget: the config's ``allocation`` (:mod:`~kvpolicy_core.parts.allocation`) applied to
+    ``budget`` over ``layers`` (:class:`~kvpolicy_core.parts.allocation.LayerInfo`), checked to be one int per
+    layer. A budget below the least a layer may keep (``n_sink + recent + 1``, the config's protected tokens
+    plus one evictable) is raised to it. ``stats``: the layers' statistics at the end-of-prompt cut, for an
+    allocation that needs them (:class:`~kvpolicy_core.parts.allocation.LayerStats`); before it, such an
+    allocation gives every layer ``budget``."""
+    config = parse_config(config)
+    policy = config.policy
+    allocation, owner = allocation_of(config)
+    if needs_of(allocation).layer_stats and stats is None:
+        return [policy.budget] * len(layers)
+    try:
+        budgets = allocation.budgets(policy.budget, list(layers), *([] if stats is None else [list(stats)]))
     except Exception as exc:
         raise PluginError(f"{owner} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(budgets, (list, tuple)) or len(budgets) != len(layers):

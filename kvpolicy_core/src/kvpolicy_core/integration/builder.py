@@ -8,9 +8,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
 from ..attention import hook as attention
+from ..cache.layer_group import LayerGroup
 from ..cache.policy_cache import PolicyCache
 from ..config.parse import KVCacheConfig, parse_config
-from ..config.policy import build_policy, layer_budgets
+from ..config.policy import allocation_of, build_policy, layer_budgets
 from ..errors import ConfigError, ModelError
 from ..parts.allocation import LayerInfo
 from ..parts.base import needs_of
@@ -144,6 +145,7 @@ class KVCacheBuilder:
         windows = [n.max_size if type(n) is RotatingKVCache else None for n in natives]
         replaced = [not (type(n) is RotatingKVCache and config.layers == "unbounded") for n in natives]
         policies = layer_policies(model, config, windows, layout.layer_offset, budgets)
+        group = layer_group(model, config, windows, layout.layer_offset) if budgets is None else None
         caches = []
         for i, native in enumerate(natives):
             if not replaced[i]:
@@ -152,6 +154,7 @@ class KVCacheBuilder:
                 caches.append(
                     PolicyCache(policies[i], layer=layout.layer_offset + i, window=windows[i], head_shard=layout.tensor)
                 )
+                caches[-1].group = group
         if needs_hook(caches):  # the caches hold the install: it ends when the last of them is gone
             hook = attention.install(model)
             for c in caches:
@@ -160,15 +163,43 @@ class KVCacheBuilder:
         return caches
 
 
+def layer_group(model, config: KVCacheConfig, windows, layer_offset: int = 0) -> Optional[LayerGroup]:
+    """The :class:`~kvpolicy_core.cache.layer_group.LayerGroup` the caches share when the config's allocation sets
+    budgets from the prompt (``Needs(layer_stats=True)``), else None. Such an allocation acts at the end of the
+    prompt, so it needs ``when="prompt_end"``."""
+    allocation, owner = allocation_of(config)
+    if not needs_of(allocation).layer_stats:
+        return None
+    if config.policy.when != "prompt_end":
+        raise ConfigError(
+            f"allocation: {owner} sets budgets from the prompt, at its end: it needs when='prompt_end' "
+            f"(got when={config.policy.when!r})"
+        )
+    infos = layer_infos(model, windows, layer_offset)
+    policies = {}
+
+    def policy_for(layer: int, budget: int):
+        i = layer - layer_offset
+        if budget not in policies:
+            policies[budget] = layer_policies(model, config, windows, layer_offset, [budget] * len(windows))
+        return policies[budget][i]
+
+    return LayerGroup(lambda infos, stats: layer_budgets(config, infos, stats), infos, policy_for)
+
+
+def layer_infos(model, windows, layer_offset: int = 0) -> List[LayerInfo]:
+    """One :class:`~kvpolicy_core.parts.allocation.LayerInfo` per cache: global index, the model's layers, window."""
+    total = max(getattr(getattr(model, "args", None), "num_hidden_layers", 0) or 0, layer_offset + len(windows))
+    return [LayerInfo(layer_offset + i, total, w) for i, w in enumerate(windows)]
+
+
 def layer_policies(model, config: KVCacheConfig, windows, layer_offset: int = 0, budgets=None) -> list:
     """The policy of each layer: the config with that layer's budget (its allocation's, or ``budgets[i]``) and,
     for a scorer that needs ``rope``, that layer's ``rope_freqs``/``rope_traditional``; layers with the same
     budget and RoPE share one policy."""
     n_layers = len(windows)
-    total = max(getattr(getattr(model, "args", None), "num_hidden_layers", 0) or 0, layer_offset + n_layers)
     if budgets is None:
-        infos = [LayerInfo(layer_offset + i, total, w) for i, w in enumerate(windows)]
-        budgets = layer_budgets(config, infos)
+        budgets = layer_budgets(config, layer_infos(model, windows, layer_offset))
     elif len(budgets) != n_layers:
         raise ConfigError(f"budgets: expected one budget per layer ({n_layers}), got {len(budgets)}")
     base = build_policy(config)

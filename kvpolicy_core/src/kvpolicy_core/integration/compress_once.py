@@ -37,11 +37,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from ..apps.progress import reporter
 from ..cache.policy_cache import PolicyCache
 from ..config.parse import parse_config
 from ..errors import ConfigError
 from ..parts.pooling import pool_by_position
+from ..runtime.progress import reporter
 from .builder import KVCacheBuilder
 from .reconstruction import reconstruction_scores, repeat_chunks, window_scores
 from .token_ids import check_model_token_ids

@@ -9,11 +9,18 @@ than its own budget ``b_l``. :class:`UniformAllocation` (the default) gives ever
 The builder calls :meth:`Allocation.budgets` once per model, with each layer's :class:`LayerInfo`, and
 builds each layer's cache with its own budget (the config of layer ``l`` is the method's config with
 ``budget = b_l``, so a saved cache resumes with its own budget).
+
+*From data.* An allocation that declares ``needs = Needs(layer_stats=True)`` is called again at the end-of-prompt
+cut (``when="prompt_end"``) with ``stats``: one :class:`LayerStats` per layer, measured by the engine over the
+prompt (SqueezeAttention's calibration pass, without a second pass and without wrapping model modules); the
+caches keep ``budget`` until then.
 """
 
 from __future__ import annotations
 
 from typing import List, NamedTuple, Optional, Sequence
+
+from .base import Needs
 
 
 class LayerInfo(NamedTuple):
@@ -24,22 +31,41 @@ class LayerInfo(NamedTuple):
     window: Optional[int]  #: the sliding window of the layer, or None for global attention
 
 
+class LayerStats(NamedTuple):
+    """What the engine measured of one layer over the prompt (its observed queries, at the attention hook).
+
+    ``change``: how much the layer's attention changes what each query token carries, in the attention's own
+    space: ``mean_{h, i} (1 - cos(o_{h,i}, v_{h,i}))`` over the last queries of each prompt chunk (at most 32),
+    ``o`` the attention output and ``v`` the token's own value (its query head's KV head). A layer whose
+    queries mostly read themselves changes little.
+    """
+
+    change: float
+    tokens: int  #: the query rows measured
+
+
 class Allocation:
     """Per-layer budgets from the method's config. Subclass and implement :meth:`budgets`."""
+
+    needs: Needs = Needs()
 
     @classmethod
     def from_config(cls, config) -> "Allocation":
         return cls()
 
-    def budgets(self, budget: int, layers: Sequence[LayerInfo]) -> List[int]:
-        """One int budget per entry of ``layers``; each must leave room to evict (the builder checks)."""
+    def budgets(
+        self, budget: int, layers: Sequence[LayerInfo], stats: Optional[Sequence[LayerStats]] = None
+    ) -> List[int]:
+        """One int budget per entry of ``layers``; each must leave room to evict (the builder checks). ``stats``:
+        one :class:`LayerStats` per layer, for an allocation with ``Needs(layer_stats=True)`` at the end-of-prompt
+        cut (None when it is built)."""
         raise NotImplementedError
 
 
 class UniformAllocation(Allocation):
     """``b_l = budget`` for every layer."""
 
-    def budgets(self, budget: int, layers: Sequence[LayerInfo]) -> List[int]:
+    def budgets(self, budget: int, layers: Sequence[LayerInfo], stats=None) -> List[int]:
         return [budget] * len(layers)
 
 
@@ -65,7 +91,7 @@ class PyramidAllocation(Allocation):
     def from_config(cls, config) -> "PyramidAllocation":
         return cls(getattr(config, "pyramid_beta", 20.0))
 
-    def budgets(self, budget: int, layers: Sequence[LayerInfo]) -> List[int]:
+    def budgets(self, budget: int, layers: Sequence[LayerInfo], stats=None) -> List[int]:
         if not layers:
             return []
         L = layers[0].n_layers

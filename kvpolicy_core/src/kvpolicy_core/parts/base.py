@@ -49,6 +49,8 @@ class Needs:
                            (``PolicyCache.trim``, mlx-lm's prompt cache and speculative decoding)
     rope         scorer    the layer's RoPE (``rope_freqs``, ``rope_traditional`` in its config), read from
                            the model's attention module by ``KVCacheBuilder.for_model``
+    layer_stats  allocation each layer's statistics of the prompt (:class:`~kvpolicy_core.parts.allocation.
+                           LayerStats`): ``budgets(..., stats)`` is called at the end-of-prompt cut
     ============ ========= =========================================================================
 
     Key norms need no declaration: ``view.key_norms`` is always there (the cache computes them on first
@@ -60,6 +62,7 @@ class Needs:
     batch_rows: bool = False
     trim_exact: bool = False
     rope: bool = False
+    layer_stats: bool = False
 
 
 #: the 0.2 per-class flags -> the :class:`Needs` field each one became (a part that still sets one is refused)
@@ -70,6 +73,7 @@ OLD_FLAGS = {
     "trim_exact": "trim_exact",
 }
 _SCORER_ONLY = ("attention", "trim_exact", "rope")
+_ALLOCATION_ONLY = ("layer_stats",)
 
 
 def needs_of(part) -> Needs:
@@ -122,6 +126,11 @@ def policy_needs(policy, owners: Optional[Dict[str, str]] = None) -> PolicyNeeds
             if getattr(needs[kind], field):
                 who = (owners or {}).get(kind, type(parts[kind]).__qualname__)
                 raise PluginError(f"{who} declares Needs({field}=True), which only a scorer may declare")
+    for kind in parts:
+        for field in _ALLOCATION_ONLY:
+            if getattr(needs[kind], field):
+                who = (owners or {}).get(kind, type(parts[kind]).__qualname__)
+                raise PluginError(f"{who} declares Needs({field}=True), which only an allocation may declare")
     traits = {kind: traits_of(part) for kind, part in parts.items()}
     scorer = parts["scorer"]
     attention = needs["scorer"].attention

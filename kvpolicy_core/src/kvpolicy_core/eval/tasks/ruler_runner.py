@@ -34,9 +34,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ...apps.progress import labelled, reporter
 from ...cache.policy_cache import PolicyCache
 from ...integration.compress_once import compress_context, repeat_prompt, split_spec
+from ...runtime.progress import labelled, reporter
 from ..perplexity import kv_bytes, make_caches, parse_spec, spec_label
 from .greedy import greedy_tokens
 from .needle import needle_kept, record_prefill, replay_prefill, replayable
@@ -55,7 +55,7 @@ def copy_caches(caches: Sequence[Any]) -> List[Any]:
 
 def prefill(model, caches: List[Any], ids: Sequence[int], prefill_step: int, done: int = 0) -> None:
     """Feed ``ids`` into ``caches`` with mlx-lm's own prompt processing (``generate_step``, no token kept); its
-    progress on stderr counts the ``done`` tokens already in the caches (:mod:`kvpolicy_core.apps.progress`)."""
+    progress on stderr counts the ``done`` tokens already in the caches (:mod:`kvpolicy_core.runtime.progress`)."""
     from mlx_lm.generate import generate_step
 
     for _ in generate_step(
@@ -221,7 +221,7 @@ def run_context(
 ) -> List[Dict[str, Any]]:
     """Every question of ``ctx`` under ``spec`` in each protocol; one row per (protocol, question). Long steps
     (prefill, reconstruction) report their progress on stderr named by the context and the method
-    (:mod:`kvpolicy_core.apps.progress`; silenced inside its ``quiet()``)."""
+    (:mod:`kvpolicy_core.runtime.progress`; silenced inside its ``quiet()``)."""
     try:
         name = f"{ctx.id} {method_label(spec)}"
     except Exception:  # a bad spec: refused below, as before

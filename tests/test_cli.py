@@ -259,7 +259,7 @@ def test_prompt_file_with_a_bom_and_from_a_pipe(capsys, tmp_path, tiny_model_dir
             ["cache-prompt", "x", "--prompt-cache-file", "f.safetensors", "--prefill-step-size", "0"],
             "--prefill-step-size must be in [1, 1048576]",
         ),  # fmt: skip
-        (["eval", "--budget", "99999999999"], "h2o_budget: must be at most 2147483647"),
+        (["eval", "--budget", "99999999999"], "h2o_budget: Input should be less than or equal to 2147483647"),
     ],
 )
 def test_numeric_options_are_bounded_in_one_line_naming_the_option(capsys, argv, needle, tiny_model_dir):

@@ -71,9 +71,9 @@ def test_defaults_match_the_specification_except_the_measured_scorer_and_merge()
 
 def test_unknown_method_lists_installed_and_names_package():
     with pytest.raises(UnknownMethodError) as e:
-        parse_config("snapkv:budget=3")
+        parse_config("nosuchkv:budget=3")
     msg = str(e.value)
-    assert "'snapkv'" in msg and "cam" in msg and "h2o" in msg and "pip install kvpolicy-snapkv" in msg
+    assert "'nosuchkv'" in msg and "cam" in msg and "h2o" in msg and "pip install kvpolicy-nosuchkv" in msg
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,7 @@ def test_the_file_records_the_method_and_the_compression(compressed, reference):
     metadata, info = file_metadata(d / "doc.safetensors")
     n_doc = reference[1]
     assert metadata["method"] == "cam" and metadata["budget"] == "32" and metadata["tokens_seen"] == str(n_doc)
-    assert metadata["tokens_kept"] == "32"
+    assert metadata["tokens_kept"] == "32.0" and metadata["max_tokens_kept"] == "32"
     assert float(metadata["compression_ratio"]) == pytest.approx(n_doc / 32, abs=1e-4)
     assert info["config"]["budget"] == 32 and info["prefill_step_size"] == STEP and len(info["document_ids"]) == n_doc
     assert summary["tokens_seen"] == n_doc and summary["method"] == "cam"

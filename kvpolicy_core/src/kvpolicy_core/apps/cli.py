@@ -338,7 +338,8 @@ def cmd_cache_prompt(args) -> int:
         print(
             f"[{summary['compress_once'] + '+' if summary['compress_once'] else ''}"
             f"{summary['method']}:budget={summary['budget']}] {summary['tokens_seen']} tokens seen, "
-            f"{summary['tokens_kept']} kept in the largest layer (KV x{summary['compression_ratio']}) -> "
+            f"{summary['tokens_kept']} kept per layer on average, {summary['max_tokens_kept']} in the largest "
+            f"(KV x{summary['compression_ratio']}) -> "
             f"{summary['prompt_cache_file']}"
         )
     return 0

@@ -185,7 +185,9 @@ def cache_prompt(
         "budget": config.policy.budget,
         "compress_once": compress_once or "",
         "tokens_seen": len(ids),
-        "tokens_kept": max(sizes, default=0),  # the most any layer keeps
+        "tokens_kept": round(sum(sizes) / len(sizes), 1) if sizes else 0,  # per layer on average: the budget's unit
+        "max_tokens_kept": max(sizes, default=0),  # the most any one layer keeps
+        "tokens_kept_per_layer": sizes,
         "compression_ratio": round(full / kept, 4) if kept else 1.0,
         "kv_bytes_kept": kept,
         "kv_bytes_full": full,

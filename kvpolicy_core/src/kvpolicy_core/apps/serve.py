@@ -146,6 +146,7 @@ def cache_report(caches: List[Any]) -> dict:
             full_bytes += c.nbytes
     return {
         "tokens_seen": seen,
+        "tokens_kept": round(sum(kept) / len(kept), 1) if kept else 0,  # per layer on average: the budget's unit
         "tokens_kept_per_layer": kept,
         "max_tokens_kept": max(kept, default=0),
         "kv_bytes_kept": kept_bytes,

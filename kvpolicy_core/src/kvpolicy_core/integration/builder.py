@@ -155,7 +155,10 @@ class KVCacheBuilder:
                     PolicyCache(policies[i], layer=layout.layer_offset + i, window=windows[i], head_shard=layout.tensor)
                 )
                 caches[-1].group = group
-        if needs_hook(caches):  # the caches hold the install: it ends when the last of them is gone
+        # the caches hold the install (it ends when the last of them is gone); caches whose budgets differ hold it
+        # too: mlx-lm builds one mask from the first layer, which a batch's other layers then rebuild for their rows
+        differ = group is not None or len({c.budget for c in caches if isinstance(c, PolicyCache)}) > 1
+        if needs_hook(caches) or differ:
             hook = attention.install(model)
             for c in caches:
                 if isinstance(c, PolicyCache):

@@ -201,12 +201,6 @@ def live_budgets(budgets: Sequence[int], keys: Sequence[np.ndarray], floor: int)
     return [int(max(floor, min(b, int((k > -np.inf).sum(-1).min())))) for b, k in zip(budgets, keys)]
 
 
-def with_budget(model, config, budget: int) -> List[Any]:
-    """``config``'s caches for ``model`` with another budget (each layer's own config as the builder fills it)."""
-    policy = config.policy.model_copy(update={"budget": budget})
-    return KVCacheBuilder.for_model(model, config.model_copy(update={"policy": policy}))
-
-
 def kept_positions(key: np.ndarray, budget: int) -> np.ndarray:
     """int32 [B, H, budget]: per head the ``budget`` largest keys (ties: earlier position), in temporal order."""
     order = np.argsort(-key, axis=-1, kind="stable")[..., :budget]
@@ -327,9 +321,7 @@ def cut(
     scores = [pooled_scores(s, P) for s in scores]
     keys = [selection_keys(s, n_sink, c.window) for s, c in zip(scores, built[budget])]
     budgets = [budget] * len(keys) if layerwise else model_budgets(keys, budget, min_budget(config), L, share)
-    for b in set(budgets) - {budget}:
-        built[b] = with_budget(model, config, b)
-    out = Compressed([built[b][i] for i, b in enumerate(budgets)])
+    out = Compressed(built[budget] if layerwise else KVCacheBuilder.for_model(model, config, budgets=budgets))
     for cache, (k, v), s, key, b in zip(out.caches, contexts, scores, keys, budgets):
         kept = kept_positions(key, b)
         load_kept(cache, k, v, kept, s, L)

@@ -27,10 +27,17 @@ class PolicyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    budget: int = Field(512, ge=1, description="Maximum tokens kept per layer, sinks included.")
-    n_sink: int = Field(4, ge=0, description="First absolute positions that are never evicted.")
+    budget: int = Field(
+        512,
+        ge=1,
+        le=2**31 - 1,
+        description="Tokens kept per layer on average over the model's layers, sinks included; each layer keeps at "
+        "most its own budget: `budget` itself under the default uniform allocation, more or less where "
+        "`allocation` (pyramid, data-driven) or a compress-once ranking shares it unevenly.",
+    )
+    n_sink: int = Field(4, ge=0, le=2**31 - 1, description="First absolute positions that are never evicted.")
     recent: Optional[int] = Field(
-        None, ge=0, description="Most recent tokens protected from eviction (None: budget // 2)."
+        None, ge=0, le=2**31 - 1, description="Most recent tokens protected from eviction (None: budget // 2)."
     )
     signal: Literal["proxy", "observed"] = Field(
         "proxy",

@@ -68,20 +68,34 @@ def test_the_contract_tables_name_every_hook_part_field_and_need():
     text = MINIMAL.read_text()
     hooks = [n for n, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, "kvpolicy_spec")]
     names = set(re.findall(r"`(\w+)", text))
-    assert len(hooks) == 4 and set(hooks) <= names
+    assert len(hooks) == 5 and set(hooks) <= names
     assert {
         "Scorer",
         "Selector",
         "Disposition",
+        "Allocation",
         "AttentionScorer",
         "on_append",
         "on_attention",
         "rank",
+        "evict_count",
         "dispose",
+        "budgets",
+        "when",
+        "allocation",
     } <= names
     assert set(CacheView._fields) <= names
-    assert set(MergeUpdate._fields) - {"draws", "merges"} <= names  # the deprecated 0.1 fields are left out
+    assert set(MergeUpdate._fields) <= names
     assert {f.name for f in fields(Needs)} <= names
+
+
+def test_the_contract_stays_short():
+    """minimal.md + hooks.md, the whole part contract: at most 250 lines (issue 40's target), and hooks.md opens
+    with the list of concepts an author meets (at most 12)."""
+    hooks_md = (DOCS / "plugins" / "hooks.md").read_text()
+    assert len(MINIMAL.read_text().splitlines()) + len(hooks_md.splitlines()) <= 250
+    box = hooks_md.split("\n\n")[1]
+    assert box.startswith("> **What a plugin author meets: 12 concepts.**") and "(12)" in box and "(13)" not in box
 
 
 def test_the_minimal_page_is_linked_from_the_index_and_the_tutorial():

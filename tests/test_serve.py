@@ -270,3 +270,47 @@ def test_default_model_cam_64_two_concurrent_chats():
         print(json.dumps(stats))
     finally:
         s.stop()
+
+
+def test_the_end_of_prompt_cut_serves_requests_batches_and_a_growing_chat_within_its_budget(tiny_dir):
+    """`--method h2o:when=prompt_end`: each request and two concurrent ones answer as their prompt alone; a chat
+    whose reused prompt cache grows each turn is cut at each turn's end and never keeps more than the budget."""
+    method = "h2o:budget=8,n_sink=2,when=prompt_end"
+    s = Server(["--model", str(tiny_dir), "--method", method, "--max-tokens", "8"])
+    try:
+        model, tokenizer = mlx_lm.load(str(tiny_dir))
+        attach(model, method)
+
+        def alone(prompt, n):
+            ids = []
+            for (t, _), _ in zip(generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=n), range(n)):
+                ids.append(t)
+                if t in tokenizer.eos_token_ids:
+                    break
+            return ids
+
+        prompts = [("emu " + LONG, 12), ("emu hello world, how are you", 10)]
+        results = [None, None]
+
+        def go(i):
+            results[i] = completion(s, *prompts[i])[0]
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        for (prompt, n), got in zip(prompts, results):
+            assert got == alone(prompt, n)
+        detach(model)
+        messages = []
+        for turn in ("the quick brown fox", "hello world, how are you today?", "the lazy dog " * 4):
+            messages.append({"role": "user", "content": turn})
+            status, body = s.post("/v1/chat/completions", {"messages": messages, "max_tokens": 6})
+            assert status == 200, body
+            messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+            last = s.stats()["recent"][-1]
+            assert last["tokens_seen"] > 8 and all(k <= 8 for k in last["tokens_kept_per_layer"])
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the chat reused its prompt cache
+    finally:
+        s.stop()

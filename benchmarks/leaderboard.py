@@ -1,0 +1,860 @@
+"""One leaderboard: every installed method at 2x-16x on perplexity and the long-context suite, per model.
+
+    python benchmarks/leaderboard.py --size quick                                  # Gemma 3, a few methods
+    python benchmarks/leaderboard.py --size headline --tag headline_gemma3         # every method, Gemma 3
+    python benchmarks/leaderboard.py --size headline --model smollm2 --tag headline_smollm2
+    python benchmarks/leaderboard.py --report benchmarks/results/leaderboard_headline_*.json   # docs + plots
+    python benchmarks/leaderboard.py --smoke                                       # tiny random model (tests)
+
+Methods: ``full`` (mlx-lm's ``KVCache``), ``rotating`` (mlx-lm's ``RotatingKVCache(budget, keep=4)``:
+StreamingLLM as mlx-lm ships it) and every method kvpolicy's registry lists
+(``kvpolicy_core.get_registry().methods()``: h2o, cam, snapkv, pyramidkv, chunkkv, tova, streamingllm,
+random, ... with their defaults); ``--methods`` chooses (comma list; config strings after ``;``). Each bounded
+method runs at every ``--ratios`` with budget = length / ratio (the text's tokens for perplexity, the suite's
+length for the suite), on:
+
+- **perplexity** token by token (the StreamingLLM recipe, :func:`kvpolicy_core.eval.perplexity.perplexity`:
+  each token's NLL read before the cache is reduced) on ``--texts`` (default CPython's pydoc topics, the
+  default corpus, and the docstrings of 40 standard-library modules), reported as the change against the
+  full cache on the same tokens;
+- **the long-context suite** (:mod:`kvpolicy_core.eval.tasks.ruler_runner`, docs/long-context.md): niah_single,
+  niah_multikey and niah_multiquery, both protocols (question-in-prompt and query-agnostic). The full cache runs
+  first on each task; a task it scores below ``--min-full`` (60) on, pooled over its contexts and protocols, is
+  flagged and the other methods skip it (not in any score).
+
+A method's **score** at a ratio is the mean of its suite scores over the protocols (each the mean over the
+unflagged tasks of RULER's score, 0-100); the JSON ranks the methods at 8x (score, then perplexity) and states
+each one against ``h2o`` there (score difference; perplexity ratio pooled over the texts with a paired block
+bootstrap interval, :func:`kvpolicy_core.eval.perplexity.pooled_ratio`).
+
+Writes ``leaderboard[_<tag>][_smoke].json`` under ``--out`` (the harness's atomic writer; rewritten after every
+step, so a long run can be read while it runs), and per model a markdown table (``..._<model>.md``) and a plot
+in the style of NVIDIA kvpress's leaderboard (``..._<model>.png``: score against compression ratio, one line
+per method, the full cache as a horizontal line). ``--report FILE...`` runs nothing: it merges result files
+(a model's runs may be split with ``--tag``) and rewrites the tables of ``--docs`` (docs/leaderboard.md) and the
+plots (``--plots``, benchmarks/results).
+
+Sizes: ``smoke`` (a tiny random-weight model, a few methods, tiny lengths: seconds); ``quick`` (one text, 1024
+tokens of perplexity, the 4k suite on one haystack with one context per task, ratios 4 and 8, a few
+methods); ``headline`` (every method, ratios 2, 4, 8, 16, two texts, the 4k suite: the contexts per task
+chosen so the estimate fits ``--hours``). The estimate, from measured per-row costs (``--costs FILE``: an
+earlier leaderboard JSON of the same model; else this model's ``leaderboard_quick_<model>.json`` under
+``--out`` if there is one; else the built-in costs measured here), is printed at the start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from _common import parser, result_name, with_budget, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "leaderboard.md"
+SUITE_TASKS = ("niah_single", "niah_multikey", "niah_multiquery")
+PROTOCOL_ORDER = ("question-in-prompt", "query-agnostic")
+SHORT = {"question-in-prompt": "QiP", "query-agnostic": "QA"}
+#: table and plot order; installed methods not named here follow alphabetically
+ORDER = ("full", "h2o", "cam", "snapkv", "pyramidkv", "chunkkv", "squeeze", "tova", "streamingllm", "rotating")
+MODEL_NAMES = {"gemma3": "Gemma 3 270M", "smollm2": "SmolLM2-135M-Instruct", "tiny": "tiny random llama (smoke)"}
+SIZES = {
+    "smoke": dict(
+        methods="full,rotating,h2o,snapkv",
+        ratios="4,8",
+        texts="pydoc,stdlib",
+        ppl_tokens=96,
+        length=640,
+        tasks="niah_single,niah_multikey",
+        haystacks="noise",
+        protocols=",".join(PROTOCOL_ORDER),
+        seeds=1,
+    ),
+    "quick": dict(
+        methods="full,rotating,h2o,snapkv",
+        ratios="4,8",
+        texts="pydoc",
+        ppl_tokens=1024,
+        length=4096,
+        tasks=",".join(SUITE_TASKS),
+        haystacks="noise",
+        protocols=",".join(PROTOCOL_ORDER),
+        seeds=1,
+    ),
+    "headline": dict(
+        methods="all",
+        ratios="2,4,8,16",
+        texts="pydoc,stdlib",
+        ppl_tokens=512,
+        length=4096,
+        tasks=",".join(SUITE_TASKS),
+        haystacks="noise,pydoc",
+        protocols=",".join(PROTOCOL_ORDER),
+        seeds=None,  # chosen from the estimate (--hours)
+    ),
+}
+SMOKE_PARAMS = {"niah_multikey": dict(keys=3, questions=2, digits=4)}
+#: seconds per unit on 2 shared x86 cores (fp32), used when no measured costs are given; at the suite length
+#: ``length``: ppl_token: one token-by-token step of one spec; prefill: a query-agnostic context prefill after
+#: the shared first chunk; qa_question / qip_question: one question (question-in-prompt: with its own prefill
+#: after the shared chunk); record: the shared first chunk, once per context.
+COSTS = {
+    "gemma3": dict(length=4096, ppl_token=0.2, prefill=25.0, qa_question=5.0, qip_question=25.0, record=20.0),
+    "smollm2": dict(length=4096, ppl_token=0.25, prefill=70.0, qa_question=8.0, qip_question=70.0, record=60.0),
+    "tiny": dict(length=640, ppl_token=0.002, prefill=0.05, qa_question=0.05, qip_question=0.05, record=0.05),
+}
+
+
+# ----------------------------------------------------------------------------- methods and specs
+def installed_methods() -> list:
+    """Every method name kvpolicy's registry lists (plugins included), in ORDER."""
+    from kvpolicy_core import get_registry
+
+    return sort_methods(list(get_registry().methods()))
+
+
+def sort_methods(names) -> list:
+    return sorted(names, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
+
+
+def method_names(text: str) -> list:
+    """``--methods``: ``all`` (full, rotating and every installed method), or a comma list (``;`` when config
+    strings with commas are given); ``full`` is always run (every score is read against it)."""
+    if text.strip() == "all":
+        names = ["full", "rotating"] + installed_methods()
+    else:
+        names = [m.strip() for m in text.split(";" if ";" in text else ",") if m.strip()]
+    known = set(installed_methods()) | {"full", "rotating"}
+    for n in names:
+        if n.partition(":")[0] not in known:
+            raise ValueError(f"--methods: unknown method {n!r}; installed: {', '.join(sorted(known))}")
+    return ["full"] + [n for n in dict.fromkeys(names) if n != "full"]
+
+
+def spec_for(name: str, budget: int) -> str:
+    """The cache spec of method ``name`` at ``budget`` (``full`` has none; ``rotating`` is mlx-lm's)."""
+    return "full" if name == "full" else with_budget(name, max(8, int(budget)))
+
+
+def budget_for(tokens: int, ratio: float) -> int:
+    return max(8, int(tokens / ratio))
+
+
+def fmt_ratio(r: float) -> str:
+    return f"{r:g}x"
+
+
+# ----------------------------------------------------------------------------- loading
+def load(model: str, smoke: bool):
+    import mlx.core as mx
+    import mlx_lm
+
+    if smoke:
+        import tempfile
+
+        from kvpolicy_core.testing.tiny_models import write_model_dir
+
+        path = write_model_dir(Path(tempfile.mkdtemp(prefix="leaderboard-tiny-")), "llama", layers=2)
+        m, tok = mlx_lm.load(str(path))
+        return m, tok, str(path)
+    from kvpolicy_core.model.resolve import resolve_model_path
+
+    path = resolve_model_path(None if model == "gemma3" else model)
+    m, tok = mlx_lm.load(str(path))
+    m.set_dtype(mx.float32)
+    return m, tok, str(path)
+
+
+# ----------------------------------------------------------------------------- the estimate
+def measured_costs(files, model_key: str):
+    """Median per-row costs of earlier leaderboard JSONs of ``model_key`` (None where none), keys of COSTS."""
+    got = {"ppl_token": [], "prefill": [], "qa_question": [], "qip_question": [], "record": []}
+    length = None
+    for f in files:
+        data = json.loads(Path(f).read_text(encoding="utf-8"))
+        if (data.get("config") or {}).get("model") != model_key:
+            continue
+        for r in data.get("ppl_rows", []):
+            if r.get("seconds") and r.get("tokens"):
+                got["ppl_token"].append(r["seconds"] / (r["tokens"] - 1))
+        for r in data.get("suite_rows", []):
+            length = r["length"]
+            if r.get("reused"):
+                continue
+            if r["protocol"] == "query-agnostic":
+                got["qa_question"].append(r["seconds"])
+                if r["question"] == 0 and r.get("prefill_seconds") is not None:
+                    got["prefill"].append(r["prefill_seconds"])
+            else:
+                got["qip_question"].append(r["seconds"])
+        got["record"] += list((data.get("record_seconds") or {}).values())
+    out = {k: statistics.median(v) for k, v in got.items() if v}
+    return ({**out, "length": length} if out and length else out) or None
+
+
+def estimate(plan: dict, costs: dict, questions: dict) -> dict:
+    """Seconds of a run: perplexity + suite (every spec on every context, both protocols), from ``costs``
+    (scaled linearly from ``costs['length']`` to the plan's length). ``questions``: task -> questions."""
+    n_bounded = len(plan["methods"]) - 1
+    specs = 1 + n_bounded * len(plan["ratios"])
+    ppl = len(plan["texts"]) * (plan["ppl_tokens"] - 1) * specs * costs["ppl_token"]
+    scale = plan["length"] / costs.get("length", plan["length"])
+    n_ctx = plan["seeds"] * len(plan["haystacks"])
+    suite = 0.0
+    for t in plan["tasks"]:
+        q = questions.get(t, 1)
+        per_spec = 0.0
+        if "query-agnostic" in plan["protocols"]:
+            per_spec += costs["prefill"] + q * costs["qa_question"]
+        if "question-in-prompt" in plan["protocols"]:
+            per_spec += q * costs["qip_question"]
+        suite += n_ctx * (costs["record"] + specs * per_spec)
+    return {"perplexity_s": round(ppl), "suite_s": round(suite * scale), "total_s": round(ppl + suite * scale)}
+
+
+def fit(plan: dict, costs: dict, questions: dict, budget_s: float, args=None) -> list:
+    """Choose the headline's sizes so its estimate fits ``budget_s``: at least one context per (task, haystack);
+    if that is over, one haystack (the first) unless --haystacks was given, then 256 perplexity tokens per text
+    unless --ppl-tokens was given; then as many contexts per (task, haystack) as fit (at most 8). Returns what
+    was cut (``plan`` is changed in place); the estimate may still be over when even the smallest is."""
+    trims = []
+    plan["seeds"] = 1
+    given = lambda k: args is not None and getattr(args, k, None) is not None  # noqa: E731
+    over = lambda: estimate(plan, costs, questions)["total_s"] > budget_s  # noqa: E731
+    if over() and len(plan["haystacks"]) > 1 and not given("haystacks"):
+        trims.append(f"suite on one haystack ({plan['haystacks'][0]}; not {', '.join(plan['haystacks'][1:])})")
+        plan["haystacks"] = plan["haystacks"][:1]
+    if over() and plan["ppl_tokens"] > 256 and not given("ppl_tokens"):
+        trims.append(f"perplexity on 256 tokens per text (not {plan['ppl_tokens']})")
+        plan["ppl_tokens"] = 256
+    while plan["seeds"] < 8 and estimate({**plan, "seeds": plan["seeds"] + 1}, costs, questions)["total_s"] <= budget_s:
+        plan["seeds"] += 1
+    if over():
+        trims.append(
+            "still over: split the methods over runs (--methods ... --tag headline_<model>_<part>, each prints its "
+            "estimate) and merge them with --report"
+        )
+    return trims
+
+
+def task_questions(tasks, preset: str, model_name: str) -> dict:
+    from kvpolicy_core.eval.tasks import ruler
+
+    return {t: ruler.preset_params(preset, t, model_name).questions for t in tasks}
+
+
+# ----------------------------------------------------------------------------- running
+def main(argv=None):
+    p = parser(__doc__, smoke_help="a tiny random-weight model, a few methods, tiny lengths: seconds")
+    p.add_argument("--size", choices=["quick", "headline"], help="a preset of the options below (explicit win)")
+    p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
+    p.add_argument("--methods", help="all, or a comma list of full, rotating and installed methods")
+    p.add_argument("--ratios", help="compression ratios, comma list (budget = tokens / ratio)")
+    p.add_argument("--texts", help="perplexity texts, comma list: pydoc, stdlib, license, or a file")
+    p.add_argument("--ppl-tokens", type=int, help="tokens of each perplexity text")
+    p.add_argument("--length", type=int, help="the suite's sequence length (RULER's max_seq_length)")
+    p.add_argument("--tasks", help="suite tasks, comma list (default: " + ",".join(SUITE_TASKS) + ")")
+    p.add_argument("--haystacks", help="suite haystacks, comma list: noise, pydoc, stdlib")
+    p.add_argument("--protocols", help="comma list of " + ", ".join(PROTOCOL_ORDER))
+    p.add_argument("--seeds", type=int, help="contexts per (task, haystack); headline: chosen to fit --hours")
+    p.add_argument("--hours", type=float, default=2.0, help="headline: the wall-time the estimate must fit")
+    p.add_argument("--costs", nargs="+", metavar="JSON", help="earlier leaderboard JSONs whose row costs estimate")
+    p.add_argument("--min-full", type=float, default=60.0, help="flag a task the full cache scores below this")
+    p.add_argument("--prefill-step", type=int, default=2048)
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate, run nothing")
+    p.add_argument("--no-suite", action="store_true", help="perplexity only")
+    p.add_argument("--no-ppl", action="store_true", help="the suite only")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="merge result files into --docs and --plots; no run")
+    p.add_argument("--docs", help="markdown page whose tables --report rewrites (default docs/leaderboard.md)")
+    p.add_argument("--plots", help="folder of --report's plots (default: benchmarks/results)")
+    args = p.parse_args(argv)
+    try:
+        if args.report:
+            report(args.report, Path(args.docs or DOCS), Path(args.plots or args.out))
+        else:
+            run(args)
+    except ValueError as exc:
+        print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def resolve_plan(args, model_key: str, model_name: str) -> dict:
+    size = "smoke" if args.smoke else (args.size or "quick")
+    d = SIZES[size]
+    pick = lambda k: getattr(args, k) if getattr(args, k) is not None else d[k]  # noqa: E731
+    plan = {
+        "size": size,
+        "methods": method_names(pick("methods")),
+        "ratios": [float(x) for x in str(pick("ratios")).split(",") if x],
+        "texts": [] if args.no_ppl else [x for x in pick("texts").split(",") if x],
+        "ppl_tokens": int(pick("ppl_tokens")),
+        "length": int(pick("length")),
+        "tasks": [] if args.no_suite else [x for x in pick("tasks").split(",") if x],
+        "haystacks": [x for x in pick("haystacks").split(",") if x],
+        "protocols": [x for x in pick("protocols").split(",") if x],
+        "seeds": args.seeds if args.seeds is not None else d["seeds"],
+        "min_full": 0.0 if args.smoke else args.min_full,  # a random model scores 0: nothing flagged
+        "prefill_step": 128 if args.smoke else args.prefill_step,
+    }
+    if any(r < 1 for r in plan["ratios"]) or not plan["ratios"]:
+        raise ValueError(f"--ratios: compression ratios >= 1 (got {plan['ratios']})")
+    if any(x not in PROTOCOL_ORDER for x in plan["protocols"]):
+        raise ValueError(f"--protocols: some of {', '.join(PROTOCOL_ORDER)} (got {plan['protocols']})")
+    from kvpolicy_core.eval.tasks import ruler
+
+    bad = [t for t in plan["tasks"] if t not in ruler.TASKS]
+    if bad:
+        raise ValueError(f"--tasks: unknown task {bad[0]!r}; choose from {', '.join(ruler.TASKS)}")
+    if plan["ppl_tokens"] < 2:
+        raise ValueError("--ppl-tokens: at least 2")
+    return plan
+
+
+def choose_costs(args, model_key: str):
+    files = list(args.costs or [])
+    quick = Path(args.out) / f"leaderboard_quick_{model_key}.json"
+    if not files and quick.is_file():
+        files = [quick]
+    got = measured_costs(files, model_key) if files else None
+    base = dict(COSTS.get(model_key, COSTS["gemma3"]))
+    if got:
+        base.update(got)
+        return base, "measured: " + ", ".join(str(f) for f in files)
+    return base, "built-in (COSTS: measured on 2 shared x86 cores)"
+
+
+def run(args):
+    start = time.perf_counter()
+    model_key = "tiny" if args.smoke else Path(args.model).name
+    plan = resolve_plan(args, model_key, "")
+    costs, source = choose_costs(args, model_key)
+    model_dir = "" if args.smoke else ("gemma3-270m-float32" if model_key == "gemma3" else model_key)
+    questions = task_questions(plan["tasks"], "calibrated", model_dir)
+    if args.smoke:
+        questions.update({t: v["questions"] for t, v in SMOKE_PARAMS.items() if t in questions})
+    if plan["seeds"] is None:  # headline: fit --hours (module docstring), what was cut printed and recorded
+        plan["trims"] = fit(plan, costs, questions, 3600 * args.hours, args)
+        for t in plan["trims"]:
+            print(f"to fit {args.hours:g} h: {t}", flush=True)
+    est = estimate(plan, costs, questions)
+    n_specs = 1 + (len(plan["methods"]) - 1) * len(plan["ratios"])
+    print(
+        f"leaderboard ({plan['size']}, {model_key}): {len(plan['methods'])} methods x {len(plan['ratios'])} ratios "
+        f"= {n_specs} caches; perplexity on {plan['texts']} ({plan['ppl_tokens']} tokens); suite "
+        f"{plan['tasks']} at {plan['length']} tokens, {plan['haystacks']}, {plan['seeds']} context(s) per task "
+        f"and haystack, {plan['protocols']}",
+        flush=True,
+    )
+    hours = est["total_s"] / 3600
+    print(
+        f"estimate: {est['total_s']} s ({hours:.2f} h): perplexity {est['perplexity_s']} s, suite {est['suite_s']} s "
+        f"(costs {source})" + (f"; over the {args.hours:g} h target" if hours > args.hours else ""),
+        flush=True,
+    )
+    if args.dry_run:
+        return
+    model, tok, path = load(args.model, args.smoke)
+    name = result_name("leaderboard", args)
+    out = Path(args.out)
+    state = {
+        "config": {**plan, "model": model_key, "model_path": path, "costs": costs, "costs_source": source},
+        "estimate": est,
+        "ppl_rows": [],
+        "suite_rows": [],
+        "flagged": [],
+        "record_seconds": {},
+    }
+
+    def save():
+        state["seconds"] = round(time.perf_counter() - start, 1)
+        board = build_board(state["ppl_rows"], state["suite_rows"], plan["min_full"])
+        state["board"] = board
+        state["rank_vs_h2o"] = rank_vs_h2o(board, state["ppl_rows"])
+        write_json(name, state, out)
+
+    if plan["texts"]:
+        run_perplexity(model, tok, plan, state, save)
+    if plan["tasks"]:
+        run_suite(model, tok, plan, state, save, Path(path).name if not args.smoke else "", args.smoke)
+    save()
+    board = state["board"]
+    print("\n" + side_by_side(board, plan) + "\n", flush=True)
+    md = markdown(board, state["rank_vs_h2o"], [str(out / f"{name}.json")], state["seconds"])
+    (out / f"{name}_{model_key}.md").write_text(md + "\n", encoding="utf-8")
+    plot(out / f"{name}_{model_key}.png", board, MODEL_NAMES.get(model_key, model_key))
+    print(f"wrote {out / (name + '.json')}, {name}_{model_key}.md and .png in {state['seconds']:.0f} s", flush=True)
+
+
+def run_perplexity(model, tok, plan, state, save):
+    from kvpolicy_core.eval.perplexity import perplexity
+    from kvpolicy_core.eval.tasks.haystack import haystack_text
+
+    for text in plan["texts"]:
+        ids = tok.encode(haystack_text(text))[: plan["ppl_tokens"]]
+        if len(ids) < plan["ppl_tokens"]:
+            raise ValueError(f"--texts {text}: {len(ids)} tokens, fewer than --ppl-tokens {plan['ppl_tokens']}")
+        full = None
+        for name in plan["methods"]:
+            for ratio in [1.0] if name == "full" else plan["ratios"]:
+                budget = None if name == "full" else budget_for(len(ids), ratio)
+                spec = spec_for(name, budget or 0)
+                r = perplexity(model, ids, spec, chunk=1, progress=False)
+                if name == "full":
+                    full = r
+                row = {
+                    "text": text,
+                    "tokens": len(ids),
+                    "method": name,
+                    "ratio": ratio,
+                    "budget": budget,
+                    "spec": r["spec"],
+                    "perplexity": r["perplexity"],
+                    "delta_ppl_pct": 100 * (r["perplexity"] / full["perplexity"] - 1),
+                    "seconds": round(r["seconds"], 2),
+                    "kv_bytes_kept": r["kv_bytes_kept"],
+                    "kv_bytes_full": r["kv_bytes_full"],
+                    "nan": r["nan"],
+                    "nll": [round(float(x), 5) for x in r["nll"]],
+                }
+                state["ppl_rows"].append(row)
+                print(
+                    f"ppl {text:8} {spec:28} {r['perplexity']:9.3f} ({row['delta_ppl_pct']:+7.1f}%) "
+                    f"{r['seconds']:.0f} s",
+                    flush=True,
+                )
+                save()
+
+
+def run_suite(model, tok, plan, state, save, model_name: str, smoke: bool):
+    from kvpolicy_core.eval.tasks import ruler
+    from kvpolicy_core.eval.tasks.ruler_runner import record_first_chunk, run_context
+
+    params = {t: ruler.TaskParams(**v) for t, v in SMOKE_PARAMS.items()} if smoke else None
+    contexts = ruler.build_suite(
+        tok,
+        plan["tasks"],
+        [plan["length"]],
+        plan["haystacks"],
+        range(plan["seeds"]),
+        model=model_name,
+        chat="none",
+        preset="calibrated",
+        params=params,
+    )
+    protocols = [p for p in PROTOCOL_ORDER if p in plan["protocols"]]
+    for task in plan["tasks"]:
+        group = [c for c in contexts if c.task == task]
+        records = {}
+        for c in group:
+            t = time.perf_counter()
+            records[c.id] = record_first_chunk(model, c, plan["prefill_step"])
+            state["record_seconds"][c.id] = round(time.perf_counter() - t, 2)
+
+        def one(ctx, name, ratio):
+            spec = spec_for(name, budget_for(plan["length"], ratio))
+            rows = run_context(model, tok, ctx, spec, protocols, plan["prefill_step"], records[ctx.id])
+            for r in rows:
+                r.update(name=name, ratio=ratio)
+                print(
+                    f"{r['protocol']:18} {r['method']:26} {r['id']:26} q{r['question']} {r['score']:.2f} "
+                    f"{r['output'].strip()[:32]!r:34} {r['seconds']}s",
+                    flush=True,
+                )
+            state["suite_rows"].extend(rows)
+
+        for ctx in group:
+            one(ctx, "full", 1.0)
+        full = [r["score"] for r in state["suite_rows"] if r["task"] == task and r["name"] == "full"]
+        full_score = 100 * sum(full) / len(full)
+        save()
+        if full_score < plan["min_full"]:
+            state["flagged"].append({"task": task, "full": round(full_score, 1)})
+            print(
+                f"{task}: the full cache scores {full_score:.1f} < {plan['min_full']:g}: flagged, skipped", flush=True
+            )
+            continue
+        for ctx in group:
+            for name in plan["methods"][1:]:
+                for ratio in plan["ratios"]:
+                    one(ctx, name, ratio)
+                    save()
+        records.clear()
+
+
+# ----------------------------------------------------------------------------- the board
+def build_board(ppl_rows, suite_rows, min_full: float = 60.0) -> dict:
+    """Per method (``full`` included) per ratio: perplexity change per text (and their mean), the suite score per
+    protocol (mean over unflagged tasks of RULER's score) and ``score`` (the mean over the protocols)."""
+    texts = list(dict.fromkeys(r["text"] for r in ppl_rows))
+    full_ppl = {r["text"]: r["perplexity"] for r in ppl_rows if r["method"] == "full"}
+    tasks = [t for t in SUITE_TASKS if any(r["task"] == t for r in suite_rows)]
+    tasks += sorted({r["task"] for r in suite_rows} - set(tasks))
+    protocols = [p for p in PROTOCOL_ORDER if any(r["protocol"] == p for r in suite_rows)]
+    full_task = {}
+    for r in suite_rows:
+        if r["name"] == "full":
+            full_task.setdefault(r["task"], []).append(r["score"])
+    full_by_task = {t: 100 * sum(v) / len(v) for t, v in full_task.items()}
+    flagged = sorted(t for t, s in full_by_task.items() if s < min_full)
+    cells = {}
+    for r in ppl_rows:
+        c = cells.setdefault((r["method"], r["ratio"]), {"ppl": {}, "ppl_abs": {}, "suite": {}, "tasks": {}})
+        c["ppl"][r["text"]] = (
+            round(100 * (r["perplexity"] / full_ppl[r["text"]] - 1), 2) if r["text"] in full_ppl else None
+        )
+        c["ppl_abs"][r["text"]] = round(r["perplexity"], 4)
+    per = {}
+    for r in suite_rows:
+        per.setdefault((r["name"], r["ratio"], r["protocol"], r["task"]), []).append(r["score"])
+    for (name, ratio, protocol, task), v in per.items():
+        c = cells.setdefault((name, ratio), {"ppl": {}, "ppl_abs": {}, "suite": {}, "tasks": {}})
+        c["tasks"].setdefault(protocol, {})[task] = round(100 * sum(v) / len(v), 1)
+    rows = []
+    for (name, ratio), c in cells.items():
+        for protocol, by_task in c["tasks"].items():
+            ok = [s for t, s in by_task.items() if t not in flagged]
+            c["suite"][protocol] = round(sum(ok) / len(ok), 1) if ok else None
+        scores = [c["suite"].get(p) for p in protocols if c["suite"].get(p) is not None]
+        deltas = [c["ppl"][t] for t in texts if c["ppl"].get(t) is not None]
+        rows.append(
+            {
+                "method": name,
+                "ratio": ratio,
+                "ppl_delta_pct": c["ppl"],
+                "ppl": c["ppl_abs"],
+                "ppl_delta_mean_pct": round(sum(deltas) / len(deltas), 2) if deltas else None,
+                "suite": c["suite"],
+                "suite_tasks": c["tasks"],
+                "score": round(sum(scores) / len(scores), 1) if scores and len(scores) == len(protocols) else None,
+            }
+        )
+    rows.sort(key=lambda r: (sort_key(r["method"]), r["ratio"]))
+    models = {r["model"] for r in suite_rows}
+    return {
+        "texts": texts,
+        "tasks": tasks,
+        "protocols": protocols,
+        "flagged": {t: round(full_by_task[t], 1) for t in flagged},
+        "full_by_task": {t: round(s, 1) for t, s in full_by_task.items()},
+        "ratios": sorted({r["ratio"] for r in rows if r["method"] != "full"}),
+        "suite_model": sorted(models),
+        "questions": {
+            t: sum(1 for r in suite_rows if r["task"] == t and r["name"] == "full" and r["protocol"] == protocols[0])
+            for t in tasks
+        },
+        "rows": rows,
+    }
+
+
+def sort_key(name: str):
+    base = name.partition(":")[0]
+    return (ORDER.index(base) if base in ORDER else len(ORDER), name)
+
+
+def rank_vs_h2o(board: dict, ppl_rows, at: float = 8.0) -> dict:
+    """Each method against ``h2o`` at ``at``x (else the ratio nearest it): the rank of every method there (score
+    descending, then the mean perplexity change ascending), the score difference and the perplexity ratio to
+    h2o pooled over the texts (paired block bootstrap, 95%), and a verdict per measure."""
+    from kvpolicy_core.eval.perplexity import pooled_ratio
+
+    ratios = board["ratios"]
+    if not ratios:
+        return {}
+    ratio = min(ratios, key=lambda r: (abs(math.log(r / at)), -r))
+    rows = [r for r in board["rows"] if r["ratio"] == ratio and r["method"] != "full"]
+    inf = float("inf")
+    ordered = sorted(
+        rows,
+        key=lambda r: (
+            -(r["score"] if r["score"] is not None else -inf),
+            r["ppl_delta_mean_pct"] if r["ppl_delta_mean_pct"] is not None else inf,
+            sort_key(r["method"]),
+        ),
+    )
+    h2o = next((r for r in rows if r["method"] == "h2o"), None)
+    nll = {(r["method"], r["text"]): r["nll"] for r in ppl_rows if r["ratio"] == ratio}
+    out = {"ratio": ratio, "order": [r["method"] for r in ordered], "methods": {}}
+
+    def key(r):
+        return (
+            -(r["score"] if r["score"] is not None else -inf),
+            r["ppl_delta_mean_pct"] if r["ppl_delta_mean_pct"] is not None else inf,
+        )
+
+    rank = {r["method"]: 1 + sum(key(o) < key(r) for o in rows) for r in rows}  # ties share a rank
+    for r in ordered:
+        e = {"rank": rank[r["method"]], "score": r["score"], "ppl_delta_mean_pct": r["ppl_delta_mean_pct"]}
+        if h2o is not None and r["method"] != "h2o":
+            e["h2o_rank"] = rank["h2o"]
+            if r["score"] is not None and h2o["score"] is not None:
+                d = r["score"] - h2o["score"]
+                e["score_minus_h2o"] = round(d, 1)
+                e["suite_vs_h2o"] = "above" if d > 0 else "below" if d < 0 else "tie"
+            pairs = [
+                (nll[(r["method"], t)], nll[("h2o", t)])
+                for t in board["texts"]
+                if (r["method"], t) in nll and ("h2o", t) in nll
+            ]
+            if pairs:
+                try:
+                    pr = pooled_ratio(pairs)
+                    e["ppl_ratio_vs_h2o"] = {k: round(pr[k], 4) for k in ("ratio", "low", "high")}
+                    e["ppl_vs_h2o"] = "better" if pr["high"] < 1 else "worse" if pr["low"] > 1 else "indistinguishable"
+                except ValueError as exc:  # too few tokens for the interval
+                    e["ppl_ratio_vs_h2o"] = {
+                        "ratio": round(
+                            math.exp(sum(sum(a) - sum(b) for a, b in pairs) / sum(len(a) for a, _ in pairs)), 4
+                        )
+                    }
+                    e["ppl_vs_h2o_note"] = str(exc)
+        out["methods"][r["method"]] = e
+    return out
+
+
+# ----------------------------------------------------------------------------- output
+def _cell(v, fmt="{:.1f}"):
+    return "" if v is None else fmt.format(v)
+
+
+def side_by_side(board: dict, plan=None) -> str:
+    texts, protocols = board["texts"], board["protocols"]
+    head = f"{'method':16} {'ratio':>5} " + " ".join(f"{'ppl ' + t[:8]:>14}" for t in texts)
+    head += " " + " ".join(f"{SHORT.get(p, p):>6}" for p in protocols) + f" {'score':>6}"
+    lines = [head, "-" * len(head)]
+    for r in board["rows"]:
+        ppl = []
+        for t in texts:
+            if r["method"] == "full":
+                ppl.append(f"{_cell(r['ppl'].get(t), '{:.3f}'):>14}")
+            else:
+                ppl.append(f"{_cell(r['ppl_delta_pct'].get(t), '{:+.1f}%'):>14}")
+        lines.append(
+            f"{r['method'][:16]:16} {fmt_ratio(r['ratio']):>5} "
+            + " ".join(ppl)
+            + " "
+            + " ".join(f"{_cell(r['suite'].get(p)):>6}" for p in protocols)
+            + f" {_cell(r['score']):>6}"
+        )
+    if board["flagged"]:
+        lines.append(
+            "flagged (full cache below 60, not scored): " + ", ".join(f"{t} ({s})" for t, s in board["flagged"].items())
+        )
+    return "\n".join(lines)
+
+
+def markdown(board: dict, ranks: dict, files, seconds=None) -> str:
+    """The docs' tables of one model: the leaderboard (score per method per ratio, rank at 8x) and the detail
+    (perplexity change per text, suite score per protocol), the full cache as its own row."""
+    texts, protocols, ratios = board["texts"], board["protocols"], board["ratios"]
+    by = {(r["method"], r["ratio"]): r for r in board["rows"]}
+    methods = list(dict.fromkeys(r["method"] for r in board["rows"]))
+    full = by.get(("full", 1.0))
+    lines = []
+    src = ", ".join(f"`{Path(f).name}`" for f in files)
+    lines.append(f"Result files: {src}" + (f" ({seconds:.0f} s)." if seconds else "."))
+    lines.append("")
+    if protocols:
+        rk = ranks.get("ratio")
+        lines.append(
+            "| method | "
+            + " | ".join(fmt_ratio(x) for x in ratios)
+            + (f" | rank at {fmt_ratio(rk)}" if rk else "")
+            + " |"
+        )
+        lines.append("|" + " --- |" * (len(ratios) + 1 + (1 if rk else 0)))
+        for m in methods:
+            if m == "full":
+                cells = [_cell(full["score"])] + [""] * (len(ratios) - 1) if full else [""] * len(ratios)
+            else:
+                cells = [_cell((by.get((m, x)) or {}).get("score")) for x in ratios]
+            e = (ranks.get("methods") or {}).get(m)
+            rank = str(e["rank"]) if e else ""
+            lines.append(
+                f"| {'**full cache**' if m == 'full' else m} | "
+                + " | ".join(cells)
+                + (f" | {rank}" if rk else "")
+                + " |"
+            )
+        lines.append("")
+        lines.append(
+            "Score: the long-context suite's mean over " + " and ".join(protocols) + " (RULER's score, 0-100, "
+            "mean over the tasks the full cache can do); the full cache's score in the first column."
+        )
+        lines.append("")
+    head = "| method | ratio | " + " | ".join(f"Δppl {t}" for t in texts)
+    head += (" | " if texts else "") + " | ".join(protocols) + (" | score |" if protocols else " |")
+    lines.append(head.replace("|  |", "|"))
+    n = 2 + len(texts) + len(protocols) + (1 if protocols else 0)
+    lines.append("|" + " --- |" * n)
+    for r in board["rows"]:
+        if r["method"] == "full":
+            ppl = [f"ppl {_cell(r['ppl'].get(t), '{:.3f}')}" for t in texts]
+            name = "**full cache**"
+        else:
+            ppl = [_cell(r["ppl_delta_pct"].get(t), "{:+.1f}%") for t in texts]
+            name = r["method"]
+        suite = [_cell(r["suite"].get(p)) for p in protocols]
+        lines.append(
+            f"| {name} | {fmt_ratio(r['ratio']) if r['method'] != 'full' else '1x'} | "
+            + " | ".join(ppl + suite + ([_cell(r["score"])] if protocols else []))
+            + " |"
+        )
+    lines.append("")
+    notes = []
+    if texts:
+        notes.append("Δppl: perplexity token by token against the full cache on the same tokens")
+    if board["tasks"]:
+        qs = ", ".join(f"{t} {board['questions'].get(t, 0)}" for t in board["tasks"])
+        notes.append(f"suite tasks (questions per protocol with the full cache): {qs}")
+    if board["flagged"]:
+        notes.append(
+            "flagged (the full cache scores below 60; other methods not run, not scored): "
+            + ", ".join(f"{t} (full {s})" for t, s in board["flagged"].items())
+        )
+    if ranks.get("methods"):
+        parts = []
+        for m in ranks["order"]:
+            e = ranks["methods"][m]
+            if m == "h2o" or "suite_vs_h2o" not in e and "ppl_vs_h2o" not in e:
+                continue
+            bits = []
+            if "score_minus_h2o" in e:
+                bits.append(f"score {e['score_minus_h2o']:+.1f}")
+            if "ppl_ratio_vs_h2o" in e:
+                pr = e["ppl_ratio_vs_h2o"]
+                ci = f" ({pr['low']:.3f}-{pr['high']:.3f})" if "low" in pr else ""
+                bits.append(f"ppl x{pr['ratio']:.3f}{ci}")
+            parts.append(f"{m} {', '.join(bits)}")
+        if parts:
+            notes.append(f"against h2o at {fmt_ratio(ranks['ratio'])}: " + "; ".join(parts))
+    lines.append(". ".join(notes) + ("." if notes else ""))
+    return "\n".join(lines)
+
+
+def plot(path: Path, board: dict, title: str) -> None:
+    """kvpress's leaderboard style: score against compression ratio, one line per method, the full cache as a
+    horizontal dashed line; one panel per suite protocol and one for perplexity (ratio to the full cache)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(board["protocols"]) + (["perplexity"] if board["texts"] else [])
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.2 * max(1, len(panels)), 4.2), squeeze=False)
+    methods = [m for m in dict.fromkeys(r["method"] for r in board["rows"]) if m != "full"]
+    full = next((r for r in board["rows"] if r["method"] == "full"), None)
+    from matplotlib.ticker import FuncFormatter
+
+    colors = plt.get_cmap("tab10").colors
+    styles = [("o", "-"), ("s", "--"), ("^", ":")]  # past ten methods: the colors again, another marker and line
+    for ax, panel in zip(axes[0], panels):
+        for i, m in enumerate(methods):
+            pts = sorted((r["ratio"], r) for r in board["rows"] if r["method"] == m)
+            if panel == "perplexity":
+                ys = [(x, 1 + r["ppl_delta_mean_pct"] / 100) for x, r in pts if r["ppl_delta_mean_pct"] is not None]
+            else:
+                ys = [(x, r["suite"].get(panel)) for x, r in pts if r["suite"].get(panel) is not None]
+            if ys:
+                marker, ls = styles[(i // 10) % len(styles)]
+                ax.plot([x for x, _ in ys], [y for _, y in ys], marker=marker, ls=ls, label=m, color=colors[i % 10])
+        if panel == "perplexity":
+            ax.axhline(1.0, color="black", ls="--", lw=1.2, label="full cache")
+            ax.set(yscale="log", ylabel="perplexity / full cache's (mean change over texts)")
+            plain = FuncFormatter(lambda y, _: f"{y:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
+            ax.set_title("perplexity, token by token (" + ", ".join(board["texts"]) + ")", fontsize=9)
+        else:
+            if full is not None and full["suite"].get(panel) is not None:
+                ax.axhline(full["suite"][panel], color="black", ls="--", lw=1.2, label="full cache")
+            ax.set(ylim=(-3, 103), ylabel="score (0-100)")
+            ax.set_title(f"long-context suite, {panel}", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xticks(board["ratios"] or [1], [fmt_ratio(x) for x in board["ratios"]] or ["1x"])
+        ax.set_xlabel("compression ratio")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"kvpolicy leaderboard: {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- --report
+def read_result(f) -> dict:
+    path = Path(f)
+    if not path.is_file():
+        raise ValueError(f"--report {f}: no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--report {f}: not a JSON file ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("config"), dict) or "ppl_rows" not in data:
+        raise ValueError(f"--report {f}: not a leaderboard result file (no config / ppl_rows)")
+    return data
+
+
+def merge(files) -> dict:
+    """model -> {"ppl_rows", "suite_rows", "files", "seconds", "min_full"}; a row measured twice kept once (the
+    first file's)."""
+    models = {}
+    for f in files:
+        data = read_result(f)
+        key = data["config"]["model"]
+        m = models.setdefault(
+            key, {"ppl_rows": [], "suite_rows": [], "files": [], "seconds": 0.0, "min_full": 60.0, "seen": set()}
+        )
+        m["files"].append(str(f))
+        m["seconds"] += data.get("seconds") or 0.0
+        m["min_full"] = data["config"].get("min_full", 60.0)
+        for r in data["ppl_rows"]:
+            k = ("ppl", r["text"], r["tokens"], r["method"], r["ratio"])
+            if k not in m["seen"]:
+                m["seen"].add(k)
+                m["ppl_rows"].append(r)
+        for r in data.get("suite_rows", []):
+            k = ("suite", r["id"], r["name"], r["ratio"], r["protocol"], r["question"])
+            if k not in m["seen"]:
+                m["seen"].add(k)
+                m["suite_rows"].append(r)
+    return models
+
+
+def report(files, docs: Path, plots: Path) -> None:
+    """Rewrite each model's section of ``docs`` (between its markers) and its plot under ``plots``."""
+    plots.mkdir(parents=True, exist_ok=True)
+    text = docs.read_text(encoding="utf-8") if docs.is_file() else "# Leaderboard\n"
+    for key, m in merge(files).items():
+        board = build_board(m["ppl_rows"], m["suite_rows"], m["min_full"])
+        ranks = rank_vs_h2o(board, m["ppl_rows"])
+        png = plots / f"leaderboard_{key}.png"
+        plot(png, board, MODEL_NAMES.get(key, key))
+        print(f"{key}:\n{side_by_side(board)}\n", flush=True)
+        try:
+            rel = Path(png).resolve().relative_to(docs.resolve().parent.parent)
+            where = f"Plot: `{rel}`."
+        except ValueError:
+            where = f"Plot: `{png}`."
+        body = markdown(board, ranks, m["files"], m["seconds"]) + "\n\n" + where
+        begin, end = f"<!-- leaderboard:{key} -->", f"<!-- /leaderboard:{key} -->"
+        section = f"{begin}\n{body}\n{end}"
+        if begin in text and end in text:
+            text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: section, text, flags=re.S)
+        else:
+            text = text.rstrip("\n") + f"\n\n### {MODEL_NAMES.get(key, key)}\n\n{section}\n"
+        print(f"wrote {png}", flush=True)
+    from kvpolicy_core.eval.tasks.cli_options import atomic_write_text
+
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(docs, text, "--docs")
+    print(f"wrote {docs}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

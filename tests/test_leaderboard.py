@@ -1,0 +1,104 @@
+"""benchmarks/leaderboard.py: its smoke size runs (tiny random model) and writes every method x ratio, the full
+cache's row, the per-model markdown table and plot; ``--report`` merges result files into a docs page without
+running anything. Benchmarks are programs, not timed tests: no number is checked here."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+METHODS = ["full", "rotating", "h2o", "snapkv"]  # the smoke size's
+RATIOS = [4.0, 8.0]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("leaderboard")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "leaderboard.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+@pytest.mark.slow
+def test_smoke_writes_every_method_at_every_ratio_and_the_full_cache(smoke):
+    out, stdout = smoke
+    data = json.loads((out / "leaderboard_smoke.json").read_text())
+    assert data["versions"]["mlx"] and data["command"].startswith("python")
+    assert data["config"]["methods"] == METHODS and data["config"]["ratios"] == RATIOS
+    assert "estimate:" in stdout  # printed at the start
+    rows = {(r["method"], r["ratio"]): r for r in data["board"]["rows"]}
+    assert ("full", 1.0) in rows and rows[("full", 1.0)]["score"] is not None
+    for m in METHODS[1:]:
+        for x in RATIOS:
+            r = rows[(m, x)]
+            assert r["score"] is not None  # both protocols ran
+            assert set(r["suite"]) == {"question-in-prompt", "query-agnostic"}
+            assert set(r["ppl_delta_pct"]) == {"pydoc", "stdlib"}  # two texts, one not the default corpus
+    ppl = {(r["method"], r["ratio"], r["text"]) for r in data["ppl_rows"]}
+    assert len(ppl) == (1 + 3 * 2) * 2
+    budgets = {(r["method"], r["ratio"]): r["budget"] for r in data["ppl_rows"] if r["text"] == "pydoc"}
+    assert budgets[("h2o", 4.0)] == 96 // 4 and budgets[("h2o", 8.0)] == 96 // 8  # budget = length / ratio
+    suite_methods = {r["method"] for r in data["suite_rows"]}
+    assert {"full", "h2o:budget=160", "h2o:budget=80", "rotating:budget=160"} <= suite_methods  # 640 / ratio
+    ranks = data["rank_vs_h2o"]
+    assert ranks["ratio"] == 8.0 and set(ranks["methods"]) == set(METHODS[1:])
+    assert "score_minus_h2o" in ranks["methods"]["snapkv"] and "ppl_ratio_vs_h2o" in ranks["methods"]["snapkv"]
+
+
+@pytest.mark.slow
+def test_smoke_writes_the_markdown_table_and_the_plot(smoke):
+    out, _ = smoke
+    md = (out / "leaderboard_smoke_tiny.md").read_text()
+    assert "| **full cache** | 1x |" in md
+    for m in METHODS[1:]:
+        assert f"| {m} | 4x |" in md and f"| {m} | 8x |" in md
+    assert "question-in-prompt" in md and "query-agnostic" in md and "Δppl stdlib" in md
+    png = out / "leaderboard_smoke_tiny.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_report_rewrites_a_models_section_of_the_docs_page(smoke, tmp_path):
+    out, _ = smoke
+    docs = tmp_path / "page.md"
+    docs.write_text("# Leaderboard\n\nintro\n\n<!-- leaderboard:tiny -->\nold\n<!-- /leaderboard:tiny -->\n\nafter\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "leaderboard.py"),
+            "--report",
+            str(out / "leaderboard_smoke.json"),
+            "--docs",
+            str(docs),
+            "--plots",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = docs.read_text()
+    assert "old" not in text and "intro" in text and text.rstrip().endswith("after")
+    assert "| **full cache** | 1x |" in text and "| h2o | 8x |" in text
+    assert (tmp_path / "leaderboard_tiny.png").is_file()
+
+
+def test_report_refuses_a_file_that_is_not_a_leaderboard_result(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"rows": []}))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "leaderboard.py"), "--report", str(bad), "--docs", str(tmp_path / "d.md")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "not a leaderboard result file" in proc.stderr

@@ -98,7 +98,8 @@ SIZES = {
     ),
 }
 SMOKE_PARAMS = {"niah_multikey": dict(keys=3, questions=2, digits=4)}
-#: seconds per unit on 2 shared x86 cores (fp32), used when no measured costs are given; at the suite length
+#: seconds per unit on 2 shared x86 cores (fp32), used when no measured costs are given (from the per-context
+#: costs in docs/long-context.md, the demo's tokens/s and the quick run in docs/leaderboard.md); at the suite length
 #: ``length``: ppl_token: one token-by-token step of one spec; prefill: a query-agnostic context prefill after
 #: the shared first chunk; qa_question / qip_question: one question (question-in-prompt: with its own prefill
 #: after the shared chunk); record: the shared first chunk, once per context.
@@ -489,6 +490,7 @@ def run_suite(model, tok, plan, state, save, model_name: str, smoke: bool):
 def build_board(ppl_rows, suite_rows, min_full: float = 60.0) -> dict:
     """Per method (``full`` included) per ratio: perplexity change per text (and their mean), the suite score per
     protocol (mean over unflagged tasks of RULER's score) and ``score`` (the mean over the protocols)."""
+    ppl_rows = label_texts(ppl_rows)
     texts = list(dict.fromkeys(r["text"] for r in ppl_rows))
     full_ppl = {r["text"]: r["perplexity"] for r in ppl_rows if r["method"] == "full"}
     tasks = [t for t in SUITE_TASKS if any(r["task"] == t for r in suite_rows)]
@@ -550,6 +552,14 @@ def build_board(ppl_rows, suite_rows, min_full: float = 60.0) -> dict:
     }
 
 
+def label_texts(ppl_rows) -> list:
+    """The rows with a text measured at several lengths (merged runs) labelled per length: ``pydoc@512``."""
+    sizes = {}
+    for r in ppl_rows:
+        sizes.setdefault(r["text"], set()).add(r["tokens"])
+    return [{**r, "text": r["text"] if len(sizes[r["text"]]) == 1 else f"{r['text']}@{r['tokens']}"} for r in ppl_rows]
+
+
 def sort_key(name: str):
     base = name.partition(":")[0]
     return (ORDER.index(base) if base in ORDER else len(ORDER), name)
@@ -576,7 +586,7 @@ def rank_vs_h2o(board: dict, ppl_rows, at: float = 8.0) -> dict:
         ),
     )
     h2o = next((r for r in rows if r["method"] == "h2o"), None)
-    nll = {(r["method"], r["text"]): r["nll"] for r in ppl_rows if r["ratio"] == ratio}
+    nll = {(r["method"], r["text"]): r["nll"] for r in label_texts(ppl_rows) if r["ratio"] == ratio}
     out = {"ratio": ratio, "order": [r["method"] for r in ordered], "methods": {}}
 
     def key(r):

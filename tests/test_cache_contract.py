@@ -94,7 +94,7 @@ def test_mlx_lm_generate_runs_with_attached_caches(tiny_model_dir):
 
 
 def test_offsets_sizes_and_masks_after_evictions():
-    cache = PolicyCache("h2o:budget=8,n_sink=2,recent=2,signal=proxy")
+    cache = PolicyCache("h2o:budget=8,n_sink=2,recent=2,signal=proxy,when=stream")
     k, v = random_kv(S=20)
     out_k, out_v = cache.update_and_fetch(k, v)
     assert out_k.shape[2] == 20 and cache.offset == 20 and cache.tokens_kept == 8
@@ -111,7 +111,7 @@ def test_offsets_sizes_and_masks_after_evictions():
 
 
 def test_contract_surface(tmp_path):
-    cache = PolicyCache("cam:budget=8,n_sink=2,merge=sim_weighted,signal=proxy")
+    cache = PolicyCache("cam:budget=8,n_sink=2,merge=sim_weighted,signal=proxy,when=stream")
     assert cache.empty() and cache.nbytes == 0 and cache.state[:4] == (None,) * 4 and not hasattr(cache, "bits")
     k, v = random_kv(S=6, dtype=mx.float16)
     cache.update_and_fetch(k, v)

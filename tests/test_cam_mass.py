@@ -200,14 +200,14 @@ def test_mass_caches_hold_the_budget_stay_finite_and_count_merges(merge, chunks)
 @pytest.mark.parametrize("chunks", [[1] * 40, [15, 1, 1, 18, 5]])
 def test_min_sim_trades_merges_for_drops_and_one_is_h2o_exactly_on_keys_of_distinct_directions(chunks):
     K, V = random_kv(B=2, H=2, S=40, D=8, seed=6)
-    base = "budget=10,n_sink=2,signal=proxy,prompt=true"
+    base = "budget=10,n_sink=2,signal=proxy,prompt=true,when=stream"
     merges = []
     for tau in (-1.0, 0.5, 0.8):
         cache = PolicyCache(f"cam:{base},min_sim={tau}")
         feed(cache, K, V, chunks)
         merges.append(int(cache.merges))
     assert merges[0] > merges[1] > merges[2] > 0  # a higher threshold merges fewer losers
-    never, h2o = PolicyCache(f"cam:{base},min_sim=1"), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
+    never, h2o = PolicyCache(f"cam:{base},min_sim=1"), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy,when=stream")
     for c in (never, h2o):
         feed(c, K, V, chunks)
     assert never.merges == 0 and not mx.any(never.log_weights).item()
@@ -225,7 +225,7 @@ def test_cap_bounds_what_one_slot_stands_for_and_cap_one_is_h2o_exactly():
     assert float(mx.max(free.log_weights).item()) > math.log(2) + 0.1  # uncapped, some slot absorbs more
     assert float(mx.max(capped.log_weights).item()) <= math.log(2) + 1e-6
     assert 0 < capped.merges < free.merges  # full targets drop their losers instead
-    never, h2o = PolicyCache(f"cam:{base},cap=1"), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
+    never, h2o = PolicyCache(f"cam:{base},cap=1"), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy,when=stream")
     for c in (never, h2o):
         feed(c, K, V, [1] * 80)
     assert never.merges == 0
@@ -255,7 +255,7 @@ def test_min_sim_is_refused_for_merges_that_do_not_use_it():
 def test_the_default_merges_only_at_decode_steps_so_a_prompt_is_compressed_as_h2o_compresses_it():
     """cam's default (prompt=false): a prompt chunk's losers are dropped, bit for bit H2O's cache; decode merges."""
     K, V = random_kv(B=2, H=2, S=48, D=8, seed=8)
-    cam, h2o = PolicyCache("cam:budget=12,n_sink=2,signal=proxy"), PolicyCache("h2o:budget=12,n_sink=2,signal=proxy")
+    cam, h2o = (PolicyCache(f"{m}:budget=12,n_sink=2,signal=proxy,when=stream") for m in ("cam", "h2o"))
     for c in (cam, h2o):
         feed(c, K[:, :, :40], V[:, :, :40], [30, 10])  # two prompt chunks, both evict
     assert cam.merges == 0
@@ -264,7 +264,7 @@ def test_the_default_merges_only_at_decode_steps_so_a_prompt_is_compressed_as_h2
     for c in (cam, h2o):
         feed(c, K[:, :, 40:], V[:, :, 40:], [1] * 8)  # decode steps: losers within min_sim merge
     assert cam.merges > 0 and not mx.array_equal(cam.state[1], h2o.state[1])
-    prompts = PolicyCache("cam:budget=12,n_sink=2,signal=proxy,prompt=true,min_sim=-1")
+    prompts = PolicyCache("cam:budget=12,n_sink=2,signal=proxy,prompt=true,min_sim=-1,when=stream")
     feed(prompts, K[:, :, :40], V[:, :, :40], [30, 10])
     assert prompts.merges > 0  # prompt=true merges prompt losers too
 
@@ -282,7 +282,7 @@ def test_an_update_that_changes_nothing_leaves_the_buffers_bit_for_bit(monkeypat
     K, V = random_kv(B=1, H=2, S=30, D=8, seed=10, dtype=dtype)
     V = mx.where(mx.arange(8) % 3 == 0, mx.array(-0.0, dtype), V)  # some -0.0 elements in every row
     config = "cam:budget=10,n_sink=2,signal=proxy,min_sim=1,gate=true"  # no two keys parallel
-    never, h2o = PolicyCache(config), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy")
+    never, h2o = PolicyCache(config), PolicyCache("h2o:budget=10,n_sink=2,signal=proxy,when=stream")
     for c in (never, h2o):
         feed(c, K, V, [1] * 30)
     assert never.merges == 0 and never.gate_draws == 0

@@ -41,7 +41,7 @@ def assert_same(got, want):
 @pytest.mark.parametrize("recent", [0, 3])
 def test_proxy_scores_and_evictions_match_the_reference(chunks, recent):
     K, V = random_kv(B=2, H=2, S=24, D=8, seed=11)
-    cache = drive(PolicyCache(f"h2o:budget=10,n_sink=2,recent={recent},signal=proxy"), K, V, chunks)
+    cache = drive(PolicyCache(f"h2o:budget=10,n_sink=2,recent={recent},signal=proxy,when=stream"), K, V, chunks)
     assert_same(as_dicts(cache), reference_h2o(np.array(K), chunks, 10, 2, recent))
 
 
@@ -51,7 +51,12 @@ def test_observed_scores_aggregate_query_rows_and_gqa_groups(chunks):
     Q = mx.random.normal((2, 6, 24, 8), key=mx.random.key(13))  # 3 query heads per KV head
     scale = 1 / math.sqrt(8)
     cache = drive(
-        PolicyCache("h2o:budget=10,n_sink=2,recent=2,signal=observed,obs_window=0,pool=1"), K, V, chunks, Q, scale
+        PolicyCache("h2o:budget=10,n_sink=2,recent=2,signal=observed,obs_window=0,pool=1,when=stream"),
+        K,
+        V,
+        chunks,
+        Q,
+        scale,
     )
     assert_same(as_dicts(cache), reference_h2o(np.array(K), chunks, 10, 2, 2, Q=np.array(Q), scale=scale))
 

@@ -179,7 +179,7 @@ def test_a_plugins_merge_target_outside_the_cache_is_refused_then_guarded(mass_p
     """The first decode updates are value-checked: a bad target is a PluginError, and the cache is rolled back.
     Past them, the store's device guard makes the same update write nothing outside the cache."""
     K, V = random_kv(B=1, H=2, S=30, D=8, seed=4)
-    cache = PolicyCache(f"outmass:{FIELDS},min_sim=-1,signal=proxy")
+    cache = PolicyCache(f"outmass:{FIELDS},min_sim=-1,signal=proxy,when=stream")
     feed(cache, K[:, :, :9], V[:, :, :9], [9])  # budget + 1 slots: the next token evicts
     with pytest.raises(PluginError, match="merge targets outside the cache"):
         feed(cache, K[:, :, 9:10], V[:, :, 9:10], [1])

@@ -180,7 +180,7 @@ class FailingScorer:
 
 def scripted_cache():
     merge = ScriptedLogWeightMerge()
-    policy = build_policy("h2o:budget=8,n_sink=1")
+    policy = build_policy("h2o:budget=8,n_sink=1,when=stream")
     cache = PolicyCache(policy._replace(disposition=merge, scorer=FailingScorer(policy.scorer)))
     return cache, merge
 

@@ -22,7 +22,7 @@ def test_observed_window_scores_and_evictions_match_the_reference(chunks, W, P):
     K, V = random_kv(B=2, H=2, S=24, D=8, seed=21)
     Q = mx.random.normal((2, 6, 24, 8), key=mx.random.key(22))  # 3 query heads per KV head
     scale = 1 / math.sqrt(8)
-    spec = f"h2o:budget=10,n_sink=2,recent=2,signal=observed,obs_window={W},pool={P}"
+    spec = f"h2o:budget=10,n_sink=2,recent=2,signal=observed,obs_window={W},pool={P},when=stream"
     cache = drive(PolicyCache(spec), K, V, chunks, Q, scale)
     want = reference_window(np.array(K), chunks, 10, 2, 2, W, P, Q=np.array(Q), scale=scale)
     assert_same(as_dicts(cache), want)
@@ -31,7 +31,9 @@ def test_observed_window_scores_and_evictions_match_the_reference(chunks, W, P):
 @pytest.mark.parametrize("chunks", CHUNKS[1:])
 def test_proxy_window_scores_match_the_reference(chunks):
     K, V = random_kv(B=1, H=2, S=24, D=8, seed=23)
-    cache = drive(PolicyCache("h2o:budget=10,n_sink=2,recent=3,signal=proxy,obs_window=4,pool=3"), K, V, chunks)
+    cache = drive(
+        PolicyCache("h2o:budget=10,n_sink=2,recent=3,signal=proxy,obs_window=4,pool=3,when=stream"), K, V, chunks
+    )
     assert_same(as_dicts(cache), reference_window(np.array(K), chunks, 10, 2, 3, 4, 3))
 
 
@@ -42,7 +44,7 @@ def test_a_prompt_in_chunks_scores_as_in_one_chunk_while_nothing_is_evicted(W, P
     cache), its scores, and so every later eviction, are those of the prompt in one chunk."""
     K, V = random_kv(B=1, H=2, S=40, D=8, seed=26)
     Q = mx.random.normal((1, 4, 40, 8), key=mx.random.key(27))
-    spec = f"h2o:budget=26,n_sink=2,signal={signal},obs_window={W},pool={P}"
+    spec = f"h2o:budget=26,n_sink=2,signal={signal},obs_window={W},pool={P},when=stream"
     runs = [drive(PolicyCache(spec), K, V, chunks + [1] * 16, Q, 0.3) for chunks in ([24], [5, 7, 12], [3, 21])]
     want = runs[0].state[:4]
     for cache in runs[1:]:

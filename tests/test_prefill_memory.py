@@ -1,4 +1,5 @@
-"""A long prompt prefilled in chunks holds memory bounded by the budget, not by the prompt.
+"""A long prompt prefilled in chunks by a streaming cache (``when="stream"``) holds memory bounded by the budget, not
+by the prompt (``when="prompt_end"`` holds the prompt, as mlx-lm's KVCache does: tests/test_schedule.py).
 
 mlx-lm's ``generate_step`` feeds a prompt ``prefill_step_size`` tokens at a time and evaluates each cache's
 ``state`` after every chunk; whatever a policy cache keeps alive beyond that (a lazy graph over earlier chunks'
@@ -39,7 +40,7 @@ def _active_after_each_chunk(model, caches, prompt):
 @pytest.mark.parametrize("method", SHIPPED_METHODS)
 def test_active_memory_after_each_prefill_chunk_stays_flat_over_a_long_prompt(method):
     model = tiny_llama(layers=2)
-    caches = KVCacheBuilder.for_model(model, with_fields(method, f"budget={BUDGET}"))
+    caches = KVCacheBuilder.for_model(model, with_fields(method, f"budget={BUDGET},when=stream"))
     prompt = mx.random.randint(0, 97, (CHUNK * CHUNKS + 1,), key=mx.random.key(3))
     seen = _active_after_each_chunk(model, caches, prompt)
     assert len(seen) == CHUNKS

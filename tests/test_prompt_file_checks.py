@@ -12,6 +12,7 @@ import struct
 import mlx.core as mx
 import mlx_lm
 import pytest
+from helpers import with_fields
 from mlx_lm.generate import BatchGenerator, generate_step
 
 from kvpolicy_core import KVCacheBuilder
@@ -48,8 +49,8 @@ def _write(model_dir, path, compress_once="kvzip", method=METHOD):
 def _in_memory(model, tok, compress_once):
     """The document's caches made here, as cache-prompt makes them (a fresh in-memory copy)."""
     ids = document_ids(tok, DOCUMENT)
-    if compress_once == "stream":
-        caches = KVCacheBuilder.for_model(model, METHOD)
+    if compress_once == "stream":  # the method's own streaming eviction (cache-prompt streams with when=stream)
+        caches = KVCacheBuilder.for_model(model, with_fields(METHOD, "when=stream"))
         for _ in generate_step(mx.array(ids), model, max_tokens=0, prompt_cache=caches, prefill_step_size=STEP):
             pass
         return caches

@@ -127,7 +127,7 @@ def test_the_state_setter_refuses_a_state_of_another_policy(config, needle):
 
 
 def test_a_state_holding_more_than_the_budget_is_refused():
-    big = _fed("h2o:budget=16,n_sink=2,signal=proxy", S=40)
+    big = _fed("h2o:budget=16,n_sink=2,signal=proxy,when=stream", S=40)
     state = list(big.state)
     meta = json.loads(state[4])
     meta["config"]["policy"]["budget"] = 8

@@ -45,7 +45,8 @@ def test_prompt_end_holds_the_prompt_and_cuts_it_once_as_one_chunk_would(method)
 
 def test_a_streaming_cache_cuts_every_chunk_and_prompt_end_keeps_more_of_the_start():
     K, V = random_kv(B=1, H=2, S=41)
-    stream, held = PolicyCache("h2o:signal=proxy,budget=8"), PolicyCache("h2o:signal=proxy,budget=8,when=prompt_end")
+    stream = PolicyCache("h2o:signal=proxy,budget=8,when=stream")
+    held = PolicyCache("h2o:signal=proxy,budget=8,when=prompt_end")
     feed(stream, K[:, :, :40], V[:, :, :40], (10, 10, 10, 10))
     feed(held, K[:, :, :40], V[:, :, :40], (10, 10, 10, 10))
     assert stream.n == 18 and held.n == 40  # budget + one chunk, against the whole prompt

@@ -23,7 +23,7 @@ from kvpolicy_core.testing.conformance import feed
 from kvpolicy_core.testing.tiny_models import write_model_dir
 
 CHUNKS = (12, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)  # 40 tokens, budget 10
-FIELDS = "budget=10,n_sink=2"
+FIELDS = "budget=10,n_sink=2,when=stream"  # CHUNKS evict at prompt chunks too
 #: the shipped matrix, plus every other installed method (e.g. the example plugin's) at its defaults
 #: gated mass merges (the shipped mass merges are ungated): each loser merging on its key cosine draws the gate
 GATED_MASS = ["cam:merge=mass,gate=true,min_sim=-1", "cam:merge=mass_blend,gate=true,min_sim=-1"]
@@ -52,7 +52,7 @@ def test_two_head_shards_keep_what_one_cache_keeps(method):
     """A rank holding heads 2..3 of 4 evicts and merges exactly as heads 2..3 of the whole cache."""
     keys, values = random_kv(B=2, H=4, S=40, D=8, seed=11)
     (pos, v), (pos_s, v_s), whole = split_run(method, keys, values)
-    assert pos.shape == (2, 4, 10)
+    assert pos.shape[:2] == (2, 4) and pos.shape[2] <= 10  # fewer after whole-chunk evictions
     np.testing.assert_array_equal(pos_s, pos)
     np.testing.assert_allclose(v_s, v, rtol=1e-6, atol=1e-6)
     if whole.policy.config.method == "cam" and whole.merge_gate and whole.merge_mode != "drop":

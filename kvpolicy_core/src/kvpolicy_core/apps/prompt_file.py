@@ -148,9 +148,9 @@ def cache_prompt(
         if compress_once not in (None, once.scorer):
             raise KVPolicyError(f"--compress-once {compress_once} contradicts the method {once.to_string()}")
         compress_once, config = once.scorer, once.config
-    if compress_once == STREAM:
-        compress_once = None
     config = parse_config(config)
+    if compress_once == STREAM:  # the method's own streaming eviction: never more than budget + one chunk held
+        compress_once, config = None, parse_config(config, when="stream")
     ids = document_ids(tokenizer, text)
     if not ids:
         raise KVPolicyError("the document has no tokens")

@@ -71,6 +71,12 @@ class AttentionPolicyConfig(PolicyConfig):
         "observed",
         description="Score signal: 'observed' the model's real queries (attention hook); 'proxy' each new key as the query.",  # noqa: E501
     )
+    when: Literal["stream", "prompt_end"] = Field(
+        "prompt_end",
+        description="When the cache evicts: 'prompt_end' (the default for attention-scored methods) holds the prompt "
+        "and cuts it once at its end, with its last queries (the question's) in view, then streams; 'stream' evicts "
+        "after every update, so prefill memory stays within budget + one chunk.",
+    )
     obs_window: Optional[int] = Field(
         None,
         ge=0,

@@ -67,7 +67,7 @@ def emulated(code, cpu, tmp_path, **env):
     # qemu runs AVX2 kernels at ~0.01 GFLOP/s: a 128-cubed probe sgemm takes ~0.4 s there, a 512-cubed one ~30 s.
     prelude = (
         f"import sys; sys.executable = {str(wrapper)!r}\n"
-        "from kvpolicy_core import blas_check; blas_check.PROBE_N = 128\n"
+        "from kvpolicy_core.runtime import blas_check; blas_check.PROBE_N = 128\n"
     )
     return subprocess.run(
         [QEMU, "-cpu", cpu, sys.executable, "-c", prelude + code], capture_output=True, text=True, env=full, timeout=600

@@ -83,7 +83,7 @@ def reference(compressed):
     """Each question's answer (text, token ids) from a fresh in-memory copy of the document's caches."""
     d, _ = compressed
     model, tokenizer = mlx_lm.load(str(d / "model"))
-    caches = KVCacheBuilder.for_model(model, METHOD)
+    caches = KVCacheBuilder.for_model(model, METHOD + ",when=stream")  # as --compress-once stream makes them
     for _ in generate_step(
         mx.array(document_ids(tokenizer, DOCUMENT)), model, max_tokens=0, prompt_cache=caches, prefill_step_size=STEP
     ):

@@ -44,6 +44,30 @@ def _config_from_file(path: str) -> Any:
         raise CLIError(f"--config {path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
 
 
+def _print_generation(model, tokenizer, prompt, caches, args):
+    """Stream ``args.max_tokens`` tokens of ``prompt`` (text or ids) through ``caches`` to stdout, prefill progress
+    on stderr; returns mlx-lm's last response (its counts and speeds)."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..runtime.progress import reporter
+
+    last = None
+    for response in mlx_lm.stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=args.max_tokens,
+        sampler=make_sampler(temp=args.temp),
+        prompt_cache=caches,
+        prompt_progress_callback=reporter("prefill"),
+    ):
+        print(response.text, end="", flush=True)
+        last = response
+    print()
+    return last
+
+
 def _with_budget(spec: Any, budget: Optional[int]) -> Any:
     from ..eval.perplexity import parse_spec
 
@@ -181,11 +205,8 @@ def _spec_from_args(args) -> Any:
 
 
 def cmd_generate(args) -> int:
-    import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
 
     from ..eval.perplexity import kv_bytes, make_caches, spec_label
-    from ..runtime.progress import reporter
 
     if args.prompt_cache:
         return _generate_from_prompt_cache(args)
@@ -193,19 +214,7 @@ def cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     model, tokenizer, _ = _load_model(args.model, args.dtype, args.parallel)
     caches = make_caches(model, spec)
-    last = None
-    for response in mlx_lm.stream_generate(
-        model,
-        tokenizer,
-        prompt,
-        max_tokens=args.max_tokens,
-        sampler=make_sampler(temp=args.temp),
-        prompt_cache=caches,
-        prompt_progress_callback=reporter("prefill"),
-    ):
-        print(response.text, end="", flush=True)
-        last = response
-    print()
+    last = _print_generation(model, tokenizer, prompt, caches, args)
     kept, full = kv_bytes(caches)
     summary = {
         "method": spec_label(spec),
@@ -242,12 +251,9 @@ def cmd_generate(args) -> int:
 
 def _generate_from_prompt_cache(args) -> int:
     """``kvpolicy generate --prompt-cache FILE QUESTION``: answer from a copy of a compressed document's caches."""
-    import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
 
     from ..eval.perplexity import kv_bytes
     from ..model.resolve import resolve_model_path
-    from ..runtime.progress import reporter
     from .prompt_file import file_metadata, load_prompt_file, question_ids
 
     if args.method or args.config or args.budget is not None:
@@ -266,19 +272,7 @@ def _generate_from_prompt_cache(args) -> int:
     ids = question_ids(tokenizer, _read_prompt(args))
     if not ids:
         raise CLIError("the question has no tokens")
-    last = None
-    for response in mlx_lm.stream_generate(
-        model,
-        tokenizer,
-        ids,
-        max_tokens=args.max_tokens,
-        sampler=make_sampler(temp=args.temp),
-        prompt_cache=caches,
-        prompt_progress_callback=reporter("prefill"),
-    ):
-        print(response.text, end="", flush=True)
-        last = response
-    print()
+    last = _print_generation(model, tokenizer, ids, caches, args)
     kept, full = kv_bytes(caches)
     summary = {
         "method": info["method"] if info else "mlx-lm caches",

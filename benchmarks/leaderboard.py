@@ -385,9 +385,10 @@ def run(args):
     board = state["board"]
     print("\n" + side_by_side(board, plan) + "\n", flush=True)
     md = markdown(board, state["rank_vs_h2o"], [str(out / f"{name}.json")], state["seconds"])
-    (out / f"{name}_{model_key}.md").write_text(md + "\n", encoding="utf-8")
-    plot(out / f"{name}_{model_key}.png", board, MODEL_NAMES.get(model_key, model_key))
-    print(f"wrote {out / (name + '.json')}, {name}_{model_key}.md and .png in {state['seconds']:.0f} s", flush=True)
+    stem = name if name.endswith(f"_{model_key}") else f"{name}_{model_key}"  # the model named once
+    (out / f"{stem}.md").write_text(md + "\n", encoding="utf-8")
+    plot(out / f"{stem}.png", board, MODEL_NAMES.get(model_key, model_key))
+    print(f"wrote {out / (name + '.json')}, {stem}.md and .png in {state['seconds']:.0f} s", flush=True)
 
 
 def run_perplexity(model, tok, plan, state, save):

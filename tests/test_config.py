@@ -46,7 +46,8 @@ def test_defaults_match_the_specification_except_the_measured_scorer_and_merge()
     )
     assert p.recent_tokens == 256
     # scorer defaults chosen by measurement (docs/methods/h2o.md); signal=proxy is the specification's
-    assert (p.signal, p.obs_window_rows, p.pool_width) == ("observed", 32, 15)
+    assert (p.signal, p.when, p.obs_window_rows, p.pool_width) == ("observed", "prompt_end", 32, 31)
+    assert parse_config("cam:when=stream").policy.pool_width == 15  # streaming chunks pool as measured before
     assert parse_config("cam:signal=proxy").policy.obs_window_rows == 0
     spec = parse_config("cam:merge=sim_weighted,signal=proxy").policy  # the specification's, gate on
     assert (spec.merge, spec.merge_gate, spec.merge_keys) == ("sim_weighted", True, False)

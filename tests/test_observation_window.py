@@ -90,7 +90,8 @@ def test_a_span_is_kept_whole():
 
 def test_config_defaults_and_the_v01_behaviour():
     h2o = build_policy("h2o:budget=64")
-    assert type(h2o.scorer) is ObservationWindowScorer and (h2o.scorer.window, h2o.scorer.pool) == (32, 15)
+    assert type(h2o.scorer) is ObservationWindowScorer and (h2o.scorer.window, h2o.scorer.pool) == (32, 31)
+    assert build_policy("h2o:budget=64,when=stream").scorer.pool == 15
     assert h2o.scorer.signal == "observed"
     for spec in ("h2o:signal=proxy", "cam:signal=proxy", "h2o:signal=observed,obs_window=0,pool=1"):
         assert type(build_policy(spec).scorer).__name__ == "CumulativeAttentionScorer", spec

@@ -212,7 +212,7 @@ def test_keydiff_and_expected_attention_pool_their_scores_over_the_nearest_retai
 def test_pool_applies_to_every_score_and_must_be_odd():
     assert parse_config("h2o:score=keydiff,pool=15").policy.pool_width == 15
     assert parse_config("cam:score=expected_attention,pool=3").policy.pool_width == 3
-    assert parse_config("h2o").policy.pool_width == 15
+    assert parse_config("h2o").policy.pool_width == 31 and parse_config("h2o:when=stream").policy.pool_width == 15
     with pytest.raises(ConfigError, match="pool must be odd"):
         parse_config("h2o:score=keydiff,pool=4")
     caches = KVCacheBuilder.for_model(tiny_llama(), "h2o:score=keydiff,pool=7,budget=16")

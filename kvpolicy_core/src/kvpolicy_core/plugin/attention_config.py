@@ -62,6 +62,10 @@ MAX_TOKENS = 2**31 - 1
 
 #: (obs_window, pool) used when the field is None, per signal (score="attention").
 WINDOW_DEFAULTS = {"observed": (32, 15), "proxy": (0, 1)}
+#: the observed pool of a prompt cut at its end (``when="prompt_end"``): the question attends to a statement's key
+#: words, and a pool of 15 around them ended before a 7-digit answer did (one token per digit) on both model
+#: families (Gemma 3 and SmolLM2, 4k tokens, 4x and 8x, docs/long-context.md#the-end-of-prompt-cut); 31 kept it
+CUT_POOL = 31
 
 
 class AttentionPolicyConfig(PolicyConfig):
@@ -88,7 +92,7 @@ class AttentionPolicyConfig(PolicyConfig):
         ge=1,
         le=POOL_MAX,
         description=f"Max-pool width over neighbouring positions for chunk scores (odd, at most {POOL_MAX}; "
-        "1: none; None: 15 observed, "
+        "1: none; None: 31 observed and cut at the prompt's end, 15 observed streaming, "
         "1 proxy, 1 keydiff/expected_attention).",
     )
 
@@ -197,7 +201,11 @@ class AttentionPolicyConfig(PolicyConfig):
     def pool_width(self) -> int:
         if self.pool is not None:
             return self.pool
-        return WINDOW_DEFAULTS[self.signal][1] if self.score == "attention" else POOL_DEFAULTS[self.score]
+        if self.score != "attention":
+            return POOL_DEFAULTS[self.score]
+        if self.signal == "observed" and self.when == "prompt_end":
+            return CUT_POOL
+        return WINDOW_DEFAULTS[self.signal][1]
 
     @property
     def scorer_name(self) -> str:

@@ -314,3 +314,43 @@ def test_the_end_of_prompt_cut_serves_requests_batches_and_a_growing_chat_within
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the chat reused its prompt cache
     finally:
         s.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_default_model_chat_reusing_its_prompt_cache_keeps_its_budget_and_the_first_turns_fact():
+    """A chat of three turns through `kvpolicy serve` (the default cut at each turn's end, `cam:budget=160`, about
+    3x by the last turn), each request extending the last one so mlx-lm's prompt cache is reused: every layer keeps
+    at most its budget, and the last turn's question about the first turn is answered as the full cache answers it."""
+    from kvpolicy_core.model.corpus import default_corpus
+    from kvpolicy_core.model.default import ensure_default_model
+
+    text = default_corpus()[20000:21400]
+    doc = text[:700] + " One of the special magic numbers for quiet-harbor is: 4721939. " + text[700:]
+    turns = [
+        f"Read this text.\n{doc}\nRemember the special magic number for quiet-harbor.",
+        "Say hello in one word.",
+        "What is the special magic number for quiet-harbor?",
+    ]
+    prefix = "One of the special magic numbers for quiet-harbor is:"
+    s = Server(["--method", "cam:budget=160", "--max-tokens", "12"], timeout=600)
+    try:
+        conversation, kept = "", []
+        for i, turn in enumerate(turns):
+            conversation += f"<start_of_turn>user\n{turn}<end_of_turn>\n<start_of_turn>model\n"
+            if i == len(turns) - 1:
+                conversation += prefix
+            status, body = s.post("/v1/completions", {"prompt": conversation, "max_tokens": 12 if i == 2 else 6})
+            assert status == 200, body
+            answer = body["choices"][0]["text"]
+            kept.append(s.stats()["recent"][-1])
+            if i < len(turns) - 1:
+                conversation += answer + "<end_of_turn>\n"
+        assert all(k <= 160 for r in kept for k in r["tokens_kept_per_layer"]) and kept[-1]["tokens_seen"] > 400
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the chat reused its prompt cache
+        model, tokenizer = mlx_lm.load(str(ensure_default_model("float32")))
+        full = mlx_lm.generate(model, tokenizer, conversation, max_tokens=12)
+        assert "4721939" in full  # the full cache answers it
+        assert "4721939" in answer, answer
+    finally:
+        s.stop()

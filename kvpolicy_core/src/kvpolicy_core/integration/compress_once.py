@@ -327,8 +327,7 @@ def cut(
         load_kept(cache, k, v, kept, s, L)
         out.scores.append(s)
         out.kept.append(kept)
-    hold_hook(model, out.caches)
-    return out
+    return out  # caches of differing budgets already hold the attention hook (the builder's rule)
 
 
 def hold_hook(model, caches: Sequence[Any]) -> None:

@@ -7,7 +7,7 @@ import pytest
 from pydantic import Field
 
 from kvpolicy_core import KVCacheBuilder, MethodSpec, PolicyCache, hookimpl, parse_config
-from kvpolicy_core.plugin.attention_config import AttentionPolicyConfig
+from kvpolicy_core.config.attention_config import AttentionPolicyConfig
 from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
 
 

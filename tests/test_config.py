@@ -282,7 +282,7 @@ def test_numeric_fields_beyond_what_the_machine_can_do_are_refused_naming_the_fi
 
 
 def test_the_bounds_themselves_are_accepted():
-    from kvpolicy_core.plugin.attention_config import MAX_TOKENS, N_FUTURE_MAX, POOL_MAX
+    from kvpolicy_core.config.attention_config import MAX_TOKENS, N_FUTURE_MAX, POOL_MAX
 
     assert parse_config(f"h2o:score=keydiff,pool={POOL_MAX}").policy.pool_width == POOL_MAX
     assert parse_config(f"cam:score=expected_attention,n_future={N_FUTURE_MAX}").policy.future_positions == 65536

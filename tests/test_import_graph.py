@@ -13,11 +13,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, name: str):
-    """kvpolicy_core modules ``path`` imports anywhere in its body (top level or inside functions)."""
+def imports_of(path: Path, name: str, top_only: bool = False):
+    """kvpolicy_core modules ``path`` imports anywhere in its body (top level or inside functions; ``top_only``:
+    at the top level)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in tree.body if top_only else ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             base = package
             for _ in range(node.level - 1):
@@ -62,7 +64,7 @@ def find_cycle(g):
 
 def test_core_has_no_import_cycle():
     g = graph()
-    assert "kvpolicy_core.config.parse" in g and "kvpolicy_core.plugin.discovery" in g["kvpolicy_core.config.parse"]
+    assert "kvpolicy_core.config.resolve" in g and "kvpolicy_core.plugin.discovery" in g["kvpolicy_core.config.resolve"]
     cycle = find_cycle(g)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -72,13 +74,49 @@ def test_the_checker_finds_a_cycle():
     assert find_cycle({"a": ["b"], "b": []}) is None
 
 
+def test_the_config_models_know_no_registry():
+    """The config models import nothing of the plugin host, directly or through other modules (only the flat form
+    of ``KVCacheConfig(...)`` reaches :mod:`kvpolicy_core.config.resolve`, inside its constructor)."""
+    g = graph()
+    top = {
+        name: [
+            t
+            for t in imports_of(ROOT / (name.split(".", 1)[1].replace(".", "/") + ".py"), name, top_only=True)
+            if t in g and t != name
+        ]
+        for name in (
+            "kvpolicy_core.config.policy_config",
+            "kvpolicy_core.config.attention_config",
+            "kvpolicy_core.config.cache_config",
+        )
+    }
+    for model, direct in top.items():
+        seen, todo = set(), list(direct)
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(g[m])
+        assert not any(m.startswith("kvpolicy_core.plugin") or m == "kvpolicy_core.config.resolve" for m in seen), (
+            model,
+            sorted(seen),
+        )
+
+
 def test_a_config_with_a_typed_policy_needs_no_registry(monkeypatch):
-    import kvpolicy_core.config.parse as config_module
+    import kvpolicy_core.config.resolve as resolve_module
+    from kvpolicy_core.config.cache_config import KVCacheConfig
+    from kvpolicy_core.config.parse import parse_config
     from kvpolicy_h2o import H2OConfig
 
     def no_registry():
         raise AssertionError("plugin discovery was used")
 
-    monkeypatch.setattr(config_module, "get_registry", no_registry)
-    cfg = config_module.KVCacheConfig(method="h2o", seed=3, policy=H2OConfig(budget=32))
+    monkeypatch.setattr(resolve_module, "get_registry", no_registry)
+    cfg = KVCacheConfig(method="h2o", seed=3, policy=H2OConfig(budget=32))
     assert cfg.policy.budget == 32 and cfg.h2o_budget == 32 and cfg.seed == 3
+    # a typed config passed onward is not parsed again: overrides go through the method's own config class
+    assert parse_config(cfg) is cfg
+    smaller = parse_config(cfg, budget=16, h2o_n_sink=2, seed=5)
+    assert (smaller.policy.budget, smaller.policy.n_sink, smaller.seed) == (16, 2, 5)
+    assert type(smaller.policy) is H2OConfig and smaller == cfg.replace(budget=16, n_sink=2, seed=5)

@@ -4,7 +4,7 @@ from typing import Literal, Optional
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from kvpolicy_core.plugin.attention_config import MAX_TOKENS, AttentionPolicyConfig
+from kvpolicy_core.config.attention_config import MAX_TOKENS, AttentionPolicyConfig
 
 #: Merges weighted by attention mass: ungated unless ``merge_gate`` is given.
 MASS_MERGES = ("mass", "mass_blend")

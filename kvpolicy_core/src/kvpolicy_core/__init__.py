@@ -22,9 +22,9 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "hookimpl": "plugin.hookspecs",
     "hookspec": "plugin.hookspecs",
-    "KVCacheConfig": "config.parse",
-    "PolicyConfig": "config.parse",
-    "AttentionPolicyConfig": "plugin.attention_config",
+    "KVCacheConfig": "config.cache_config",
+    "PolicyConfig": "config.policy_config",
+    "AttentionPolicyConfig": "config.attention_config",
     "parse_config": "config.parse",
     "ConfigError": "errors",
     "UnknownMethodError": "errors",

@@ -1,6 +1,6 @@
 """H2O's configuration: the shared budget fields and the attention scorer's fields."""
 
-from kvpolicy_core.plugin.attention_config import AttentionPolicyConfig
+from kvpolicy_core.config.attention_config import AttentionPolicyConfig
 
 
 class H2OConfig(AttentionPolicyConfig):

@@ -125,8 +125,8 @@ def _human(n: float) -> str:
 
 # ----------------------------------------------------------------------------- commands
 def cmd_methods(args) -> int:
+    from ..config.policy_config import COMMON_FIELDS, PolicyConfig
     from ..plugin.discovery import get_registry
-    from ..plugin.policy_config import COMMON_FIELDS, PolicyConfig
 
     reg = get_registry()
     rows = []

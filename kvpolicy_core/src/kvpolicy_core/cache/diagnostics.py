@@ -52,7 +52,7 @@ class CacheDiagnostics:
 
     @property
     def config(self):
-        """The method's config (a :class:`~kvpolicy_core.plugin.policy_config.PolicyConfig` subclass), e.g.
+        """The method's config (a :class:`~kvpolicy_core.config.policy_config.PolicyConfig` subclass), e.g.
         ``cache.config.budget``, ``cache.config.merge_gate``."""
         return self.policy.config.policy
 

@@ -1,10 +1,11 @@
-"""Configuration: per-method pydantic models, :class:`KVCacheConfig` and config strings.
+"""Config strings, JSON and dicts resolved, once, into a typed :class:`~.cache_config.KVCacheConfig`.
 
-A method's own fields live in its :class:`PolicyConfig` subclass (``budget``,
-``n_sink``, ...). :class:`KVCacheConfig` adds the fields every method shares
-(``method``, ``head_dim``, ``seed``, ``layers``) and accepts the method's fields
-either prefixed (``cam_budget=256``, the specification's API) or bare in a dict
-or config string (``"cam:budget=256,merge=mean"``).
+:func:`parse_config` is the one entry: every form but a typed config is read into a dict and resolved once
+(:func:`~.resolve.resolve`, the only lookup of the method in the plugin registry); a :class:`KVCacheConfig` is
+returned as it is, or changed by :meth:`KVCacheConfig.replace` (no registry). The method's own fields live in
+its :class:`~.policy_config.PolicyConfig` subclass (``budget``, ``n_sink``, ...); :class:`KVCacheConfig` adds the
+fields every method shares (``method``, ``head_dim``, ``seed``, ``layers``). A dict or config string gives the
+method's fields bare (``"cam:budget=256,merge=mean"``) or prefixed (``cam_budget=256``, the specification's API).
 
 Config-string grammar::
 
@@ -23,139 +24,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Dict, Literal, Mapping, Optional
-
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
+from typing import Any, Dict, Mapping
 
 from ..errors import ConfigError
-from ..plugin.attention_config import MAX_TOKENS
-from ..plugin.discovery import get_registry
-from ..plugin.policy_config import COMMON_FIELDS, PolicyConfig, format_errors
+from .cache_config import KVCacheConfig
+from .resolve import resolve
 
-__all__ = ["KVCacheConfig", "PolicyConfig", "COMMON_FIELDS", "parse_config", "parse_config_string"]
-
-
-#: The largest ``head_dim`` a config may expect (models have 64 to 256; it is only compared with the model's).
-MAX_HEAD_DIM = 1 << 16
-#: Token counts every method shares, bounded by :data:`~kvpolicy_core.plugin.attention_config.MAX_TOKENS` (positions
-#: and counters are int32 on the device; the layer allocation refuses more when the caches are built).
-TOKEN_COUNTS = ("budget", "n_sink", "recent")
-
-
-class KVCacheConfig(BaseModel):
-    """A validated cache configuration: the method, shared fields and the method's own config.
-
-    Accepts the specification's flat API::
-
-        KVCacheConfig(method="cam", head_dim=128, cam_budget=512, cam_n_sink=4)
-
-    ``config.cam_budget`` reads the method field back; ``config.policy`` is the
-    method's own pydantic model.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    method: str = Field(description="Registered method name, e.g. 'h2o' or 'cam'.")
-    head_dim: Optional[int] = Field(
-        None, ge=1, le=MAX_HEAD_DIM, description="Expected head dimension; checked against the model."
-    )
-    seed: int = Field(
-        0,
-        ge=0,
-        le=2**64 - 1,
-        description="Seed of every random draw (merge gates), in [0, 2**64 - 1]; same seed, same result.",
-    )
-    layers: Literal["all", "unbounded"] = Field(
-        "all", description="'all' layers, or only layers whose native cache is unbounded."
-    )
-    policy: SerializeAsAny[PolicyConfig]
-
-    def __init__(self, /, **data: Any) -> None:
-        try:
-            super().__init__(**(data if _typed(data) else get_registry().resolve(data)))
-        except ValidationError as exc:
-            raise ConfigError(format_errors(exc, "")) from None
-        _check_token_counts(self.method, self.policy)
-
-    @field_validator("seed", "head_dim", mode="before")
-    @classmethod
-    def _no_bools(cls, value: Any) -> Any:
-        if isinstance(value, bool):  # pydantic would take True as 1
-            raise ValueError("must be an integer, not a bool")
-        return value
-
-    def __getattr__(self, name: str):
-        policy = self.__dict__.get("policy")
-        method = self.__dict__.get("method")
-        if policy is not None and method and name.startswith(method + "_"):
-            field = name[len(method) + 1 :]
-            if field in type(policy).model_fields:
-                return getattr(policy, field)
-        return super().__getattr__(name)
-
-    def to_dict(self) -> Dict[str, Any]:
-        """Flat, JSON-ready form: common fields plus the method's fields (unprefixed)."""
-        out = {k: getattr(self, k) for k in COMMON_FIELDS}
-        out.update(self.policy.model_dump())
-        return out
-
-    def to_string(self) -> str:
-        """The config-string form of this config (only the fields needed to give it back)."""
-        items = _needed_fields(self.policy)
-        for key in ("head_dim", "seed", "layers"):
-            if getattr(self, key) != type(self).model_fields[key].default:
-                items[key] = getattr(self, key)
-        body = ",".join(f"{k}={_fmt(v)}" for k, v in items.items())
-        return f"{self.method}:{body}" if body else self.method
-
-
-def _check_token_counts(method: str, policy: PolicyConfig) -> None:
-    """Every method's shared token counts at most :data:`MAX_TOKENS`, refused naming the field (one check for every
-    method: the fields are :class:`PolicyConfig`'s)."""
-    for name in TOKEN_COUNTS:
-        value = getattr(policy, name, None)
-        if isinstance(value, int) and value > MAX_TOKENS:
-            raise ConfigError(
-                f"{method}_{name}: must be at most {MAX_TOKENS} tokens (positions are int32) (got {value})"
-            )
-
-
-def _typed(data: Mapping[str, Any]) -> bool:
-    """Already resolved: a policy config instance and nothing but common fields (no registry needed)."""
-    return isinstance(data.get("policy"), PolicyConfig) and set(data) <= set(COMMON_FIELDS) | {"policy"}
-
-
-def _needed_fields(policy: PolicyConfig) -> Dict[str, Any]:
-    """The smallest field set (by dropping fields in order) that validates back to ``policy``.
-
-    Not simply the non-default fields: a default that depends on another field (CaM's gate:
-    off for the mass merges) must be written when it differs from what the rest implies, and
-    left out when the rest implies it.
-    """
-    cls = type(policy)
-
-    def same(data: Dict[str, Any]) -> bool:
-        try:
-            return cls.model_validate(data) == policy
-        except Exception:  # noqa: BLE001 - a field set that does not validate is not the same config
-            return False
-
-    items = policy.model_dump()
-    if not same(items):  # cannot round-trip by field name: the plain non-default fields
-        return policy.model_dump(exclude_defaults=True)
-    for key in list(items):
-        rest = {k: v for k, v in items.items() if k != key}
-        if same(rest):
-            items = rest
-    return items
-
-
-def _fmt(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _validate_common(data: Dict[str, Any]) -> KVCacheConfig:
-    return KVCacheConfig(**data)
+__all__ = ["parse_config", "parse_config_string"]
 
 
 def parse_config_string(text: str) -> Dict[str, Any]:
@@ -205,16 +80,16 @@ def _coerce(value: str) -> Any:
 
 
 def parse_config(spec: Any, **overrides: Any) -> KVCacheConfig:
-    """Any config form -> a validated :class:`KVCacheConfig`.
+    """Any config form -> a validated :class:`KVCacheConfig`, the method looked up once.
 
-    ``spec`` may be a :class:`KVCacheConfig`, a config string (``"cam:budget=256"``),
-    a JSON object string, or a dict. ``overrides`` are applied on top.
+    ``spec`` may be a :class:`KVCacheConfig` (returned as it is, or :meth:`~KVCacheConfig.replace`'d with
+    ``overrides``: no registry), a config string (``"cam:budget=256"``), a JSON object string, or a dict.
+    ``overrides`` are applied on top.
     """
     if isinstance(spec, KVCacheConfig):
-        if not overrides:
-            return spec
-        data: Dict[str, Any] = {**spec.to_dict(), **overrides}
-        return _validate_common(data)
+        if overrides.get("method", spec.method) != spec.method:  # another method: its own config, resolved
+            return KVCacheConfig(**resolve({**spec.to_dict(), **overrides}))
+        return spec.replace(**overrides)
     if isinstance(spec, str):
         stripped = spec.strip()
         if stripped.startswith("{"):
@@ -233,4 +108,4 @@ def parse_config(spec: Any, **overrides: Any) -> KVCacheConfig:
     else:
         raise ConfigError(f"config: expected a KVCacheConfig, a config string or a dict (got {type(spec).__name__})")
     data.update(overrides)
-    return _validate_common(data)
+    return KVCacheConfig(**resolve(data))

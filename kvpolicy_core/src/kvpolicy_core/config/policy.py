@@ -9,7 +9,8 @@ import mlx.core as mx
 from ..errors import PluginError
 from ..parts.base import needs_of
 from ..plugin.discovery import get_registry
-from .parse import KVCacheConfig, parse_config
+from .cache_config import KVCacheConfig
+from .parse import parse_config
 
 
 class Policy(NamedTuple):
@@ -74,9 +75,9 @@ def cut_config(policy, W: int) -> Any:
     return None if W == policy.recent_tokens else policy.model_copy(update={"recent": W})
 
 
-def allocation_of(config: Any):
+def allocation_of(config: KVCacheConfig):
     """(the config's allocation part, built, and its owner string for messages)."""
-    policy = parse_config(config).policy
+    policy = config.policy
     entry = get_registry().part("allocations", policy.allocation, "allocation")
     owner = f"allocation {policy.allocation!r} of plugin {entry.plugin!r}"
     try:

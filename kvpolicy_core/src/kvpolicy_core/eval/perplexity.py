@@ -18,7 +18,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..cache.policy_cache import PolicyCache
-from ..config.parse import KVCacheConfig, parse_config, parse_config_string
+from ..config.cache_config import KVCacheConfig
+from ..config.parse import parse_config, parse_config_string
 from ..errors import ConfigError
 from ..integration.builder import KVCacheBuilder
 from ..integration.compress_once import split_spec

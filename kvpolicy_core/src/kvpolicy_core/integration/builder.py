@@ -10,7 +10,8 @@ from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache,
 from ..attention import hook as attention
 from ..cache.layer_group import LayerGroup
 from ..cache.policy_cache import PolicyCache
-from ..config.parse import KVCacheConfig, parse_config
+from ..config.cache_config import KVCacheConfig
+from ..config.parse import parse_config
 from ..config.policy import allocation_of, build_policy, layer_budgets
 from ..errors import ConfigError, ModelError
 from ..parts.allocation import LayerInfo
@@ -211,7 +212,7 @@ def layer_policies(model, config: KVCacheConfig, windows, layer_offset: int = 0,
     for b, rope in zip(budgets, ropes):
         if (b, rope) not in built:
             extra = {} if rope is None else dict(zip(("rope_freqs", "rope_traditional"), rope))
-            built[(b, rope)] = build_policy(parse_config(config, budget=b, **extra))
+            built[(b, rope)] = build_policy(config.replace(budget=b, **extra))
         out.append(built[(b, rope)])
     return out
 
@@ -221,7 +222,7 @@ def attach(model, config: Any):
 
     Returns the validated config. Undo with :func:`detach`.
     """
-    config: KVCacheConfig = parse_config(config)
+    config: KVCacheConfig = parse_config(config)  # once: every generation's caches are built from this typed config
     caches = KVCacheBuilder.for_model(model, config)  # validate now
     hook = model.__dict__.get(_HOOK)
     if needs_hook(caches) and (hook is None or not hook.active):  # keep the hook while attached

@@ -4,6 +4,7 @@ from typing import Optional
 
 from pydantic import Field
 
+from ..config.policy_config import PolicyConfig
 from ..parts.allocation import PyramidAllocation, UniformAllocation
 from ..parts.cumulative_attention import CumulativeAttentionScorer
 from ..parts.drop import DropDisposition
@@ -13,7 +14,6 @@ from ..parts.lowest_score import LowestScoreSelector
 from ..parts.observation_window import ObservationWindowScorer
 from ..parts.random_score import RandomScorer
 from .hookspecs import hookimpl
-from .policy_config import PolicyConfig
 from .registry import MethodSpec
 
 

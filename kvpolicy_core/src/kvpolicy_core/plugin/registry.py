@@ -13,20 +13,12 @@ import dataclasses
 import importlib.metadata
 import re
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
+from ..config.policy_config import PolicyConfig
 from ..errors import ConfigError, PluginError, UnknownMethodError
-from .policy_config import (
-    COMMON_FIELDS,
-    PolicyConfig,
-    canonical_names,
-    format_errors,
-    policy_field_names,
-    reject_bad_ints,
-    reject_non_finite,
-)
 
 PartName = Union[str, Callable[[Any], str]]
 
@@ -163,59 +155,6 @@ class Registry:
         if _installed(dist):
             return f"{dist} is installed but did not register {method!r}{failed}"
         return f"To add it, install its plugin: pip install {dist}{failed}"
-
-    def resolve(self, data: Mapping[str, Any]) -> Dict[str, Any]:
-        """Resolve ``data["method"]`` and validate its fields into the method's config class.
-
-        ``data`` holds the common fields and the method's fields, bare (``budget``) or
-        prefixed (``cam_budget``), or a ``policy`` (a config instance or a dict). Returns
-        the common fields plus ``policy``, an instance of the method's config class; any
-        problem is a :class:`ConfigError` naming the field and the accepted values.
-        """
-        data = dict(data)
-        method = data.get("method")
-        if not isinstance(method, str) or not method:
-            raise ConfigError(f"method: a method name is required (got {method!r})")
-        spec = self.method(method)
-        policy = data.pop("policy", None)
-        if isinstance(policy, spec.config_class):
-            fields: Dict[str, Any] = policy.model_dump()
-        elif isinstance(policy, Mapping):
-            fields = dict(policy)
-        elif policy is None:
-            fields = {}
-        else:
-            raise ConfigError(f"policy: expected a {spec.config_class.__name__} or a dict (got {policy!r})")
-        prefix = method + "_"
-        known = policy_field_names(spec.config_class)
-        canonical = canonical_names(spec.config_class)
-        written = {canonical.get(name, name): name for name in fields}  # field -> the key the user wrote
-        if len(written) < len(fields):
-            raise ConfigError(f"policy: a field is given twice under two of its names ({', '.join(fields)})")
-        for key in list(data):
-            if key in COMMON_FIELDS:
-                continue
-            name = key[len(prefix) :] if key.startswith(prefix) else key
-            field = canonical.get(name, name)
-            if field in written:
-                raise ConfigError(
-                    f"{key}: the field {field!r} is given twice (as {written[field]!r} and as "
-                    f"{key!r}: bare, prefixed, aliased or in policy)"
-                )
-            if key.startswith(prefix) or key in known:
-                fields[name] = data.pop(key)
-                written[field] = name
-            else:
-                allowed = ", ".join(list(COMMON_FIELDS) + sorted(prefix + f for f in spec.config_class.model_fields))
-                raise ConfigError(f"{key}: unknown field for method {method!r}; accepted fields: {allowed}")
-        reject_non_finite(fields, prefix)
-        reject_non_finite({k: v for k, v in data.items() if k != "method"}, "")
-        reject_bad_ints(spec.config_class, fields, prefix)
-        try:
-            data["policy"] = spec.config_class(**fields)
-        except ValidationError as exc:  # errors name the field as the user wrote it (an alias stays an alias)
-            raise ConfigError(format_errors(exc, prefix, {f: prefix + n for f, n in written.items()})) from None
-        return data
 
     def part(self, kind: str, name: str, field: str) -> Registered:
         """The part ``name`` of ``kind`` (``"allocations"``, ...) that config field ``field`` names, or a

@@ -1,19 +1,21 @@
-"""The fields every budgeted eviction method shares, and how validation errors are worded.
+"""The fields every budgeted eviction method shares, and how a method's fields are validated into its config.
 
 A method's config class subclasses :class:`PolicyConfig`; this module imports nothing of
-kvpolicy but its errors, so plugins, the registry and the config API can all build on it.
+kvpolicy but its errors (no registry), so plugins, the registry and the config API can all build on it.
+:func:`policy_from_fields` sorts a method's fields (bare, prefixed or aliased) from the common ones and
+validates them by the method's config class: the registry only finds that class (:func:`.parse.resolve`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Dict, Literal, Mapping, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import ConfigError
 
-#: Fields of :class:`~kvpolicy_core.config.parse.KVCacheConfig` itself, shared by every method.
+#: Fields of :class:`~kvpolicy_core.config.cache_config.KVCacheConfig` itself, shared by every method.
 COMMON_FIELDS = ("method", "head_dim", "seed", "layers")
 
 
@@ -156,3 +158,65 @@ def policy_field_names(config_class) -> set:
         elif alias is not None:
             names.update(a for a in getattr(alias, "choices", []) if isinstance(a, str))
     return names
+
+
+def policy_from_fields(config_class, method: str, data: Mapping[str, Any]) -> Tuple[Dict[str, Any], Any]:
+    """``data`` sorted into (the common fields, an instance of ``config_class``), with no registry.
+
+    ``data`` holds the common fields (:data:`COMMON_FIELDS`) and ``method``'s fields, bare (``budget``),
+    prefixed (``cam_budget``) or aliased, or a ``policy`` (a ``config_class`` instance or a dict). Any problem is
+    a :class:`ConfigError` naming the field as the user wrote it and the accepted fields.
+    """
+    data = dict(data)
+    policy = data.pop("policy", None)
+    if isinstance(policy, config_class):
+        fields: Dict[str, Any] = policy.model_dump()
+    elif isinstance(policy, Mapping):
+        fields = dict(policy)
+    elif policy is None:
+        fields = {}
+    else:
+        raise ConfigError(f"policy: expected a {config_class.__name__} or a dict (got {policy!r})")
+    prefix = method + "_"
+    known = policy_field_names(config_class)
+    canonical = canonical_names(config_class)
+    written = {canonical.get(name, name): name for name in fields}  # field -> the key the user wrote
+    if len(written) < len(fields):
+        raise ConfigError(f"policy: a field is given twice under two of its names ({', '.join(fields)})")
+    for key in list(data):
+        if key in COMMON_FIELDS:
+            continue
+        name = key[len(prefix) :] if key.startswith(prefix) else key
+        field = canonical.get(name, name)
+        if field in written:
+            raise ConfigError(
+                f"{key}: the field {field!r} is given twice (as {written[field]!r} and as "
+                f"{key!r}: bare, prefixed, aliased or in policy)"
+            )
+        if key.startswith(prefix) or key in known:
+            fields[name] = data.pop(key)
+            written[field] = name
+        else:
+            allowed = ", ".join(list(COMMON_FIELDS) + sorted(prefix + f for f in config_class.model_fields))
+            raise ConfigError(f"{key}: unknown field for method {method!r}; accepted fields: {allowed}")
+    reject_non_finite(fields, prefix)
+    reject_non_finite({k: v for k, v in data.items() if k != "method"}, "")
+    reject_bad_ints(config_class, fields, prefix)
+    try:
+        policy = config_class(**fields)
+    except ValidationError as exc:  # errors name the field as the user wrote it (an alias stays an alias)
+        raise ConfigError(format_errors(exc, prefix, {f: prefix + n for f, n in written.items()})) from None
+    return data, policy
+
+
+def field_name(config_class, method: str, key: str) -> str:
+    """The field of ``config_class`` that ``key`` (bare, prefixed with ``method_`` or aliased) names, or ``key``."""
+    prefix = method + "_"
+    name = key[len(prefix) :] if key.startswith(prefix) else key
+    return canonical_names(config_class).get(name, name)
+
+
+def is_resolved(data: Mapping[str, Any]) -> bool:
+    """Whether ``data`` is already a typed config's fields: a policy config instance and nothing but common fields
+    (resolving it needs no registry)."""
+    return isinstance(data.get("policy"), PolicyConfig) and set(data) <= set(COMMON_FIELDS) | {"policy"}

@@ -66,6 +66,18 @@ def spans_kept(kept, spans, L):
     return [round(float(held[:, a:b].mean()), 3) for a, b in spans]
 
 
+def full_caches(model, ids, step=2048):
+    """The uncompressed cache of ``ids``: the model's own caches (mlx-lm's), prefilled in chunks of ``step``."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    for a in range(0, len(ids), step):
+        model(mx.array(ids[a : a + step], dtype=mx.uint32)[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches
+
+
 def ask_all(model, tok, ctx, caches, row):
     """One row per question of ``ctx``, each asked of a fresh copy of ``caches``: ``row`` plus its answer and score."""
     out = []
@@ -114,15 +126,17 @@ def main():
             params = dataclasses.replace(ruler.preset_params("calibrated", args.task, name), depth=depth)
             ctx = ruler.build_context(tok, args.task, args.length, hay, i, model=name, chat="none", params=params)
             ids, L = ctx.context_ids, len(ctx.context_ids)
-            full = co.prefill_full(model, ids, 2048)
-            contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
+            contexts = co.prefill_full(model, ids, 2048)
             chunks = rc.repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, 2048, repeat.tail)
             chunk_spans = [(a, min(a + 2048, L)) for a in range(0, L, 2048)]
             scores = both_scores(model, contexts, chunks, chunk_spans, co.parse_config(args.method).policy.n_sink)
             where = {"context": ctx.id, "haystack": hay, "depth": depth}
             if args.full:
-                cut = {"ratio": 1.0, "normalise": "-", "pool": 0, "allocation": "full", "budgets": [L] * len(full)}
+                full = full_caches(model, ids)
+                sizes = [c.size() for c in full]
+                cut = {"ratio": 1.0, "normalise": "-", "pool": 0, "allocation": "full", "budgets": sizes}
                 rows += ask_all(model, tok, ctx, full, {**where, **cut})
+                del full
             for (norm, s), ratio, P, allocation in itertools.product(scores.items(), ratios, pools, allocations):
                 if norm not in norms:
                     continue
@@ -138,7 +152,7 @@ def main():
                     "spans_kept": spans_kept(compressed.kept, ctx.spans, L),
                 }  # fmt: skip
                 rows += ask_all(model, tok, ctx, compressed.caches, {**where, **cut})
-            del full, contexts
+            del contexts
     hits = defaultdict(list)
     for r in rows:
         hits[(r["ratio"], r["normalise"], r["pool"], r["allocation"])].append(r["score"])

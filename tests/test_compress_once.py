@@ -116,8 +116,7 @@ def test_per_chunk_normalisation_matches_kvpress_rule_in_a_numpy_reference(model
     from kvpolicy_core.integration.compress_once import prefill_full
     from kvpolicy_core.integration.reconstruction import reconstruction_scores
 
-    full = prefill_full(model, IDS, 128)
-    contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
+    contexts = prefill_full(model, IDS, 128)
     chunks = repeat_chunks(IDS, REPEAT.first, REPEAT.later, REPEAT.suffix, CHUNK, REPEAT.tail)
     whole = []
     spans = [(a, min(L, a + CHUNK)) for a in range(0, L, CHUNK)]
@@ -176,8 +175,7 @@ def test_the_window_of_one_query_is_that_querys_attention_on_sliding_window_laye
     seen = _record_attention(monkeypatch, gemma_module)
     mx.eval(gemma(mx.array(IDS[-1:], dtype=mx.uint32)[None], cache=caches))
     monkeypatch.undo()
-    full = prefill_full(gemma, IDS, 16)
-    got = window_scores(gemma, [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full], IDS, 1)
+    got = window_scores(gemma, prefill_full(gemma, IDS, 16, extra=1), IDS, 1)
     windowed = 0
     for g, (q, k, scale, mask) in zip(got, seen):
         Hq, H = q.shape[1], k.shape[1]
@@ -361,13 +359,41 @@ def test_window_layers_keep_their_live_window():
         gemma, IDS, "cam:budget=20,n_sink=2", scorer="kvzip-layerwise", prefill_step=128, chunk=CHUNK
     )
     for cache, kept in zip(out.caches, out.kept):
-        assert cache.offset == L and cache.n == 20
-        if cache.window is not None:  # the positions the next query can see are all kept
-            assert set(range(L - cache.window + 1, L)) <= set(kept[0, 0].tolist())
+        if cache.window is not None:  # the positions the next query can see are all kept, and only those
+            assert cache.offset == L and cache.n == cache.window - 1 and cache.budget == 20
+            assert set(range(L - cache.window + 1, L)) == set(kept[0, 0].tolist())
         else:
+            assert cache.offset == L and cache.n == 20
             assert {0, 1} <= set(kept[0, 0].tolist())
     logits = gemma(mx.array([[5]], dtype=mx.uint32), cache=out.caches)
     assert np.isfinite(np.array(logits)).all()
+
+
+def test_window_layers_hold_their_window_and_score_as_if_they_held_the_whole_context():
+    """A sliding-window layer's prefill holds its last ``w + extra`` keys only (what mlx-lm's RotatingKVCache
+    attends): its K/V, reconstruction scores (both normalisations) and observation-window scores equal those of
+    a plain cache holding every position (whose earlier positions the window gives weight 0)."""
+    from kvpolicy_core.integration.compress_once import prefill_full
+    from kvpolicy_core.integration.reconstruction import Context, reconstruction_scores, window_scores
+
+    gemma = tiny_model("gemma3_text")  # window 8 on layers 0 and 2
+    caches = [KVCache() for _ in gemma.layers]
+    for a, b in ((0, 16), (16, 32), (32, 48), (48, L - 1), (L - 1, L)):  # prefill_full's chunks of 16
+        mx.eval(gemma(mx.array(IDS[a:b], dtype=mx.uint32)[None], cache=caches))
+    everything = [Context(c.keys[..., :L, :], c.values[..., :L, :]) for c in caches]
+    held = prefill_full(gemma, IDS, 16, extra=3)
+    assert [c.start for c in held] == [L - 11, 0, L - 11, 0]  # window 8 + 3 window queries
+    for h, e in zip(held, everything):
+        np.testing.assert_allclose(np.array(h.keys), np.array(e.keys[..., h.start :, :]), atol=1e-5, rtol=1e-5)
+    chunks = repeat_chunks(IDS, REPEAT.first, REPEAT.later, REPEAT.suffix, CHUNK, REPEAT.tail)
+    spans = [(a, min(L, a + CHUNK)) for a in range(0, L, CHUNK)]
+    for sp in (None, spans):
+        for h, e in zip(*(reconstruction_scores(gemma, c, chunks, sp, 2) for c in (held, everything))):
+            np.testing.assert_allclose(np.array(h), np.array(e), atol=2e-6, rtol=1e-4)
+    for h, e in zip(window_scores(gemma, held, IDS, 3), window_scores(gemma, everything, IDS, 3)):
+        np.testing.assert_allclose(np.array(h), np.array(e), atol=2e-6, rtol=1e-4)
+    with pytest.raises(ValueError, match="does not hold the 3 window queries"):
+        window_scores(gemma, prefill_full(gemma, IDS, 16, extra=1), IDS, 3)
 
 
 def test_bad_input_is_refused_with_the_field_named(model):

@@ -16,15 +16,19 @@ keeps about ``n_layers · budget`` tokens per head in all, and a layer whose tok
 sliding-window layer never more than its live window: :func:`live_budgets`); ``kvzip-layerwise`` keeps
 ``b_l = budget`` in every layer.
 
-Each head of layer l holds exactly ``b_l`` tokens (its cache's budget; keys, values, absolute positions ``keep`` in
+Each head of layer l holds ``min(b_l, live_l)`` tokens (``b_l`` its cache's budget; ``live_l`` the positions
+its next query can see: the whole context in a global layer, the window less one in a sliding-window layer, whose
+earlier positions are not loaded; keys, values, absolute positions ``keep`` in
 temporal order, scores ``score[keep]`` float32) and ``offset = L``, so the next token continues at position ``L``
 exactly as after a full prefill (mlx-lm rotates queries by ``cache.offset``). From then on the cache runs its
 method as usual: the scorer adds to the kept tokens' scores and the disposition handles later evictions. The one-
 shot cut drops the losers (KVzip's rule) for every method; CaM merges from its next eviction on. The spec's
 ``recent`` window is not protected at the cut (it protects the newest tokens of later evictions).
 
-Cost: one full prefill plus the reconstruction (about the same again). Memory: the full context's K/V are held
-until the cut, unlike a streaming method, which never holds more than budget + one chunk.
+Cost: one prefill as mlx-lm's own (a sliding-window layer holds and attends its window only) plus the
+reconstruction, which attends the whole context in global layers and the window in the others
+(``benchmarks/compress_once_cost.py`` measures both side by side). Memory: the global layers' full context K/V are
+held until the cut, unlike a streaming method, which never holds more than budget + one chunk.
 """
 
 from __future__ import annotations
@@ -35,15 +39,15 @@ from typing import Any, List, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..cache.policy_cache import PolicyCache
 from ..config.parse import parse_config
 from ..errors import ConfigError
 from ..parts.pooling import pool_by_position
 from ..runtime.progress import reporter
-from .builder import KVCacheBuilder
-from .reconstruction import reconstruction_scores, repeat_chunks, window_scores
+from .builder import KVCacheBuilder, native_caches
+from .reconstruction import Context, WindowPrefillCache, reconstruction_scores, repeat_chunks, window_scores
 from .token_ids import check_model_token_ids
 
 #: the compress-once scorers: ``kvzip`` shares the kept tokens out over the layers by one ranking (KVzip's rule),
@@ -94,10 +98,15 @@ class Compressed:
     kept: List[np.ndarray] = field(default_factory=list)  # [B, H, budget] int32 per layer
 
 
-def prefill_full(model, ids: Sequence[int], prefill_step: int) -> List[KVCache]:
-    """``ids`` through full caches, chunked as ``generate_step`` does: chunks of ``prefill_step`` over all but
-    the last token, then the last token alone."""
-    caches = [KVCache() for _ in model.layers]
+def prefill_full(model, ids: Sequence[int], prefill_step: int, extra: int = 0) -> List[Context]:
+    """``ids`` (L tokens) through the model's own caches, chunked as ``generate_step`` does (chunks of
+    ``prefill_step`` over all but the last token, then the last token alone): one :class:`~.reconstruction.Context`
+    per layer. A global layer holds all L keys (mlx-lm's ``KVCache``); a sliding-window layer (the model makes it a
+    ``RotatingKVCache(w)``) attends as that cache does and holds the last ``w + extra`` keys
+    (:class:`~.reconstruction.WindowPrefillCache`): what the cut can keep (positions above ``L - w``) and what
+    ``extra`` more queries at the end need (the observation window's). So this prefill costs what mlx-lm's does."""
+    windows = [n.max_size if type(n) is RotatingKVCache else None for n in native_caches(model)]
+    caches = [KVCache() if w is None else WindowPrefillCache(w, w + extra) for w in windows]
     ids = list(ids)
     done = 0
     progress = reporter("prefill")
@@ -111,16 +120,19 @@ def prefill_full(model, ids: Sequence[int], prefill_step: int) -> List[KVCache]:
     model(mx.array(ids[done:], dtype=mx.uint32)[None], cache=caches)
     mx.eval([c.state for c in caches])
     progress(len(ids), len(ids))
-    return caches
+    L = len(ids)
+    return [Context(c.keys[..., :L, :], c.values[..., :L, :]) if type(c) is KVCache else c.context() for c in caches]
 
 
-def selection_keys(score: np.ndarray, n_sink: int, window) -> np.ndarray:
-    """The ranking of the module docstring: ``score`` [B, H, L] with sinks +inf, window-dead positions -inf."""
+def selection_keys(score: np.ndarray, n_sink: int, window, start: int = 0) -> np.ndarray:
+    """The ranking of the module docstring: ``score`` [B, H, L] with sinks +inf, window-dead positions -inf (and
+    positions before ``start``, which the layer's prefilled context no longer holds)."""
     key = score.astype(np.float64).copy()
     L = score.shape[-1]
     key[..., : min(n_sink, L)] = np.inf
     if window is not None:
         key[..., : max(0, L - window + 1)] = -np.inf  # the query at L sees positions > L - window
+    key[..., :start] = -np.inf
     return key
 
 
@@ -198,7 +210,12 @@ def live_budgets(budgets: Sequence[int], keys: Sequence[np.ndarray], floor: int)
     """Each layer's budget capped at its live positions (a head's keys above -inf, the fewest over heads: a window
     layer's window less one, the next token's own slot; a global layer's whole context), but never below ``floor``
     (the method's smallest budget): a cut keeps no token its layer's next query cannot see."""
-    return [int(max(floor, min(b, int((k > -np.inf).sum(-1).min())))) for b, k in zip(budgets, keys)]
+    return [int(max(floor, min(b, live_count(k)))) for b, k in zip(budgets, keys)]
+
+
+def live_count(key: np.ndarray) -> int:
+    """The positions every head of a layer can still use: keys above -inf (the fewest over heads)."""
+    return int((key > -np.inf).sum(-1).min())
 
 
 def kept_positions(key: np.ndarray, budget: int) -> np.ndarray:
@@ -207,14 +224,18 @@ def kept_positions(key: np.ndarray, budget: int) -> np.ndarray:
     return np.sort(order, axis=-1).astype(np.int32)
 
 
-def load_kept(cache: PolicyCache, keys: mx.array, values: mx.array, positions: np.ndarray, scores: np.ndarray, L):
-    """Load the kept tokens into an empty policy cache through its public ``state`` (checked on restore)."""
+def load_kept(cache: PolicyCache, context: Context, positions: np.ndarray, scores: np.ndarray):
+    """Load the kept tokens (absolute ``positions`` [B, H, b], all held by ``context``) into an empty policy cache
+    through its public ``state`` (checked on restore), at ``offset = L``."""
+    if positions.size and int(positions.min()) < context.start:
+        raise ValueError(f"load_kept: position {int(positions.min())} is before the context's start {context.start}")
     idx = mx.array(positions)
+    at = mx.array(positions - context.start)[..., None]
     meta = json.loads(cache.meta_state[0])
-    meta["offset"] = int(L)
+    meta["offset"] = int(context.length)
     cache.state = (
-        mx.take_along_axis(keys, idx[..., None], axis=2),
-        mx.take_along_axis(values, idx[..., None], axis=2),
+        mx.take_along_axis(context.keys, at, axis=2),
+        mx.take_along_axis(context.values, at, axis=2),
         idx,
         mx.array(np.take_along_axis(scores, positions, axis=-1).astype(np.float32)),
         json.dumps(meta),
@@ -296,8 +317,7 @@ def score_context(
     several budgets. With ``window = W >= 1`` a score is ``max(score, win)``, ``win`` the attention of the context's
     last W queries (:func:`~.reconstruction.window_scores`)."""
     L = len(ids)
-    full = prefill_full(model, ids, prefill_step)
-    contexts = [(c.keys[..., :L, :], c.values[..., :L, :]) for c in full]
+    contexts = prefill_full(model, ids, prefill_step, extra=window)
     chunks = repeat_chunks(ids, repeat.first, repeat.later, repeat.suffix, chunk, repeat.tail)
     spans = [(a, min(a + chunk, L)) for a in range(0, L, chunk)] if normalise == "chunk" else None
     progress = reporter("reconstruction")
@@ -319,15 +339,16 @@ def cut(
     built = {budget: KVCacheBuilder.for_model(model, config)}
     P = cut_pool(config)
     scores = [pooled_scores(s, P) for s in scores]
-    keys = [selection_keys(s, n_sink, c.window) for s, c in zip(scores, built[budget])]
+    keys = [selection_keys(s, n_sink, c.window, x.start) for s, c, x in zip(scores, built[budget], contexts)]
     budgets = [budget] * len(keys) if layerwise else model_budgets(keys, budget, min_budget(config), L, share)
     out = Compressed(built[budget] if layerwise else KVCacheBuilder.for_model(model, config, budgets=budgets))
-    for cache, (k, v), s, key, b in zip(out.caches, contexts, scores, keys, budgets):
-        kept = kept_positions(key, b)
-        load_kept(cache, k, v, kept, s, L)
+    for cache, context, s, key, b in zip(out.caches, contexts, scores, keys, budgets):
+        kept = kept_positions(key, min(b, live_count(key)))  # a window layer's dead positions are not loaded
+        load_kept(cache, context, kept, s)
         out.scores.append(s)
         out.kept.append(kept)
-    return out  # caches of differing budgets already hold the attention hook (the builder's rule)
+    hold_hook(model, out.caches)  # layers holding different numbers of tokens (a window layer its window) need it
+    return out
 
 
 def hold_hook(model, caches: Sequence[Any]) -> None:

@@ -350,7 +350,8 @@ def _made_for(mask, S: int, plan) -> bool:
 
 def _needs_hook(row: Row) -> bool:
     """Does this row's attention step need the row's own queries or its own mask?"""
-    return row._step.needs.attention or row.uses_log_weights or (row.window is not None and row.offset > row.window)
+    windowed = row.window is not None and row.offset > row.window
+    return row.policy_step.needs.attention or row.uses_log_weights or windowed
 
 
 def _row_mask_in(n: int, L: int, window: Optional[int]):

@@ -24,6 +24,7 @@ joins, a row is extracted or saved).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -39,7 +40,7 @@ def can_stack(rows: Sequence) -> bool:
         return False
     r0 = rows[0]
     policy = r0.policy
-    if not r0._step.needs.batch_rows or r0._step._counts_more:  # stacked steps evict one slot per row
+    if not r0.policy_step.needs.batch_rows or r0.policy_step.counts_more:  # stacked steps evict one slot per row
         return False
     n = r0.n
     if r0.keys is None or n != r0.budget + 1:
@@ -75,28 +76,28 @@ class StackedRows:
         self.rows = list(rows)
         self.policy, self.layer, self.window, self.budget = r0.policy, r0.layer, r0.window, r0.budget
         self.head_shard, self.uses_log_weights = r0.head_shard, r0.uses_log_weights
-        self.step = r0._step
+        self.step = r0.policy_step
         self.hooks = tuple({id(h): h for h in (r.attention_hook for r in rows) if h is not None}.values())
-        self.hooked_always = r0._hooked_always
+        self.hooked_always = r0.hook_every_step
+        states = [r.row_state() for r in rows]
         self.slots = SlotStore(
-            r0.step, track_log_weights=self.uses_log_weights, track_key_norms=r0._slots.track_key_norms
+            r0.step, track_log_weights=self.uses_log_weights, track_key_norms=states[0].track_key_norms
         )
         n = r0.n
-        snaps = [r._slots.snapshot() for r in rows]
         stacked = {}
         for field in Snapshot._fields:
-            parts = [getattr(s, field) for s in snaps]
+            parts = [getattr(s.slots, field) for s in states]
             if field == "n" or parts[0] is None:
                 stacked[field] = n if field == "n" else None
             else:  # buffers [1, H, cap, D] / [1, H, cap] -> [B, H, n(, D)]
                 stacked[field] = mx.concatenate([p[:, :, :n] for p in parts])
         self.slots.restore(Snapshot(**stacked))
-        self.offsets: List[int] = [r.offset for r in rows]
-        names = sorted({k for r in rows for k in r._counters})
+        self.offsets: List[int] = [s.offset for s in states]
+        names = sorted({k for s in states for k in s.counters})
         zero = mx.array(0, dtype=mx.int32)
-        self.counters = {k: mx.stack([r._counters.get(k, zero) for r in rows]) for k in names}
-        self.attended = all(r._attended for r in rows)
-        self.updates = max(r._updates for r in rows)
+        self.counters = {k: mx.stack([s.counters.get(k, zero) for s in states]) for k in names}
+        self.attended = all(s.attended for s in states)
+        self.updates = max(s.updates for s in states)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -181,13 +182,22 @@ class StackedRows:
         """Write the stacked state back into the row caches (each row's slots, offset, counters) and return them."""
         snap = self.slots.snapshot()
         for b, r in enumerate(self.rows):
-            r._slots.restore(Snapshot(*(x[b : b + 1] if isinstance(x, mx.array) else x for x in snap)))
-            r.offset = self.offsets[b]
-            r._counters = {**r._counters, **{k: v[b] for k, v in self.counters.items()}}
-            r._attended, r._last_S, r._updates = self.attended, 1, self.updates
-            r._run, r._run_open = {}, False  # a decode step ends any run of prompt chunks
-            r._lw_used = r.uses_log_weights  # stacked steps may have merged: the row's bias is applied from now on
-            r._slots.track_key_norms = self.slots.track_key_norms  # a part read them: the row keeps them too
+            state = r.row_state()
+            r.set_row_state(
+                dataclasses.replace(
+                    state,
+                    slots=Snapshot(*(x[b : b + 1] if isinstance(x, mx.array) else x for x in snap)),
+                    offset=self.offsets[b],
+                    counters={**state.counters, **{k: v[b] for k, v in self.counters.items()}},
+                    attended=self.attended,
+                    last_S=1,
+                    updates=self.updates,
+                    run={},  # a decode step ends any run of prompt chunks
+                    run_open=False,
+                    lw_used=r.uses_log_weights,  # stacked steps may have merged: the row's bias applies from now on
+                    track_key_norms=self.slots.track_key_norms,  # a part read them: the row keeps them too
+                )
+            )
         return self.rows
 
     @property

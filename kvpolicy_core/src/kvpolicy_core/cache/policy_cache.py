@@ -37,7 +37,7 @@ the hook is refused, before anything changes, when the install was removed or a 
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
@@ -52,21 +52,10 @@ from ..runtime.sharding import check_head_shard
 from . import interop
 from .batch import BatchPolicyCache
 from .diagnostics import CacheDiagnostics
-from .slots import FIELDS, SlotStore, Snapshot, Token
+from .row_state import RowState
+from .slots import FIELDS, SlotStore, Token
 from .state import CacheState
 from .step import PolicyStep
-
-
-class Saved(NamedTuple):
-    """What a step may change (:meth:`PolicyCache._save`): the slot store's snapshot and the cache's own fields."""
-
-    slots: Snapshot
-    offset: int
-    counters: dict
-    attended: bool
-    run: dict
-    run_open: bool
-    lw_used: bool
 
 
 def _slot(name: str) -> property:
@@ -118,7 +107,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         #: the scorer takes the model's attention weights (``on_attention_weights``): one pass gives both
         self._weights_once = needs.attention_weights
         #: every step needs the attention hook (observed signal or log-weights; a window only past its length)
-        self._hooked_always = needs.attention or self.uses_log_weights
+        self.hook_every_step = needs.attention or self.uses_log_weights
         #: ``when="prompt_end"``: prompt chunks are held whole and cut at the first decode step (or settle())
         self._holds_prompt = self.policy.config.policy.when == "prompt_end"
         #: the :class:`~.layer_group.LayerGroup` of a data-driven allocation (set by the builder), or None
@@ -131,7 +120,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._last_S = keys.shape[2]
         self._check_observation()
         S = keys.shape[2]
-        saved = self._save()
+        saved = self.row_state()
         try:
             cut = self._holds_prompt and self._run_open  # this eviction cuts a held prompt at its end
             if cut and S == 1 and self.group is not None:
@@ -151,7 +140,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
                 self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
             self._attended = False
         except BaseException:
-            self._restore(saved)
+            self.set_row_state(saved)
             raise
         self._bound_graph()
         return self._slots.valid()
@@ -254,11 +243,11 @@ class PolicyCache(CacheState, CacheDiagnostics):
             self._rebudget(self.group.budget_for(self.layer, self.budget))
         n_evict = self._n_evict(1)
         if n_evict > 0:
-            saved = self._save()
+            saved = self.row_state()
             try:
                 self._slots.compact(self._evict(n_evict, cut=self._holds_prompt and self._run_open))
             except BaseException:
-                self._restore(saved)
+                self.set_row_state(saved)
                 raise
 
     @property
@@ -395,31 +384,44 @@ class PolicyCache(CacheState, CacheDiagnostics):
         windowed = self.window is not None and self.offset > self.window
         hook = self.attention_hook
         if hook is not None and not hook.active:
-            self._step.check_hook((hook,), windowed or self._hooked_always)
+            self._step.check_hook((hook,), windowed or self.hook_every_step)
         if self._hook_missing is not None and not self._attended:
             raise ModelError(
                 f"layer {self.layer}: this cache needs kvpolicy's attention hook, but {self._hook_missing}"
             )
         self._step.check_observed(windowed, self._attended or self.offset == 0)
 
-    def _save(self) -> Saved:
-        """A snapshot for :meth:`_restore`: all-or-nothing, if a part (or anything) raises, the cache is left
-        exactly as before. Every update is functional (MLX arrays are values), so references are a complete
-        snapshot."""
-        return Saved(
-            self._slots.snapshot(),
+    # ------------------------------------------------------------------ the row's state as a value
+    @property
+    def policy_step(self) -> PolicyStep:
+        """This layer's :class:`~.step.PolicyStep` (the one eviction route; stacked rows share their first row's)."""
+        return self._step
+
+    def row_state(self) -> RowState:
+        """This cache's state as a value (:class:`~.row_state.RowState`): :meth:`set_row_state` of it puts the cache
+        back exactly as it is now. Every update is functional (MLX arrays are values), so references are a complete
+        snapshot; a step that raises is rolled back through it (all-or-nothing)."""
+        sl = self._slots
+        return RowState(
+            sl.snapshot(),
             self.offset,
             self._counters,
             self._attended,
             self._run,
             self._run_open,
             self._lw_used,
+            self._last_S,
+            self._updates,
+            sl.track_key_norms,
         )
 
-    def _restore(self, saved: Saved) -> None:
-        self._slots.restore(saved.slots)
-        self.offset, self._counters, self._attended = saved.offset, saved.counters, saved.attended
-        self._run, self._run_open, self._lw_used = saved.run, saved.run_open, saved.lw_used
+    def set_row_state(self, state: RowState) -> None:
+        """Take ``state`` (a :meth:`row_state`, or one derived from it with :func:`dataclasses.replace`)."""
+        self._slots.restore(state.slots)
+        self._slots.track_key_norms = state.track_key_norms
+        self.offset, self._counters, self._attended = state.offset, dict(state.counters), state.attended
+        self._run, self._run_open, self._lw_used = dict(state.run), state.run_open, state.lw_used
+        self._last_S, self._updates = state.last_S, state.updates
 
     def _bound_graph(self) -> None:
         """Keep the lazy graph of scores and counters bounded over long runs.

@@ -148,7 +148,7 @@ class CacheState:
         if log_weights is not None and not self._slots.track_log_weights:
             raise KVPolicyError("state carries attention log-weights, but this cache's policy does not use them")
         self._check_same_policy(meta)
-        saved, hook, hook_missing = self._save(), self.attention_hook, getattr(self, "_hook_missing", None)
+        saved, hook, hook_missing = self.row_state(), self.attention_hook, getattr(self, "_hook_missing", None)
         try:
             if v[0] is None:
                 self._slots.load(None, None, None, None)
@@ -183,7 +183,7 @@ class CacheState:
             }
             self._restore_hook(meta, model)
         except BaseException:
-            self._restore(saved)
+            self.set_row_state(saved)
             self.attention_hook, self._hook_missing = hook, hook_missing
             raise
 

@@ -102,7 +102,7 @@ class PolicyStep:
         #: decode evictions left whose disposition update is value-checked (:data:`CHECKED_DECODE_EVICTIONS`)
         self.checked_decode = CHECKED_DECODE_EVICTIONS
         #: the selector may evict more than the overflow (its own ``evict_count``)
-        self._counts_more = getattr(sel, "evict_count", Selector.evict_count) is not Selector.evict_count
+        self.counts_more = getattr(sel, "evict_count", Selector.evict_count) is not Selector.evict_count
         self.compiling = Compiling()
         #: whether the scorer's on_append can change the scores (not the base class's: it returns them as they are)
         self.appends = type(policy.scorer).on_append is not Scorer.on_append
@@ -112,7 +112,7 @@ class PolicyStep:
         """How many of ``L`` slots an eviction removes for an overflow of ``over > 0``: the selector's
         ``evict_count(over, L)`` (:meth:`~kvpolicy_core.parts.base.Selector.evict_count`), checked to be an int
         in ``[over, L - 1]``."""
-        if not self._counts_more:
+        if not self.counts_more:
             return over
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
         E = self.call("selector", lambda _view: self.policy.selector.evict_count(over, L), None)

@@ -86,7 +86,7 @@ class PolicyConformance:
             total = sum(chunks)
             keys, values = random_kv(S=total, seed=len(chunks))
             cache = self.cache()
-            exact = cache.policy.config.policy.when == "stream" and not cache._step._counts_more
+            exact = cache.policy.config.policy.when == "stream" and not cache.policy_step.counts_more
             t = 0
             for S in chunks:
                 (shape,) = feed(cache, keys[:, :, t : t + S], values[:, :, t : t + S], (S,), scale=0.25)

@@ -89,9 +89,9 @@ SIZES = {
         methods="all",
         ratios="2,4,8,16",
         texts="pydoc,stdlib",
-        ppl_tokens=512,
-        length=4096,
-        tasks=",".join(SUITE_TASKS),
+        ppl_tokens=256,
+        length=2048,
+        tasks="niah_single,niah_multikey",
         haystacks="noise,pydoc",
         protocols=",".join(PROTOCOL_ORDER),
         seeds=None,  # chosen from the estimate (--hours)
@@ -108,6 +108,17 @@ COSTS = {
     "smollm2": dict(length=4096, ppl_token=0.25, prefill=70.0, qa_question=8.0, qip_question=70.0, record=60.0),
     "tiny": dict(length=640, ppl_token=0.002, prefill=0.05, qa_question=0.05, qip_question=0.05, record=0.05),
 }
+#: the one-chunk suite's and the batched perplexity's costs (seconds, 2 shared x86 cores, at ``length``):
+#: ppl_step: one token-by-token step of one spec with the texts as one batch; record: one prompt's full-cache
+#: forward (once per context and protocol and question); replay: a policy cache's replay of it; replay_group:
+#: the same for a layer-group method (pyramidkv, squeeze: the attention output is computed); real: a cache that
+#: cannot replay (mlx-lm's rotating) runs the forward; answer: one question asked and answered.
+ONE_CHUNK_COSTS = {
+    "gemma3": dict(length=2048, ppl_step=0.1, record=20.0, replay=0.5, replay_group=5.0, real=20.0, answer=1.5),
+    "smollm2": dict(length=2048, ppl_step=0.15, record=20.0, replay=0.8, replay_group=5.0, real=20.0, answer=1.5),
+    "tiny": dict(length=640, ppl_step=0.004, record=0.05, replay=0.02, replay_group=0.02, real=0.05, answer=0.05),
+}
+GROUP_METHODS = ("pyramidkv", "squeeze")  # replayed through the attention call (needle.replay_prefill)
 
 
 # ----------------------------------------------------------------------------- methods and specs
@@ -174,6 +185,7 @@ def load(model: str, smoke: bool):
 def measured_costs(files, model_key: str):
     """Median per-row costs of earlier leaderboard JSONs of ``model_key`` (None where none), keys of COSTS."""
     got = {"ppl_token": [], "prefill": [], "qa_question": [], "qip_question": [], "record": []}
+    got.update(ppl_step=[], replay=[], replay_group=[], real=[], answer=[])
     length = None
     for f in files:
         data = json.loads(Path(f).read_text(encoding="utf-8"))
@@ -181,9 +193,20 @@ def measured_costs(files, model_key: str):
             continue
         for r in data.get("ppl_rows", []):
             if r.get("seconds") and r.get("tokens"):
-                got["ppl_token"].append(r["seconds"] / (r["tokens"] - 1))
+                if r.get("batch"):
+                    got["ppl_step"].append(r["seconds"] * r["batch"] / (r["tokens"] - 1))
+                else:
+                    got["ppl_token"].append(r["seconds"] / (r["tokens"] - 1))
         for r in data.get("suite_rows", []):
             length = r["length"]
+            if r.get("prefill") == "one-chunk":
+                got["answer"].append(r["answer_seconds"])
+                if r["question"] == 0 or r["protocol"] == "question-in-prompt":
+                    kind = "real" if not r["replayed"] else "replay"
+                    if r["replayed"] and r["name"] in GROUP_METHODS:
+                        kind = "replay_group"
+                    got[kind].append(r["start_seconds"])
+                continue
             if r.get("reused"):
                 continue
             if r["protocol"] == "query-agnostic":
@@ -198,6 +221,30 @@ def measured_costs(files, model_key: str):
 
 
 def estimate(plan: dict, costs: dict, questions: dict) -> dict:
+    """Seconds of a run; the one-chunk suite and batched perplexity (``plan["prefill"] == "one-chunk"``) from
+    :data:`ONE_CHUNK_COSTS`'s kinds, else :func:`estimate_chunked`."""
+    if plan.get("prefill") != "one-chunk":
+        return estimate_chunked(plan, costs, questions)
+    bounded = plan["methods"][1:]
+    n_r = len(plan["ratios"])
+    specs = 1 + len(bounded) * n_r
+    ppl = (plan["ppl_tokens"] - 1) * specs * costs["ppl_step"] if plan["texts"] else 0.0
+    scale = plan["length"] / costs.get("length", plan["length"])
+    real = sum(n_r for m in bounded if m.partition(":")[0] == "rotating")
+    group = sum(n_r for m in bounded if m.partition(":")[0] in GROUP_METHODS)
+    replay = 1 + len(bounded) * n_r - real - group
+    per_record = costs["record"] + replay * costs["replay"] + group * costs["replay_group"] + real * costs["real"]
+    n_ctx = plan["seeds"] * len(plan["haystacks"])
+    suite = 0.0
+    for t in plan["tasks"]:
+        q = questions.get(t, 1)
+        records = ("query-agnostic" in plan["protocols"]) + q * ("question-in-prompt" in plan["protocols"])
+        answers = q * len(plan["protocols"])
+        suite += n_ctx * (records * per_record + answers * specs * costs["answer"])
+    return {"perplexity_s": round(ppl), "suite_s": round(suite * scale), "total_s": round(ppl + suite * scale)}
+
+
+def estimate_chunked(plan: dict, costs: dict, questions: dict) -> dict:
     """Seconds of a run: perplexity + suite (every spec on every context, both protocols), from ``costs``
     (scaled linearly from ``costs['length']`` to the plan's length). ``questions``: task -> questions."""
     n_bounded = len(plan["methods"]) - 1
@@ -262,10 +309,23 @@ def main(argv=None):
     p.add_argument("--haystacks", help="suite haystacks, comma list: noise, pydoc, stdlib")
     p.add_argument("--protocols", help="comma list of " + ", ".join(PROTOCOL_ORDER))
     p.add_argument("--seeds", type=int, help="contexts per (task, haystack); headline: chosen to fit --hours")
-    p.add_argument("--hours", type=float, default=2.0, help="headline: the wall-time the estimate must fit")
+    p.add_argument(
+        "--hours",
+        type=float,
+        default=1.0,
+        help="headline: the wall-time this model's estimate must fit (1: the two models' headlines together in 2 h)",
+    )
     p.add_argument("--costs", nargs="+", metavar="JSON", help="earlier leaderboard JSONs whose row costs estimate")
     p.add_argument("--min-full", type=float, default=60.0, help="flag a task the full cache scores below this")
-    p.add_argument("--prefill-step", type=int, default=2048)
+    p.add_argument("--prefill-step", type=int, default=2048, help="chunked: generate_step's chunk")
+    p.add_argument(
+        "--prefill",
+        choices=["one-chunk", "chunked"],
+        default="one-chunk",
+        help="the suite's prompts in one chunk, each forward shared by every method (kvpress's protocol; default), "
+        "or in --prefill-step chunks through each method's caches (mlx-lm's generate_step, no sharing past the "
+        "first chunk); one-chunk also batches the perplexity texts",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate, run nothing")
     p.add_argument("--no-suite", action="store_true", help="perplexity only")
     p.add_argument("--no-ppl", action="store_true", help="the suite only")
@@ -300,6 +360,7 @@ def resolve_plan(args, model_key: str, model_name: str) -> dict:
         "seeds": args.seeds if args.seeds is not None else d["seeds"],
         "min_full": 0.0 if args.smoke else args.min_full,  # a random model scores 0: nothing flagged
         "prefill_step": 128 if args.smoke else args.prefill_step,
+        "prefill": args.prefill,
     }
     if any(r < 1 for r in plan["ratios"]) or not plan["ratios"]:
         raise ValueError(f"--ratios: compression ratios >= 1 (got {plan['ratios']})")
@@ -319,9 +380,12 @@ def choose_costs(args, model_key: str):
     files = list(args.costs or [])
     quick = Path(args.out) / f"leaderboard_quick_{model_key}.json"
     if not files and quick.is_file():
-        files = [quick]
+        kind = json.loads(quick.read_text(encoding="utf-8")).get("config", {}).get("prefill", "chunked")
+        files = [quick] if kind == args.prefill else []
     got = measured_costs(files, model_key) if files else None
-    base = dict(COSTS.get(model_key, COSTS["gemma3"]))
+    table = ONE_CHUNK_COSTS if args.prefill == "one-chunk" else COSTS
+    base = dict(table.get(model_key, table["gemma3"]))
+    got = {k: v for k, v in (got or {}).items() if k in base}
     if got:
         base.update(got)
         return base, "measured: " + ", ".join(str(f) for f in files)
@@ -377,10 +441,11 @@ def run(args):
         state["rank_vs_h2o"] = rank_vs_h2o(board, state["ppl_rows"])
         write_json(name, state, out)
 
+    if plan["tasks"]:  # the suite first: the score; perplexity breaks its ties
+        runner = run_suite_one_chunk if plan["prefill"] == "one-chunk" else run_suite
+        runner(model, tok, plan, state, save, Path(path).name if not args.smoke else "", args.smoke)
     if plan["texts"]:
         run_perplexity(model, tok, plan, state, save)
-    if plan["tasks"]:
-        run_suite(model, tok, plan, state, save, Path(path).name if not args.smoke else "", args.smoke)
     save()
     board = state["board"]
     print("\n" + side_by_side(board, plan) + "\n", flush=True)
@@ -391,32 +456,85 @@ def run(args):
     print(f"wrote {out / (name + '.json')}, {stem}.md and .png in {state['seconds']:.0f} s", flush=True)
 
 
+def lm_head(model):
+    """The model's last projection (hidden state -> logits): its ``lm_head``, or the tied embedding."""
+    return model["lm_head"] if "lm_head" in model else model.model.embed_tokens.as_linear
+
+
+def batched_perplexity(model, rows, spec) -> list:
+    """Token-by-token perplexity (:func:`kvpolicy_core.eval.perplexity.perplexity` with ``chunk=1``) of several
+    texts of one length at once, one batch row per text (each row's cache evicts on its own), the logits computed
+    after the last step from every step's hidden state: a step's hidden state does not depend on when its
+    projection is read, and the projection (Gemma 3's is 168M of its 268M weights) is then read once, not once a
+    token. Per row: ``{"nll", "perplexity", ...}`` as ``perplexity`` returns."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kvpolicy_core.eval.perplexity import kv_bytes, make_caches, spec_label
+
+    caches = make_caches(model, spec)
+    tokens = mx.array([list(r) for r in rows], dtype=mx.int32)
+    B, T = tokens.shape
+    start = time.perf_counter()
+    hidden = []
+    for i in range(T - 1):
+        h = model.model(tokens[:, i : i + 1], cache=caches)
+        mx.eval(h)
+        hidden.append(h)
+    head = lm_head(model)
+    nll = np.zeros((B, T - 1), dtype=np.float64)
+    for a in range(0, T - 1, 64):
+        b = min(a + 64, T - 1)
+        logits = head(mx.concatenate(hidden[a:b], axis=1)).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        nll[:, a:b] = np.array(-mx.take_along_axis(logp, tokens[:, a + 1 : b + 1, None], axis=-1)[..., 0])
+    seconds = time.perf_counter() - start
+    kept, full = kv_bytes(caches)
+    return [
+        {
+            "spec": spec_label(spec),
+            "nll": nll[k],
+            "perplexity": math.exp(float(nll[k].mean())),
+            "seconds": seconds / B,
+            "batch_seconds": seconds,
+            "kv_bytes_kept": kept // B,
+            "kv_bytes_full": full // B,
+            "nan": bool(np.isnan(nll[k]).any()),
+        }
+        for k in range(B)
+    ]
+
+
 def run_perplexity(model, tok, plan, state, save):
-    from kvpolicy_core.eval.perplexity import perplexity
+    """Every spec on every text, token by token; the texts (one length) are the rows of one batch."""
     from kvpolicy_core.eval.tasks.haystack import haystack_text
 
+    texts = {}
     for text in plan["texts"]:
         ids = tok.encode(haystack_text(text))[: plan["ppl_tokens"]]
         if len(ids) < plan["ppl_tokens"]:
             raise ValueError(f"--texts {text}: {len(ids)} tokens, fewer than --ppl-tokens {plan['ppl_tokens']}")
-        full = None
-        for name in plan["methods"]:
-            for ratio in [1.0] if name == "full" else plan["ratios"]:
-                budget = None if name == "full" else budget_for(len(ids), ratio)
-                spec = spec_for(name, budget or 0)
-                r = perplexity(model, ids, spec, chunk=1, progress=False)
+        texts[text] = ids
+    full = {}
+    for name in plan["methods"]:
+        for ratio in [1.0] if name == "full" else plan["ratios"]:
+            budget = None if name == "full" else budget_for(plan["ppl_tokens"], ratio)
+            spec = spec_for(name, budget or 0)
+            got = batched_perplexity(model, list(texts.values()), spec)
+            for text, r in zip(texts, got):
                 if name == "full":
-                    full = r
+                    full[text] = r
                 row = {
                     "text": text,
-                    "tokens": len(ids),
+                    "tokens": len(texts[text]),
                     "method": name,
                     "ratio": ratio,
                     "budget": budget,
                     "spec": r["spec"],
                     "perplexity": r["perplexity"],
-                    "delta_ppl_pct": 100 * (r["perplexity"] / full["perplexity"] - 1),
+                    "delta_ppl_pct": 100 * (r["perplexity"] / full[text]["perplexity"] - 1),
                     "seconds": round(r["seconds"], 2),
+                    "batch": len(texts),
                     "kv_bytes_kept": r["kv_bytes_kept"],
                     "kv_bytes_full": r["kv_bytes_full"],
                     "nan": r["nan"],
@@ -425,10 +543,10 @@ def run_perplexity(model, tok, plan, state, save):
                 state["ppl_rows"].append(row)
                 print(
                     f"ppl {text:8} {spec:28} {r['perplexity']:9.3f} ({row['delta_ppl_pct']:+7.1f}%) "
-                    f"{r['seconds']:.0f} s",
+                    f"{r['batch_seconds']:.0f} s (batch of {len(texts)})",
                     flush=True,
                 )
-                save()
+            save()
 
 
 def run_suite(model, tok, plan, state, save, model_name: str, smoke: bool):
@@ -485,6 +603,169 @@ def run_suite(model, tok, plan, state, save, model_name: str, smoke: bool):
                     one(ctx, name, ratio)
                     save()
         records.clear()
+
+
+def run_suite_one_chunk(model, tok, plan, state, save, model_name: str, smoke: bool):
+    """The suite with every prompt prefilled in one chunk (kvpress's protocol: the whole context, or the whole
+    prompt with its question, reaches the cache at once and is cut when it is in), its full-cache forward
+    computed once per (context, protocol, question) and replayed into every method's caches
+    (:func:`kvpolicy_core.eval.tasks.needle.replay_prefill`: the calls a cache gets inside the model, exact;
+    mlx-lm's ``RotatingKVCache`` masks a chunk by its own window and is run for real). Query-agnostic: the
+    context but its last token is replayed, the last token is a step of its own (the cut), then each question is
+    asked of a copy; question-in-prompt: each question's prompt but its last token is replayed and the last token
+    starts the answer (as the compress-once route does, :mod:`kvpolicy_core.eval.tasks.ruler_runner`)."""
+    from kvpolicy_core.eval.tasks import ruler
+    from kvpolicy_core.eval.tasks.needle import record_prefill
+
+    params = {t: ruler.TaskParams(**v) for t, v in SMOKE_PARAMS.items()} if smoke else None
+    contexts = ruler.build_suite(
+        tok,
+        plan["tasks"],
+        [plan["length"]],
+        plan["haystacks"],
+        range(plan["seeds"]),
+        model=model_name,
+        chat="none",
+        preset="calibrated",
+        params=params,
+    )
+    protocols = [p for p in PROTOCOL_ORDER if p in plan["protocols"]]
+    for task in plan["tasks"]:
+        group = [c for c in contexts if c.task == task]
+        items = {}  # context id -> [(protocol, question or None, prompt ids, record)], kept for the task
+        for c in group:
+            items[c.id] = []
+            prompts = [("query-agnostic", None, c.context_ids)] if "query-agnostic" in protocols else []
+            if "question-in-prompt" in protocols:
+                prompts += [("question-in-prompt", i, c.full_prompt_ids(i)) for i in range(len(c.questions))]
+            for proto, i, ids in prompts:
+                t = time.perf_counter()
+                rec = record_prefill(model, ids)
+                state["record_seconds"][f"{c.id}:{SHORT[proto]}{'' if i is None else i}"] = round(
+                    time.perf_counter() - t, 2
+                )
+                items[c.id].append((proto, i, ids, rec))
+
+        def one(ctx, name, ratio):
+            spec = spec_for(name, budget_for(plan["length"], ratio))
+            rows = one_chunk_context(model, tok, ctx, spec, items[ctx.id], plan["prefill_step"])
+            for r in rows:
+                r.update(name=name, ratio=ratio)
+                print(
+                    f"{r['protocol']:18} {r['method']:26} {r['id']:26} q{r['question']} {r['score']:.2f} "
+                    f"{r['output'].strip()[:32]!r:34} {r['start_seconds']}+{r['answer_seconds']}s",
+                    flush=True,
+                )
+            state["suite_rows"].extend(rows)
+
+        for ctx in group:
+            one(ctx, "full", 1.0)
+        full = [r["score"] for r in state["suite_rows"] if r["task"] == task and r["name"] == "full"]
+        full_score = 100 * sum(full) / len(full)
+        save()
+        if full_score < plan["min_full"]:
+            state["flagged"].append({"task": task, "full": round(full_score, 1)})
+            print(
+                f"{task}: the full cache scores {full_score:.1f} < {plan['min_full']:g}: flagged, skipped", flush=True
+            )
+            continue
+        for ctx in group:
+            for name in plan["methods"][1:]:
+                for ratio in plan["ratios"]:
+                    one(ctx, name, ratio)
+                    save()
+        items.clear()
+
+
+def one_chunk_context(model, tok, ctx, spec, items, step: int) -> list:
+    """``spec``'s rows on one context from its recorded one-chunk prefills (:func:`run_suite_one_chunk`); each
+    row has ``start_seconds`` (the replay, or the real forward, and the query-agnostic cut), ``answer_seconds``
+    (the question and the answer) and ``seconds`` (their sum for question-in-prompt, as the chunked runner's)."""
+    import mlx.core as mx
+
+    from kvpolicy_core.eval.perplexity import kv_bytes, make_caches
+    from kvpolicy_core.eval.tasks.needle import needle_kept, replay_prefill, replayable
+    from kvpolicy_core.eval.tasks.ruler_runner import copy_caches, greedy, method_label
+
+    rows = []
+    label = method_label(spec)
+    replayed = replayable(spec)
+    statements = [p for a, b in ctx.spans for p in range(a, b)]
+
+    def start(ids, rec):
+        if replayed:
+            return replay_prefill(model, spec, rec)
+        caches = make_caches(model, spec)
+        model(mx.array(list(ids[:-1]), dtype=mx.uint32)[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        return caches
+
+    def ask(caches, ids, q):
+        return greedy(model, tok, caches, ids, q.max_new_tokens, ctx.stop_ids, step, q.answers, ctx.metric)
+
+    def row(protocol, i, got, caches, start_s, answer_s, extra):
+        q = ctx.questions[i]
+        kept, full = kv_bytes(caches)
+        rows.append(
+            {
+                "id": ctx.id,
+                "task": ctx.task,
+                "length": ctx.length,
+                "haystack": ctx.haystack,
+                "seed": ctx.seed,
+                "model": ctx.model,
+                "method": label,
+                "protocol": protocol,
+                "question": i,
+                "prefill": "one-chunk",
+                "replayed": replayed,
+                "context_tokens": len(ctx.context_ids),
+                "question_tokens": len(q.question_ids),
+                "answers": q.answers,
+                "output": got["output"],
+                "new_tokens": got["tokens"],
+                "score": ruler_score(got["output"], q.answers, ctx.metric),
+                "kv_bytes_kept": kept,
+                "kv_bytes_full": full,
+                "start_seconds": round(start_s, 2),
+                "answer_seconds": round(answer_s, 2),
+                "seconds": round(answer_s + (start_s if protocol == "question-in-prompt" else 0.0), 2),
+                **extra,
+            }
+        )
+
+    for proto, i, ids, rec in items:
+        t = time.perf_counter()
+        caches = start(ids, rec)
+        if proto == "query-agnostic":  # the context's last token: its own step, before any question exists
+            model(mx.array(list(ids[-1:]), dtype=mx.uint32)[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            start_s = time.perf_counter() - t
+            ctx_kept, ctx_full = kv_bytes(caches)
+            extra = {
+                "prefill_seconds": round(start_s, 2),
+                "statements_kept": needle_kept(caches, statements) if ctx.spans else None,
+                "context_kv_bytes_kept": ctx_kept,
+                "context_kv_bytes_full": ctx_full,
+            }
+            for qi, q in enumerate(ctx.questions):
+                t = time.perf_counter()
+                asked = copy_caches(caches)
+                got = ask(asked, q.question_ids, q)
+                row(proto, qi, got, asked, start_s, time.perf_counter() - t, extra)
+        else:
+            start_s = time.perf_counter() - t
+            t = time.perf_counter()
+            got = ask(caches, ids[-1:], ctx.questions[i])
+            row(proto, i, got, caches, start_s, time.perf_counter() - t, {})
+        del caches
+    return rows
+
+
+def ruler_score(output, answers, metric):
+    from kvpolicy_core.eval.tasks.ruler import score
+
+    return score(output, answers, metric)
 
 
 # ----------------------------------------------------------------------------- the board

@@ -230,13 +230,26 @@ def replayable(spec: Any) -> bool:
     return parse_spec(spec)[0] != "rotating"
 
 
+def _fused_attention(queries, keys, values, cache, scale, mask):
+    """mlx's fused attention with mlx-lm's arguments (what the hook's ``fused`` is for unquantized caches)."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
 def replay_prefill(model, spec: Any, record: List[tuple]) -> List[Any]:
-    """Fresh caches for ``spec`` that have received the recorded one-chunk prefill, settled."""
+    """Fresh caches for ``spec`` that have received the recorded one-chunk prefill, settled.
+
+    A cache in a layer group (a per-layer allocation: ``squeeze``'s budgets from each layer's attention
+    output) gets the attention call itself (``attend``), so the group measures the chunk's output as it does
+    inside the model; the others get only ``before_attention`` (their scores), the output never being read.
+    """
     caches = make_caches(model, spec)
     for cache, (keys, values, queries, scale, mask) in zip(caches, record):
-        cache.update_and_fetch(keys, values)
+        keys_all, values_all = cache.update_and_fetch(keys, values)
         if isinstance(cache, PolicyCache):
-            cache.before_attention(queries, scale, mask)
+            if getattr(cache, "group", None) is not None:
+                cache.attend(queries, keys_all, values_all, scale, mask, _fused_attention)
+            else:
+                cache.before_attention(queries, scale, mask)
     mx.eval([c.state for c in caches])
     return caches
 

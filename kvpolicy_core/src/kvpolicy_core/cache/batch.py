@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -42,7 +42,6 @@ from ..errors import KVPolicyError
 from ..parts.attention_scorer import causal_allowed
 from . import interop
 from .batch_rows import StackedRows, can_stack
-from .state import CacheState
 
 #: the masks :meth:`BatchPolicyCache.make_mask` made last on this thread, with the plan each was made for: mlx-lm
 #: builds one mask from the first layer's cache (``create_attention_mask(h, cache[0])``) and hands it to every layer,
@@ -50,9 +49,9 @@ from .state import CacheState
 _made = threading.local()
 _MADE_KEPT = 4  # a model may build two masks per step (gemma3: a global and a sliding one)
 
-#: A row: a :class:`~kvpolicy_core.cache.policy_cache.PolicyCache`. ``cache`` imports this module (for
-#: ``PolicyCache.merge``), so rows are recognised by PolicyCache's state base class.
-Row = CacheState
+#: A row: a :class:`~kvpolicy_core.cache.policy_cache.PolicyCache`. That module imports this one (for
+#: ``PolicyCache.merge``), so rows are recognised by :attr:`BatchPolicyCache.row_class`, which it sets.
+Row = Any
 
 
 def copy_row(cache: Row) -> Row:
@@ -72,11 +71,11 @@ class BatchPolicyCache:
     kvpolicy_attention = "batch"  #: the attention hook calls :meth:`before_attention` for this cache
     #: the rows' class, :class:`~kvpolicy_core.cache.policy_cache.PolicyCache` (set by that module, which imports
     #: this one)
-    row_class: type = Row
+    row_class: Optional[type] = None
 
     def __init__(self, rows: Sequence[Row]) -> None:
         for i, r in enumerate(rows):
-            if not isinstance(r, Row):
+            if self.row_class is None or not isinstance(r, self.row_class):
                 raise KVPolicyError(f"BatchPolicyCache row {i}: expected a PolicyCache, got {type(r).__name__}")
             if r.keys is not None and r.keys.shape[0] != 1:
                 raise KVPolicyError(

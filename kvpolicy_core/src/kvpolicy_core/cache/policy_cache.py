@@ -36,6 +36,7 @@ the hook is refused, before anything changes, when the install was removed or a 
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Optional, Tuple
 
@@ -52,9 +53,10 @@ from ..runtime.sharding import check_head_shard
 from . import interop
 from .batch import BatchPolicyCache
 from .diagnostics import CacheDiagnostics
+from .restore_checks import check_restored
 from .row_state import RowState
 from .slots import FIELDS, SlotStore, Token
-from .state import CacheState
+from .state import from_state, load_state, meta_json, state_of
 from .step import PolicyStep
 
 
@@ -62,7 +64,7 @@ def _slot(name: str) -> property:
     return property(lambda self: getattr(self._slots, name), lambda self, v: setattr(self._slots, name, v))
 
 
-class PolicyCache(CacheState, CacheDiagnostics):
+class PolicyCache(CacheDiagnostics):
     """An mlx-lm compatible KV cache holding at most ``budget`` tokens under a policy.
 
     Args:
@@ -79,6 +81,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
     step = 256
     keys, values, positions, scores, n = (_slot(f) for f in FIELDS)
     kvpolicy_attention = "single"  #: the attention hook calls :meth:`attend` for this cache
+    hook_missing = None  #: why a restored cache has no hook it needs (it refuses its next update), or None
 
     def __init__(
         self, policy, layer: int = 0, window: Optional[int] = None, head_shard: Tuple[int, int] = (0, 1)
@@ -99,7 +102,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         self._run: dict = {}  # the scorer's state for the current run of prompt chunks (CacheView.run)
         self._run_open = False  # the last update was a chunk (S > 1) and nothing was evicted since
         self.attention_hook = None  # the attention hook install this cache keeps alive, if it needs one
-        self._hook_missing = None  # why a restored cache has no hook it needs (it refuses its next update)
+        self.hook_missing = None
         #: some log-weight may be nonzero (a checked update changed one, a shipped disposition evicted at a decode
         #: step: whether it merged is decided on the device, or restored state carries them); until then the
         #: attention needs no bias (all zero: the same attention bit for bit) and skips building it
@@ -109,7 +112,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         #: every step needs the attention hook (observed signal or log-weights; a window only past its length)
         self.hook_every_step = needs.attention or self.uses_log_weights
         #: ``when="prompt_end"``: prompt chunks are held whole and cut at the first decode step (or settle())
-        self._holds_prompt = self.policy.config.policy.when == "prompt_end"
+        self.holds_prompt = self.policy.config.policy.when == "prompt_end"
         #: the :class:`~.layer_group.LayerGroup` of a data-driven allocation (set by the builder), or None
         self.group = None
 
@@ -122,7 +125,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         S = keys.shape[2]
         saved = self.row_state()
         try:
-            cut = self._holds_prompt and self._run_open  # this eviction cuts a held prompt at its end
+            cut = self.holds_prompt and self._run_open  # this eviction cuts a held prompt at its end
             if cut and S == 1 and self.group is not None:
                 self._rebudget(self.group.budget_for(self.layer, self.budget))
             n_evict = self._n_evict(S)
@@ -239,13 +242,13 @@ class PolicyCache(CacheState, CacheDiagnostics):
     def settle(self) -> None:
         """Apply a pending eviction now (after a step), so at most ``budget`` tokens remain (a held prompt,
         ``when="prompt_end"``, is cut here as at its first decode step)."""
-        if self.group is not None and self._holds_prompt and self._run_open:
+        if self.group is not None and self.holds_prompt and self._run_open:
             self._rebudget(self.group.budget_for(self.layer, self.budget))
         n_evict = self._n_evict(1)
         if n_evict > 0:
             saved = self.row_state()
             try:
-                self._slots.compact(self._evict(n_evict, cut=self._holds_prompt and self._run_open))
+                self._slots.compact(self._evict(n_evict, cut=self.holds_prompt and self._run_open))
             except BaseException:
                 self.set_row_state(saved)
                 raise
@@ -254,6 +257,53 @@ class PolicyCache(CacheState, CacheDiagnostics):
     def log_weights(self) -> Optional[mx.array]:
         """Per-slot attention log-weights [B, H, n] float32 (slot order), or None when not used."""
         return self._slots.log_weights
+
+    # ------------------------------------------------------------------ persistence (functions in .state)
+    @property
+    def state(self):
+        """(keys, values, positions, scores, meta JSON[, log_weights][, run]), settled: :func:`.state.state_of`."""
+        return state_of(self)
+
+    @state.setter
+    def state(self, v) -> None:
+        load_state(self, v)
+
+    @property
+    def meta_state(self):
+        return (meta_json(self),)
+
+    def _meta_json(self) -> str:  # benchmarks/real_shapes.py's name for meta_state[0]
+        return meta_json(self)
+
+    @classmethod
+    def from_state(cls, state, meta_state=None, *, model=None):
+        """A cache rebuilt from ``state`` (config, hook and all): :func:`.state.from_state`."""
+        return from_state(cls, state, meta_state, model=model)
+
+    @property
+    def needs_hook(self) -> bool:
+        """Whether this cache's attention must go through kvpolicy's hook: an observed signal, attention
+        log-weights or a sliding window."""
+        return self.window is not None or self._step.needs.attention or self.uses_log_weights
+
+    def __deepcopy__(self, memo):
+        """A faithful copy (no restore checks): the same attention-hook install, the policy's parts shared when
+        ``memo`` says so (:func:`~kvpolicy_core.cache.batch.copy_row`)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def __setstate__(self, d: dict) -> None:
+        """Unpickling: the attention hook re-installs through its handle (:class:`~kvpolicy_core.attention.hook.
+        AttentionHook`); the slots are checked like every restored state, and key norms recomputed."""
+        self.__dict__.update(d)
+        if not isinstance(d.get("_slots"), SlotStore) or not isinstance(d.get("offset"), int):
+            raise KVPolicyError("unpickled PolicyCache: not a PolicyCache's pickled state")
+        self._slots.key_norms = None
+        check_restored(
+            self._slots, self.offset, self.budget, settled=False, where=f"PolicyCache state (layer {self.layer})"
+        )
 
     # ------------------------------------------------------------------ attention hook
     def before_attention(self, queries: mx.array, scale: float, mask):
@@ -347,7 +397,7 @@ class PolicyCache(CacheState, CacheDiagnostics):
         the prompt is held until the first decode step); else the selector's count for the overflow
         ``n - budget`` (:meth:`~.step.PolicyStep.n_evict`: at least the overflow, whole chunks for some)."""
         over = self.n - self.budget
-        if over <= 0 or (S > 1 and self._holds_prompt):
+        if over <= 0 or (S > 1 and self.holds_prompt):
             return 0
         return self._step.n_evict(over, self.n)
 
@@ -385,10 +435,8 @@ class PolicyCache(CacheState, CacheDiagnostics):
         hook = self.attention_hook
         if hook is not None and not hook.active:
             self._step.check_hook((hook,), windowed or self.hook_every_step)
-        if self._hook_missing is not None and not self._attended:
-            raise ModelError(
-                f"layer {self.layer}: this cache needs kvpolicy's attention hook, but {self._hook_missing}"
-            )
+        if self.hook_missing is not None and not self._attended:
+            raise ModelError(f"layer {self.layer}: this cache needs kvpolicy's attention hook, but {self.hook_missing}")
         self._step.check_observed(windowed, self._attended or self.offset == 0)
 
     # ------------------------------------------------------------------ the row's state as a value

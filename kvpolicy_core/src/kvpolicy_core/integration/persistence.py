@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..cache.policy_cache import PolicyCache
+from ..cache.state import from_meta, load_state, meta_json, open_run
 from ..errors import KVPolicyError, ModelError
 from ..runtime.distributed import check_shard, missing_rank_file, rank_path, resolve_shard
 
@@ -74,7 +75,7 @@ def save_caches(
     layers: List[Dict[str, Any]] = []
     for i, c in enumerate(caches):
         if isinstance(c, PolicyCache):
-            entry = {"class": "PolicyCache", "meta": c._meta_json(), "n": c.n}
+            entry = {"class": "PolicyCache", "meta": meta_json(c), "n": c.n}
             if c.keys is not None:
                 n = c.n
                 arrays.update(
@@ -87,8 +88,8 @@ def save_caches(
                 )
                 if c.log_weights is not None:
                     arrays[f"{i}.log_weights"] = c.log_weights
-            if c._run_open:  # a run of prompt chunks in progress: its scorer state (arrays) continues too
-                run = {k: v for k, v in c._run.items() if isinstance(v, mx.array)}
+            if c.row_state().run_open:  # a run of prompt chunks in progress: its scorer state (arrays) continues too
+                run = open_run(c.row_state())
                 entry["run"] = sorted(run)
                 arrays.update({f"{i}.run.{k}": v for k, v in run.items()})
         elif type(c) is KVCache:
@@ -254,7 +255,7 @@ def _load_layer(arrays: Dict[str, mx.array], i: int, entry: Dict[str, Any], mode
     kind = entry.get("class")
     if kind == "PolicyCache":
         meta = entry.get("meta")
-        cache = PolicyCache.from_meta(meta, model=model)
+        cache = from_meta(PolicyCache, meta, model=model)
         run = entry.get("run", [])
         if not isinstance(run, list) or any(get(f"run.{k}") is None for k in run):
             raise KVPolicyError(f"its run of prompt chunks names arrays the file lacks ({run!r})")
@@ -264,7 +265,7 @@ def _load_layer(arrays: Dict[str, mx.array], i: int, entry: Dict[str, Any], mode
             raise KVPolicyError("it has values, positions or scores but no keys")
         if state[0] is not None and entry.get("n") != state[0].shape[2]:
             raise KVPolicyError(f"n = {entry.get('n')!r} but {state[0].shape[2]} keys are stored")
-        cache._set_state(state, settled=False, model=model)
+        load_state(cache, state, settled=False, model=model)
         return cache
     if kind not in ("KVCache", "RotatingKVCache"):
         raise CacheFileError(f"layer {i} has unknown cache class {kind!r}")

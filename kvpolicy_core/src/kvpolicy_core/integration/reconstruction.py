@@ -104,7 +104,7 @@ class ReconstructionCache:
     rows = 256  #: query rows whose attention weights are computed at once
 
     def __init__(self, context: Context, n_sink: int = 0, own: bool = False) -> None:
-        self.context_keys, self.context_values, self.start = context[:3]  # [B, H, n, D], [B, H, n, Dv], int
+        self.context_keys, self.context_values, self.start, self.window = context  # [B, H, n, D], [B, H, n, Dv]
         self.held = self.context_keys.shape[2]  # n = L - start
         self.offset = context.length  # L: the reconstruction tokens' positions start after the context
         self.score = mx.zeros((*self.context_keys.shape[:2], self.offset), dtype=mx.float32)
@@ -133,37 +133,48 @@ class ReconstructionCache:
         """queries [B, Hq, S, D] -> the attention output [B, Hq, S, Dv]; the score takes the max of the weights.
 
         Computed ``rows`` query rows at a time and evaluated per block (a host sync: this pass is one-shot, not
-        a decode step), so a layer's [B, H, G, S, n + S] weights never exist at once (peak memory: one block)."""
+        a decode step), so a layer's [B, H, G, S, n + S] weights never exist at once (peak memory: one block).
+        In a sliding-window layer (window ``w``) only the chunk's first ``w - 1`` rows (positions ``L .. L + w - 2``)
+        see a context key; the other rows take the model's own kernel over the chunk's keys alone (their weights
+        on the context are 0, so the scores are unchanged)."""
         S, T = queries.shape[2], keys.shape[2]
-        n, o = self.held, self.start
+        n = self.held
+        seeing = S if self.own or self.window is None else min(S, self.window - 1)
         outs = []
-        for r0 in range(0, S, self.rows):
-            r1 = min(S, r0 + self.rows)
+        for r0 in range(0, seeing, self.rows):
+            r1 = min(seeing, r0 + self.rows)
             out, weights = attention_with_weights(queries[:, :, r0:r1], keys, values, scale, _rows(mask, r0, r1, S, T))
-            weights = weights.astype(mx.float32)
-            if self.own:
-                seen = weights.max(axis=(2, 3))  # [B, H, n + S]: positions o .. o + n + S - 1
-                if self.score.shape[-1] < o + T:
-                    pad = mx.zeros((*self.score.shape[:2], o + T - self.score.shape[-1]), dtype=mx.float32)
-                    self.score = mx.concatenate([self.score, pad], axis=-1)
-                self.score[..., o : o + T] = mx.maximum(self.score[..., o : o + T], seen)
-            elif self.span is None or self.whole is not None:
-                seen = weights[..., :n].max(axis=(2, 3))  # [B, H, n]: positions o .. L - 1
-                if self.span is None:
-                    self.score[..., o:] = mx.maximum(self.score[..., o:], seen)
-                else:
-                    self.whole[..., o:] = mx.maximum(self.whole[..., o:], seen)
-            if self.span is not None:
-                a, b = self.span
-                sink, span = self._local(0, min(self.n_sink, a)), self._local(a, b)
-                if span.stop > span.start:  # else the window no longer sees the span: its weights are all 0
-                    total = weights[..., sink].sum(-1) + weights[..., span].sum(-1) + weights[..., n:].sum(-1)
-                    seen = (weights[..., span] / total[..., None]).max(axis=(2, 3))  # [B, H, |span|]
-                    at = slice(o + span.start, o + span.stop)
-                    self.score[..., at] = mx.maximum(self.score[..., at], seen)
+            self._take(weights.astype(mx.float32), T)
             mx.eval(self.score, out, *(() if self.whole is None else (self.whole,)))
             outs.append(out)
+        if seeing < S:  # rows that see no context key: the chunk's own keys under the layer's mask
+            rest = _rows(mask, seeing, S, S, T)
+            outs.append(fused(queries[:, :, seeing:], keys[..., n:, :], values[..., n:, :], None, scale, rest[..., n:]))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+    def _take(self, weights: mx.array, T: int) -> None:
+        """Fold one block's weights [B, H, G, rows, T] (float32) into the running maxima (the class docstring)."""
+        n, o = self.held, self.start
+        if self.own:
+            seen = weights.max(axis=(2, 3))  # [B, H, n + S]: positions o .. o + n + S - 1
+            if self.score.shape[-1] < o + T:
+                pad = mx.zeros((*self.score.shape[:2], o + T - self.score.shape[-1]), dtype=mx.float32)
+                self.score = mx.concatenate([self.score, pad], axis=-1)
+            self.score[..., o : o + T] = mx.maximum(self.score[..., o : o + T], seen)
+        elif self.span is None or self.whole is not None:
+            seen = weights[..., :n].max(axis=(2, 3))  # [B, H, n]: positions o .. L - 1
+            if self.span is None:
+                self.score[..., o:] = mx.maximum(self.score[..., o:], seen)
+            else:
+                self.whole[..., o:] = mx.maximum(self.whole[..., o:], seen)
+        if self.span is not None:
+            a, b = self.span
+            sink, span = self._local(0, min(self.n_sink, a)), self._local(a, b)
+            if span.stop > span.start:  # else the window no longer sees the span: its weights are all 0
+                total = weights[..., sink].sum(-1) + weights[..., span].sum(-1) + weights[..., n:].sum(-1)
+                seen = (weights[..., span] / total[..., None]).max(axis=(2, 3))  # [B, H, |span|]
+                at = slice(o + span.start, o + span.stop)
+                self.score[..., at] = mx.maximum(self.score[..., at], seen)
 
     def before_attention(self, queries, scale, mask):  # the hook's batch route (not taken: "single")
         return mask

@@ -46,16 +46,16 @@ def _write(model_dir, path, compress_once="kvzip", method=METHOD):
     return model, tok
 
 
-def _in_memory(model, tok, compress_once):
+def _in_memory(model, tok, compress_once, method=METHOD):
     """The document's caches made here, as cache-prompt makes them (a fresh in-memory copy)."""
     ids = document_ids(tok, DOCUMENT)
     if compress_once == "stream":  # the method's own streaming eviction (cache-prompt streams with when=stream)
-        caches = KVCacheBuilder.for_model(model, with_fields(METHOD, "when=stream"))
+        caches = KVCacheBuilder.for_model(model, with_fields(method, "when=stream"))
         for _ in generate_step(mx.array(ids), model, max_tokens=0, prompt_cache=caches, prefill_step_size=STEP):
             pass
         return caches
     repeat = repeat_prompt(tok)
-    return compress_context(model, ids, METHOD, scorer=compress_once, prefill_step=STEP, repeat=repeat).caches
+    return compress_context(model, ids, method, scorer=compress_once, prefill_step=STEP, repeat=repeat).caches
 
 
 def _alone(model, prompt, caches):
@@ -73,15 +73,23 @@ def _batched(model, prompts, caches):
     return [out[u] for u in uids]
 
 
+H2O = "h2o:budget=24,n_sink=2"
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-@pytest.mark.parametrize("compress_once", ["kvzip", "kvzip-layerwise", "stream"])
-def test_batched_requests_from_every_kind_of_file_answer_as_each_alone(dirs, tmp_path, family, compress_once):
-    """kvzip keeps another number of tokens in each layer: mlx-lm builds one batch mask from the first layer
-    (before the fix: ``[broadcast_shapes]`` in every batched request from a kvzip file, HTTP 500 in the server)."""
+@pytest.mark.parametrize(
+    "compress_once, method",
+    [("kvzip", METHOD), ("kvzip", H2O), ("kvzip-layerwise", METHOD), ("stream", METHOD), ("stream", H2O)],
+)
+def test_batched_requests_from_every_kind_of_file_answer_as_each_alone(dirs, tmp_path, family, compress_once, method):
+    """Every shipped attention method's file (cache-prompt's default kvzip, kvzip-layerwise, stream) answers each
+    question, batched with others, as a fresh in-memory copy does. kvzip keeps another number of tokens in each
+    layer: mlx-lm builds one batch mask from the first layer (before the fix: ``[broadcast_shapes]`` in every
+    batched request from a kvzip file, HTTP 500 in the server)."""
     path = tmp_path / "doc.safetensors"
-    model, tok = _write(dirs[family], path, compress_once)
-    attach(model, METHOD)  # as the server does: a request without a stored cache gets the method's fresh caches
-    here = _in_memory(model, tok, compress_once)
+    model, tok = _write(dirs[family], path, compress_once, method)
+    attach(model, method)  # as the server does: a request without a stored cache gets the method's fresh caches
+    here = _in_memory(model, tok, compress_once, method)
     caches, _, info = load_prompt_file(path, model)
     sizes = {c.size() for c in caches}
     # kvzip shares the tokens out over the layers; a sliding-window layer holds its live window only
@@ -92,7 +100,7 @@ def test_batched_requests_from_every_kind_of_file_answer_as_each_alone(dirs, tmp
     fresh = [int(t) for t in tok.encode("hello")]
     got = _batched(model, questions + [fresh], [copy.deepcopy(caches) for _ in questions] + [None])
     assert got[: len(questions)] == want
-    assert got[-1] == _alone(model, fresh, KVCacheBuilder.for_model(model, METHOD))
+    assert got[-1] == _alone(model, fresh, KVCacheBuilder.for_model(model, method))
 
 
 @pytest.fixture(scope="module")

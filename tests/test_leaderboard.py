@@ -1,6 +1,8 @@
 """benchmarks/leaderboard.py: its smoke size runs (tiny random model) and writes every method x ratio, the full
 cache's row, the per-model markdown table and plot; ``--report`` merges result files into a docs page without
-running anything. Benchmarks are programs, not timed tests: no number is checked here."""
+running anything; the work it shares between methods is exact (a recorded one-chunk prefill replayed into every
+installed method's caches gives the logits of the real forward; the batched perplexity the NLLs of
+``perplexity``). Benchmarks are programs, not timed tests: no time is checked here."""
 
 import json
 import subprocess
@@ -51,6 +53,70 @@ def test_smoke_writes_every_method_at_every_ratio_and_the_full_cache(smoke):
     ranks = data["rank_vs_h2o"]
     assert ranks["ratio"] == 8.0 and set(ranks["methods"]) == set(METHODS[1:])
     assert "score_minus_h2o" in ranks["methods"]["snapkv"] and "ppl_ratio_vs_h2o" in ranks["methods"]["snapkv"]
+    assert {r["prefill"] for r in data["suite_rows"]} == {"one-chunk"}  # the default: shared forwards, replayed
+    replayed = {r["name"]: r["replayed"] for r in data["suite_rows"]}
+    assert replayed == {"full": True, "h2o": True, "snapkv": True, "rotating": False}  # rotating runs for real
+    assert {r["batch"] for r in data["ppl_rows"]} == {2}  # both texts in one batch
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import tempfile
+
+    import mlx_lm
+
+    from kvpolicy_core.testing.tiny_models import write_model_dir
+
+    # 4 layers: enough for squeeze's per-layer budgets to differ (a replay without the attention call, the old
+    # one, gives them uniform: kept 49 in every layer against the real 50, 49, 48, 48 at budget 48)
+    path = write_model_dir(Path(tempfile.mkdtemp(prefix="leaderboard-test-")), "llama", layers=4)
+    model, tok = mlx_lm.load(str(path))
+    return model, tok
+
+
+def _installed():
+    from kvpolicy_core import get_registry
+
+    return sorted(get_registry().methods())
+
+
+@pytest.mark.parametrize("name", ["full"] + _installed())
+def test_a_replayed_one_chunk_prefill_gives_the_real_forwards_logits(tiny, name):
+    """The leaderboard's suite replays one full-cache forward into every method (needle.replay_prefill): kept
+    tokens and next logits must be the real one-chunk forward's, bit for bit (squeeze and pyramidkv, whose layer
+    group measures the attention output, included)."""
+    import mlx.core as mx
+
+    from kvpolicy_core.eval.perplexity import make_caches
+    from kvpolicy_core.eval.tasks.needle import record_prefill, replay_prefill
+
+    model, _ = tiny
+    ids = [(7 * i + 3) % 60 + 2 for i in range(200)]
+    spec = "full" if name == "full" else f"{name}:budget=48"
+    real = make_caches(model, spec)
+    model(mx.array(ids[:-1], dtype=mx.uint32)[None], cache=real)
+    got = replay_prefill(model, spec, record_prefill(model, ids))
+    last = mx.array(ids[-1:], dtype=mx.uint32)[None]
+    a, b = model(last, cache=real), model(last, cache=got)
+    assert mx.array_equal(a, b).item()
+    assert [getattr(c, "n", c.offset) for c in real] == [getattr(c, "n", c.offset) for c in got]
+
+
+def test_batched_perplexity_gives_perplexitys_nlls(tiny):
+    import numpy as np
+
+    sys.path.insert(0, str(BENCH))
+    from leaderboard import batched_perplexity
+
+    from kvpolicy_core.eval.perplexity import perplexity
+
+    model, _ = tiny
+    rows = [[(5 * i + k) % 60 + 2 for i in range(48)] for k in (1, 2)]
+    for spec in ("full", "h2o:budget=12", "tova:budget=12"):
+        got = batched_perplexity(model, rows, spec)
+        for r, g in zip(rows, got):
+            want = perplexity(model, r, spec, chunk=1, progress=False)
+            assert np.abs(g["nll"] - want["nll"]).max() < 1e-4
 
 
 @pytest.mark.slow

@@ -17,10 +17,24 @@ length for the suite), on:
   each token's NLL read before the cache is reduced) on ``--texts`` (default CPython's pydoc topics, the
   default corpus, and the docstrings of 40 standard-library modules), reported as the change against the
   full cache on the same tokens;
-- **the long-context suite** (:mod:`kvpolicy_core.eval.tasks.ruler_runner`, docs/long-context.md): niah_single,
-  niah_multikey and niah_multiquery, both protocols (question-in-prompt and query-agnostic). The full cache runs
-  first on each task; a task it scores below ``--min-full`` (60) on, pooled over its contexts and protocols, is
-  flagged and the other methods skip it (not in any score).
+- **the long-context suite** (:mod:`kvpolicy_core.eval.tasks.ruler`, docs/long-context.md): niah_single,
+  niah_multikey (and niah_multiquery), both protocols (question-in-prompt and query-agnostic). The full cache
+  runs first on each task; a task it scores below ``--min-full`` (60) on, pooled over its contexts and
+  protocols, is flagged and the other methods skip it (not in any score).
+
+**Shared work** (``--prefill one-chunk``, the default): every prompt reaches the cache in one chunk (kvpress's
+protocol: the context, or the context with its question, prefilled at once and cut when it is in; mlx-lm's own
+``generate_step`` does the same for a prompt up to its 2048-token step). That forward does not depend on the
+method (every cache starts empty), so it runs once per (context, protocol, question) through plain caches and
+is replayed into each method's caches (:func:`kvpolicy_core.eval.tasks.needle.replay_prefill`: the calls a
+cache gets inside the model; tested bit for bit against the real forward for every installed method); mlx-lm's
+``RotatingKVCache`` masks a chunk by its own window and runs for real. Query-agnostic: the context but its last
+token is replayed, the last token is its own step, then each question is asked of a copy; question-in-prompt:
+each question's prompt but its last token is replayed and the last token starts the answer (as the
+compress-once route does). ``--prefill chunked`` runs :mod:`kvpolicy_core.eval.tasks.ruler_runner` instead
+(``--prefill-step`` chunks through each method's caches, only the first chunk shared). Perplexity runs the
+texts (one length) as the rows of one batch, the logits read after the last step from every step's hidden
+state (the output projection read once, not once a token; NLLs within 1e-4 of ``perplexity``'s).
 
 A method's **score** at a ratio is the mean of its suite scores over the protocols (each the mean over the
 unflagged tasks of RULER's score, 0-100); the JSON ranks the methods at 8x (score, then perplexity) and states
@@ -36,10 +50,12 @@ plots (``--plots``, benchmarks/results).
 
 Sizes: ``smoke`` (a tiny random-weight model, a few methods, tiny lengths: seconds); ``quick`` (one text, 1024
 tokens of perplexity, the 4k suite on one haystack with one context per task, ratios 4 and 8, a few
-methods); ``headline`` (every method, ratios 2, 4, 8, 16, two texts, the 4k suite: the contexts per task
-chosen so the estimate fits ``--hours``). The estimate, from measured per-row costs (``--costs FILE``: an
-earlier leaderboard JSON of the same model; else this model's ``leaderboard_quick_<model>.json`` under
-``--out`` if there is one; else the built-in costs measured here), is printed at the start.
+methods); ``headline`` (every method, ratios 2, 4, 8, 16, two texts of 256 tokens, the 2k suite on niah_single
+and niah_multikey: the haystacks and contexts per task chosen so the estimate fits ``--hours``, 1 per model, so
+that the two models' headlines together fit 2 h). The estimate, from measured per-row costs (``--costs FILE``:
+an earlier leaderboard JSON of the same model; else this model's ``leaderboard_quick_<model>.json`` under
+``--out`` if there is one of the same ``--prefill``; else the built-in costs measured here), is printed at the
+start.
 """
 
 from __future__ import annotations
@@ -324,7 +340,7 @@ def main(argv=None):
         default="one-chunk",
         help="the suite's prompts in one chunk, each forward shared by every method (kvpress's protocol; default), "
         "or in --prefill-step chunks through each method's caches (mlx-lm's generate_step, no sharing past the "
-        "first chunk); one-chunk also batches the perplexity texts",
+        "first chunk)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate, run nothing")
     p.add_argument("--no-suite", action="store_true", help="perplexity only")
@@ -516,37 +532,37 @@ def run_perplexity(model, tok, plan, state, save):
             raise ValueError(f"--texts {text}: {len(ids)} tokens, fewer than --ppl-tokens {plan['ppl_tokens']}")
         texts[text] = ids
     full = {}
-    for name in plan["methods"]:
-        for ratio in [1.0] if name == "full" else plan["ratios"]:
-            budget = None if name == "full" else budget_for(plan["ppl_tokens"], ratio)
-            spec = spec_for(name, budget or 0)
-            got = batched_perplexity(model, list(texts.values()), spec)
-            for text, r in zip(texts, got):
-                if name == "full":
-                    full[text] = r
-                row = {
-                    "text": text,
-                    "tokens": len(texts[text]),
-                    "method": name,
-                    "ratio": ratio,
-                    "budget": budget,
-                    "spec": r["spec"],
-                    "perplexity": r["perplexity"],
-                    "delta_ppl_pct": 100 * (r["perplexity"] / full[text]["perplexity"] - 1),
-                    "seconds": round(r["seconds"], 2),
-                    "batch": len(texts),
-                    "kv_bytes_kept": r["kv_bytes_kept"],
-                    "kv_bytes_full": r["kv_bytes_full"],
-                    "nan": r["nan"],
-                    "nll": [round(float(x), 5) for x in r["nll"]],
-                }
-                state["ppl_rows"].append(row)
-                print(
-                    f"ppl {text:8} {spec:28} {r['perplexity']:9.3f} ({row['delta_ppl_pct']:+7.1f}%) "
-                    f"{r['batch_seconds']:.0f} s (batch of {len(texts)})",
-                    flush=True,
-                )
-            save()
+    order = [("full", 1.0)] + [(n, r) for r in run_order(plan["ratios"]) for n in plan["methods"][1:]]
+    for name, ratio in order:
+        budget = None if name == "full" else budget_for(plan["ppl_tokens"], ratio)
+        spec = spec_for(name, budget or 0)
+        got = batched_perplexity(model, list(texts.values()), spec)
+        for text, r in zip(texts, got):
+            if name == "full":
+                full[text] = r
+            row = {
+                "text": text,
+                "tokens": len(texts[text]),
+                "method": name,
+                "ratio": ratio,
+                "budget": budget,
+                "spec": r["spec"],
+                "perplexity": r["perplexity"],
+                "delta_ppl_pct": 100 * (r["perplexity"] / full[text]["perplexity"] - 1),
+                "seconds": round(r["seconds"], 2),
+                "batch": len(texts),
+                "kv_bytes_kept": r["kv_bytes_kept"],
+                "kv_bytes_full": r["kv_bytes_full"],
+                "nan": r["nan"],
+                "nll": [round(float(x), 5) for x in r["nll"]],
+            }
+            state["ppl_rows"].append(row)
+            print(
+                f"ppl {text:8} {spec:28} {r['perplexity']:9.3f} ({row['delta_ppl_pct']:+7.1f}%) "
+                f"{r['batch_seconds']:.0f} s (batch of {len(texts)})",
+                flush=True,
+            )
+        save()
 
 
 def run_suite(model, tok, plan, state, save, model_name: str, smoke: bool):
@@ -630,9 +646,23 @@ def run_suite_one_chunk(model, tok, plan, state, save, model_name: str, smoke: b
         params=params,
     )
     protocols = [p for p in PROTOCOL_ORDER if p in plan["protocols"]]
+    items = {}  # context id -> [(protocol, question or None, prompt ids, record)], kept for the run
+    unflagged = []
+
+    def one(ctx, name, ratio):
+        spec = spec_for(name, budget_for(plan["length"], ratio))
+        rows = one_chunk_context(model, tok, ctx, spec, items[ctx.id], plan["prefill_step"])
+        for r in rows:
+            r.update(name=name, ratio=ratio)
+            print(
+                f"{r['protocol']:18} {r['method']:26} {r['id']:26} q{r['question']} {r['score']:.2f} "
+                f"{r['output'].strip()[:32]!r:34} {r['start_seconds']}+{r['answer_seconds']}s",
+                flush=True,
+            )
+        state["suite_rows"].extend(rows)
+
     for task in plan["tasks"]:
         group = [c for c in contexts if c.task == task]
-        items = {}  # context id -> [(protocol, question or None, prompt ids, record)], kept for the task
         for c in group:
             items[c.id] = []
             prompts = [("query-agnostic", None, c.context_ids)] if "query-agnostic" in protocols else []
@@ -646,18 +676,6 @@ def run_suite_one_chunk(model, tok, plan, state, save, model_name: str, smoke: b
                 )
                 items[c.id].append((proto, i, ids, rec))
 
-        def one(ctx, name, ratio):
-            spec = spec_for(name, budget_for(plan["length"], ratio))
-            rows = one_chunk_context(model, tok, ctx, spec, items[ctx.id], plan["prefill_step"])
-            for r in rows:
-                r.update(name=name, ratio=ratio)
-                print(
-                    f"{r['protocol']:18} {r['method']:26} {r['id']:26} q{r['question']} {r['score']:.2f} "
-                    f"{r['output'].strip()[:32]!r:34} {r['start_seconds']}+{r['answer_seconds']}s",
-                    flush=True,
-                )
-            state["suite_rows"].extend(rows)
-
         for ctx in group:
             one(ctx, "full", 1.0)
         full = [r["score"] for r in state["suite_rows"] if r["task"] == task and r["name"] == "full"]
@@ -668,13 +686,22 @@ def run_suite_one_chunk(model, tok, plan, state, save, model_name: str, smoke: b
             print(
                 f"{task}: the full cache scores {full_score:.1f} < {plan['min_full']:g}: flagged, skipped", flush=True
             )
+            for c in group:
+                items.pop(c.id)
             continue
-        for ctx in group:
+        unflagged += group
+    for ratio in run_order(plan["ratios"]):  # every method at the ranking's ratio first (run_order)
+        for ctx in unflagged:
             for name in plan["methods"][1:]:
-                for ratio in plan["ratios"]:
-                    one(ctx, name, ratio)
-                    save()
-        items.clear()
+                one(ctx, name, ratio)
+                save()
+    items.clear()
+
+
+def run_order(ratios, at: float = 8.0) -> list:
+    """The ratios in the order they are run: the ranking's (``at``, 8x) first, then the nearest, so a run cut
+    short still ranks every method."""
+    return sorted(ratios, key=lambda r: (abs(math.log(r / at)), -r))
 
 
 def one_chunk_context(model, tok, ctx, spec, items, step: int) -> list:

@@ -227,3 +227,20 @@ def test_stream_with_a_compress_once_method_is_refused_naming_the_option(dirs, t
             model, tok, DOCUMENT, "kvzip+" + METHOD, tmp_path / "x.safetensors", model_path=".", compress_once="stream"
         )
     assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_kvzip_file_loaded_by_mlx_lm_itself_answers_batched_requests(dirs, tmp_path, family):
+    """mlx-lm's own ``load_prompt_cache`` (no kvpolicy loader): the layers keep different numbers of tokens, so the
+    restored caches hold the attention hook again (each layer's batch builds its own mask), as the saved ones did."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    path = tmp_path / "doc.safetensors"
+    model, tok = _write(dirs[family], path, "kvzip")
+    here = _in_memory(model, tok, "kvzip")
+    caches = load_prompt_cache(str(path))
+    assert len({c.size() for c in caches}) > 1
+    assert all(c.attention_hook is not None and c.attention_hook.active for c in caches)
+    questions = [[int(t) for t in tok.encode(q)] for q in QUESTIONS]
+    want = [_alone(model, q, copy.deepcopy(here)) for q in questions]
+    assert _batched(model, questions, [copy.deepcopy(caches) for _ in questions]) == want

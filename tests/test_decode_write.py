@@ -42,7 +42,7 @@ def test_a_compiled_write_that_cannot_be_traced_writes_the_same_eager():
     inside the trace) is retried eager, which raises the same error, and nothing is written."""
     store = SlotStore()
     k = mx.random.normal((1, 2, 4, 3), key=mx.random.key(0))
-    store.append(k, k, 0, 3)
+    store.append(k, k, 0, 4)
     before = store.snapshot()
     slots = mx.zeros((1, 2, 1), mx.int32)
     u = MergeUpdate(slots + 1, None, None, mx.ones((1, 2, 1)), None, d_log_weights=mx.ones((1, 2, 1)))
@@ -62,7 +62,7 @@ def test_a_write_compiled_and_eager_give_the_same_buffers_bit_for_bit():
     stores = []
     for compiled in (True, False):
         s = SlotStore(track_log_weights=True, track_key_norms=True)
-        s.append(k, k, 0, 5)
+        s.append(k, k, 0, 6)
         s._norms()
         t = mx.array([[[1], [2]], [[3], [4]]], dtype=mx.int32)
         u = MergeUpdate(t, 0.5 * k[:, :, :1], k[:, :, 1:2], mx.ones((2, 2, 1)), None, d_log_weights=mx.ones((2, 2, 1)))

@@ -394,7 +394,7 @@ def test_the_store_never_adds_a_non_finite_delta_to_a_finite_element():
     store = SlotStore(track_log_weights=True, track_key_norms=True)
     keys, values = random_kv(B=1, H=1, S=3, D=2, dtype=mx.float16)
     values = values.at[0, 0, 1, 1].add(math.inf)  # slot 1's second element is non-finite
-    store.append(keys, values, 0, budget=8)
+    store.append(keys, values, 0, steady=9)
     t = mx.array([[[1, 2]]], dtype=mx.int32)
     d_values = mx.array([[[[0.5, math.nan], [1e6, 0.25]]]])  # 1e6 is inf in float16
     store.add(
@@ -418,7 +418,7 @@ def test_the_store_adds_nothing_at_a_target_outside_the_cache():
 
     store = SlotStore(track_log_weights=True, track_key_norms=True)
     keys, values = random_kv(B=1, H=1, S=3, D=2)
-    store.append(keys, values, 0, budget=8)  # capacity 9: slots 3.. exist in the buffers but are not valid
+    store.append(keys, values, 0, steady=9)  # capacity 9: slots 3.. exist in the buffers but are not valid
     store._norms()  # the key norms kept from here on
     before = [np.array(x) for x in (store.keys, store.values, store.key_norms)]
     t = mx.array([[[-1, 3, 8, 2**31 - 1, 2]]], dtype=mx.int32)

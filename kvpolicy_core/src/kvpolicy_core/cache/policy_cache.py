@@ -136,7 +136,7 @@ class PolicyCache(CacheDiagnostics):
             else:
                 if n_evict > 0:
                     self._slots.compact(self._evict(n_evict, cut=cut))
-                self._slots.append(keys, values, self.offset, self.budget)
+                self._slots.append(keys, values, self.offset, self.budget + 1)
             self.offset += S
             if self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
                 new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)

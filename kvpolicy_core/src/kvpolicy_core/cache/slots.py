@@ -258,17 +258,17 @@ class SlotStore:
             return self.keys, self.values
         return self.keys[..., : self.n, :], self.values[..., : self.n, :]
 
-    def append(self, keys: mx.array, values: mx.array, offset: int, budget: int) -> None:
+    def append(self, keys: mx.array, values: mx.array, offset: int, steady: int) -> None:
         """Write S new tokens (positions ``offset .. offset+S-1``, score 0) after the n valid slots.
 
-        Capacity grows in multiples of ``step`` up to ``budget + 1`` (decode's steady state),
-        or exactly to ``n + S`` for a larger chunk.
+        Capacity grows in multiples of ``step`` up to ``steady`` slots (decode's steady state: the cache's
+        budget and the one new token), or exactly to ``n + S`` for a larger chunk.
         """
         B, H, S, D = keys.shape
         need = self.n + S
         cap = 0 if self.keys is None else self.keys.shape[2]
         if need > cap:
-            new_cap = min(-(-need // self.step) * self.step, budget + 1) if need <= budget + 1 else need
+            new_cap = min(-(-need // self.step) * self.step, steady) if need <= steady else need
             grow = new_cap - self.n
             k_new = mx.zeros((B, H, grow, D), keys.dtype)
             v_new = mx.zeros((B, H, grow, values.shape[3]), values.dtype)

@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kvpolicy_core.errors import ConfigError
+from kvpolicy_core.integration import reconstruction
 from kvpolicy_core.integration.compress_once import RepeatPrompt, compress_context, split_spec
 from kvpolicy_core.integration.reconstruction import ReconstructionCache, repeat_chunks
 from kvpolicy_core.testing.tiny_models import tiny_llama, tiny_model
@@ -95,6 +96,7 @@ def test_reconstruction_score_matches_a_numpy_reference(model, compressed, monke
     want = _reference_scores(model, monkeypatch)
     monkeypatch.undo()
     monkeypatch.setattr(ReconstructionCache, "rows", 7)  # query rows in blocks (a chunk has 25-30 rows)
+    monkeypatch.setattr(reconstruction, "ROWS", 7)  # and the prefill's chunks (16-128 rows) by blocks too
     blocked = compress_context(model, IDS, EXACT, prefill_step=128, repeat=REPEAT, chunk=CHUNK)
     for got, ref in zip(blocked.scores, want):
         np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
@@ -369,13 +371,33 @@ def test_window_layers_keep_their_live_window():
     assert np.isfinite(np.array(logits)).all()
 
 
-def test_window_layers_hold_their_window_and_score_as_if_they_held_the_whole_context():
+@pytest.mark.parametrize("window, mask_kind", [(None, "causal"), (None, "array"), (40, "array")])
+def test_blocked_attention_is_the_one_call_attention(monkeypatch, window, mask_kind):
+    """Blocks of rows, each over the keys it can see (causal frontier, window start), give the model's attention
+    of the whole chunk: GQA, queries at the end of the keys, a causal or a windowed mask."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import create_causal_mask
+
+    monkeypatch.setattr(reconstruction, "ROWS", 16)
+    rng = np.random.RandomState(0)
+    S, T = 70, 110
+    q, k, v = (mx.array(rng.randn(*shape).astype(np.float32)) for shape in ((1, 4, S, 8), (1, 2, T, 8), (1, 2, T, 8)))
+    mask = create_causal_mask(S, T - S, window_size=window)
+    if mask_kind == "causal":  # what mlx-lm's KVCache hands a chunk (a window mask is always an array)
+        mask = "causal"
+    got = reconstruction.blocked_attention(q, k, v, 0.3, mask, scaled_dot_product_attention, window)
+    want = scaled_dot_product_attention(q, k, v, None, 0.3, mask)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+
+
+def test_window_layers_hold_their_window_and_score_as_if_they_held_the_whole_context(monkeypatch):
     """A sliding-window layer's prefill holds its last ``w + extra`` keys only (what mlx-lm's RotatingKVCache
     attends): its K/V, reconstruction scores (both normalisations) and observation-window scores equal those of
     a plain cache holding every position (whose earlier positions the window gives weight 0)."""
     from kvpolicy_core.integration.compress_once import prefill_full
     from kvpolicy_core.integration.reconstruction import Context, reconstruction_scores, window_scores
 
+    monkeypatch.setattr(reconstruction, "ROWS", 5)  # the prefill's chunks and the repeat chunks' rest by blocks
     gemma = tiny_model("gemma3_text")  # window 8 on layers 0 and 2
     caches = [KVCache() for _ in gemma.layers]
     for a, b in ((0, 16), (16, 32), (32, 48), (48, L - 1), (L - 1, L)):  # prefill_full's chunks of 16

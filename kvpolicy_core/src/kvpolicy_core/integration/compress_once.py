@@ -39,15 +39,23 @@ from typing import Any, List, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache
 
+from ..attention import hook as attention
 from ..cache.policy_cache import PolicyCache
 from ..config.parse import parse_config
 from ..errors import ConfigError
 from ..parts.pooling import pool_by_position
 from ..runtime.progress import reporter
 from .builder import KVCacheBuilder, native_caches
-from .reconstruction import Context, WindowPrefillCache, reconstruction_scores, repeat_chunks, window_scores
+from .reconstruction import (
+    Context,
+    PrefillCache,
+    WindowPrefillCache,
+    reconstruction_scores,
+    repeat_chunks,
+    window_scores,
+)
 from .token_ids import check_model_token_ids
 
 #: the compress-once scorers: ``kvzip`` shares the kept tokens out over the layers by one ranking (KVzip's rule),
@@ -101,27 +109,33 @@ class Compressed:
 def prefill_full(model, ids: Sequence[int], prefill_step: int, extra: int = 0) -> List[Context]:
     """``ids`` (L tokens) through the model's own caches, chunked as ``generate_step`` does (chunks of
     ``prefill_step`` over all but the last token, then the last token alone): one :class:`~.reconstruction.Context`
-    per layer. A global layer holds all L keys (mlx-lm's ``KVCache``); a sliding-window layer (the model makes it a
+    per layer. A global layer holds all L keys (mlx-lm's ``KVCache``: :class:`~.reconstruction.PrefillCache`);
+    a sliding-window layer (the model makes it a
     ``RotatingKVCache(w)``) attends as that cache does and holds the last ``w + extra`` keys
     (:class:`~.reconstruction.WindowPrefillCache`): what the cut can keep (positions above ``L - w``) and what
-    ``extra`` more queries at the end need (the observation window's). So this prefill costs what mlx-lm's does."""
+    ``extra`` more queries at the end need (the observation window's). Each chunk's attention is computed by blocks
+    of rows over the keys each block sees (:func:`~.reconstruction.blocked_attention`), so this prefill costs less
+    than mlx-lm's, whose CPU kernel computes every masked logit."""
     windows = [n.max_size if type(n) is RotatingKVCache else None for n in native_caches(model)]
-    caches = [KVCache() if w is None else WindowPrefillCache(w, w + extra) for w in windows]
+    caches = [PrefillCache() if w is None else WindowPrefillCache(w, w + extra) for w in windows]
     ids = list(ids)
     done = 0
     progress = reporter("prefill")
     progress(0, len(ids))
-    while len(ids) - done > 1:
-        n = min(prefill_step, len(ids) - done - 1)
-        model(mx.array(ids[done : done + n], dtype=mx.uint32)[None], cache=caches)
+    hook = attention.install(model)  # the caches compute their chunks' attention by blocks (blocked_attention)
+    try:
+        while len(ids) - done > 1:
+            n = min(prefill_step, len(ids) - done - 1)
+            model(mx.array(ids[done : done + n], dtype=mx.uint32)[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            done += n
+            progress(done, len(ids))
+        model(mx.array(ids[done:], dtype=mx.uint32)[None], cache=caches)
         mx.eval([c.state for c in caches])
-        done += n
-        progress(done, len(ids))
-    model(mx.array(ids[done:], dtype=mx.uint32)[None], cache=caches)
-    mx.eval([c.state for c in caches])
+    finally:
+        hook.remove()
     progress(len(ids), len(ids))
-    L = len(ids)
-    return [Context(c.keys[..., :L, :], c.values[..., :L, :]) if type(c) is KVCache else c.context() for c in caches]
+    return [c.context() for c in caches]
 
 
 def selection_keys(score: np.ndarray, n_sink: int, window, start: int = 0) -> np.ndarray:
@@ -360,8 +374,6 @@ def hold_hook(model, caches: Sequence[Any]) -> None:
     each layer's batch build its own (:meth:`~kvpolicy_core.cache.batch.BatchPolicyCache.before_attention`), so
     caches with per-layer budgets hold the hook, and with them every copy made for a request (as the caches that
     need the hook for their own method do). Idempotent; a layer that already holds the hook keeps it."""
-    from ..attention import hook as attention
-
     policy = [c for c in caches if isinstance(c, PolicyCache)]
     if len({(c.budget, c.tokens_kept) for c in policy}) <= 1:
         return

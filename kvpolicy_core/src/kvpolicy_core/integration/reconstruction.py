@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import create_attention_mask
+from mlx_lm.models.cache import KVCache, create_attention_mask
 
 from ..attention import hook as attention
 from ..attention.weights import attention_with_weights
@@ -55,11 +55,52 @@ class Context(NamedTuple):
         return self.start + self.keys.shape[2]
 
 
+def blocked_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, fused, window=None):
+    """The model's attention of S queries (the last S of T positions) over T keys [B, H, T, D] -> [B, Hq, S, Dv],
+    by the model's own kernel ``fused`` (mlx-lm's ``scaled_dot_product_attention``) on blocks of :data:`ROWS`
+    query rows, each over the keys it can see only: up to its last row (causal) and, in a sliding-window layer,
+    from ``window - 1`` before its first row. The keys left out have weight 0 under the mask, so this is the one
+    call's attention up to float rounding, at the cost of the unmasked part alone (a prefill chunk over its own
+    keys: about half; MLX's CPU kernel computes every masked logit)."""
+    S, T = queries.shape[2], keys.shape[2]
+    if mask is None or S <= ROWS:
+        return fused(queries, keys, values, None, scale, mask)
+    outs = []
+    for r0 in range(0, S, ROWS):
+        r1 = min(S, r0 + ROWS)
+        lo, hi = 0 if window is None else max(0, T - S + r0 - window + 1), T - S + r1
+        m = _rows(mask, r0, r1, S, T)[..., lo:hi]
+        outs.append(fused(queries[:, :, r0:r1], keys[..., lo:hi, :], values[..., lo:hi, :], None, scale, m))
+    return mx.concatenate(outs, axis=2)
+
+
+#: query rows per block of :func:`blocked_attention` (and of the reconstruction's weights)
+ROWS = 256
+
+
+class PrefillCache(KVCache):
+    """A global layer's cache for a one-shot prefill: mlx-lm's ``KVCache``, its chunks' attention computed by
+    :func:`blocked_attention` (routed here by kvpolicy's attention hook)."""
+
+    kvpolicy_attention = "single"
+
+    def attend(self, queries, keys, values, scale, mask, fused):
+        return blocked_attention(queries, keys, values, scale, mask, fused)
+
+    def before_attention(self, queries, scale, mask):  # the hook's batch route (not taken: "single")
+        return mask
+
+    def context(self) -> Context:
+        return Context(self.keys[..., : self.offset, :], self.values[..., : self.offset, :])
+
+
 class WindowPrefillCache:
     """A sliding-window layer's cache for a one-shot prefill: it attends as mlx-lm's ``RotatingKVCache`` does
-    (the held keys plus the chunk, under the model's window mask) and keeps the last ``keep`` keys and values in
-    temporal order (positions ``offset - held .. offset - 1``), which :meth:`context` hands on. ``offset`` is the
-    absolute position (mlx-lm rotates queries by it)."""
+    (the held keys plus the chunk, under the model's window mask; by :func:`blocked_attention`) and keeps the last
+    ``keep`` keys and values in temporal order (positions ``offset - held .. offset - 1``), which :meth:`context`
+    hands on. ``offset`` is the absolute position (mlx-lm rotates queries by it)."""
+
+    kvpolicy_attention = "single"
 
     def __init__(self, window: int, keep: int) -> None:
         self.window, self.keep = window, keep
@@ -86,6 +127,12 @@ class WindowPrefillCache:
     def state(self):
         return self.keys, self.values
 
+    def attend(self, queries, keys, values, scale, mask, fused):
+        return blocked_attention(queries, keys, values, scale, mask, fused, self.window)
+
+    def before_attention(self, queries, scale, mask):  # the hook's batch route (not taken: "single")
+        return mask
+
     def context(self) -> Context:
         return Context(self.keys, self.values, self.offset - self.held, self.window)
 
@@ -101,7 +148,7 @@ class ReconstructionCache:
     """
 
     kvpolicy_attention = "single"  #: the attention hook calls :meth:`attend` for this cache
-    rows = 256  #: query rows whose attention weights are computed at once
+    rows = ROWS  #: query rows whose attention weights are computed at once
 
     def __init__(self, context: Context, n_sink: int = 0, own: bool = False) -> None:
         self.context_keys, self.context_values, self.start, self.window = context  # [B, H, n, D], [B, H, n, Dv]
@@ -143,13 +190,17 @@ class ReconstructionCache:
         outs = []
         for r0 in range(0, seeing, self.rows):
             r1 = min(seeing, r0 + self.rows)
-            out, weights = attention_with_weights(queries[:, :, r0:r1], keys, values, scale, _rows(mask, r0, r1, S, T))
-            self._take(weights.astype(mx.float32), T)
+            hi = T if mask is None else n + r1  # the keys up to the block's last row (the rest are masked)
+            m = _rows(mask, r0, r1, S, T)
+            q, k, v = queries[:, :, r0:r1], keys[..., :hi, :], values[..., :hi, :]
+            out, weights = attention_with_weights(q, k, v, scale, None if m is None else m[..., :hi])
+            self._take(weights.astype(mx.float32), hi)
             mx.eval(self.score, out, *(() if self.whole is None else (self.whole,)))
             outs.append(out)
         if seeing < S:  # rows that see no context key: the chunk's own keys under the layer's mask
-            rest = _rows(mask, seeing, S, S, T)
-            outs.append(fused(queries[:, :, seeing:], keys[..., n:, :], values[..., n:, :], None, scale, rest[..., n:]))
+            rest = _rows(mask, seeing, S, S, T)[..., n:]
+            q, k, v = queries[:, :, seeing:], keys[..., n:, :], values[..., n:, :]
+            outs.append(blocked_attention(q, k, v, scale, rest, fused, self.window))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
     def _take(self, weights: mx.array, T: int) -> None:

@@ -343,6 +343,7 @@ def main(argv=None):
         "first chunk)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate, run nothing")
+    p.add_argument("--resume", metavar="JSON", help="a result file of a run cut short: its perplexity rows kept")
     p.add_argument("--no-suite", action="store_true", help="perplexity only")
     p.add_argument("--no-ppl", action="store_true", help="the suite only")
     p.add_argument("--report", nargs="+", metavar="JSON", help="merge result files into --docs and --plots; no run")
@@ -448,7 +449,15 @@ def run(args):
         "suite_rows": [],
         "flagged": [],
         "record_seconds": {},
+        "errors": [],
     }
+    if args.resume:  # a run cut short: its perplexity rows kept, the specs it measured not run again
+        prev = read_result(args.resume)
+        if prev["config"]["model"] != model_key or prev["config"]["ppl_tokens"] != plan["ppl_tokens"]:
+            raise ValueError(f"--resume {args.resume}: another model or --ppl-tokens")
+        state["ppl_rows"] = [r for r in prev["ppl_rows"] if r["text"] in plan["texts"]]
+        state["errors"] = prev.get("errors", [])
+        state["resumed_from"] = {"file": str(args.resume), "seconds": prev.get("seconds")}
 
     def save():
         state["seconds"] = round(time.perf_counter() - start, 1)
@@ -531,12 +540,23 @@ def run_perplexity(model, tok, plan, state, save):
         if len(ids) < plan["ppl_tokens"]:
             raise ValueError(f"--texts {text}: {len(ids)} tokens, fewer than --ppl-tokens {plan['ppl_tokens']}")
         texts[text] = ids
-    full = {}
+    full = {r["text"]: r for r in state["ppl_rows"] if r["method"] == "full"}  # --resume: rows measured before
+    done = {(r["method"], r["ratio"]) for r in state["ppl_rows"]}
     order = [("full", 1.0)] + [(n, r) for r in run_order(plan["ratios"]) for n in plan["methods"][1:]]
     for name, ratio in order:
+        if (name, ratio) in done:
+            continue
         budget = None if name == "full" else budget_for(plan["ppl_tokens"], ratio)
         spec = spec_for(name, budget or 0)
-        got = batched_perplexity(model, list(texts.values()), spec)
+        try:
+            got = batched_perplexity(model, list(texts.values()), spec)
+        except Exception as exc:  # a method refusing a budget (recorded; the other specs still run)
+            if name == "full":
+                raise
+            state["errors"].append({"part": "perplexity", "spec": spec, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"ppl {spec}: {type(exc).__name__}: {exc}", flush=True)
+            save()
+            continue
         for text, r in zip(texts, got):
             if name == "full":
                 full[text] = r

@@ -124,14 +124,16 @@ COSTS = {
     "smollm2": dict(length=4096, ppl_token=0.25, prefill=70.0, qa_question=8.0, qip_question=70.0, record=60.0),
     "tiny": dict(length=640, ppl_token=0.002, prefill=0.05, qa_question=0.05, qip_question=0.05, record=0.05),
 }
-#: the one-chunk suite's and the batched perplexity's costs (seconds, 2 shared x86 cores, at ``length``):
-#: ppl_step: one token-by-token step of one spec with the texts as one batch; record: one prompt's full-cache
-#: forward (once per context and protocol and question); replay: a policy cache's replay of it; replay_group:
-#: the same for a layer-group method (pyramidkv, squeeze: the attention output is computed); real: a cache that
-#: cannot replay (mlx-lm's rotating) runs the forward; answer: one question asked and answered.
+#: the one-chunk suite's and the batched perplexity's costs (seconds at ``length``), measured by the headline
+#: runs of docs/leaderboard.md on 2 x86 cores running ~12 processes (load average 11-15): each kind's median
+#: wall time times the CPU share its process got (0.18-0.30), i.e. the CPU seconds a row used, the stand-in for
+#: 2 idle cores. ppl_step: one token-by-token step of one spec with the texts as one batch; record: one prompt's
+#: full-cache forward (once per context and protocol and question); replay: a policy cache's replay of it;
+#: replay_group: the same for a layer-group method (pyramidkv, squeeze: the attention output is computed); real:
+#: a cache that cannot replay (mlx-lm's rotating) runs the forward; answer: one question asked and answered.
 ONE_CHUNK_COSTS = {
-    "gemma3": dict(length=2048, ppl_step=0.1, record=20.0, replay=0.5, replay_group=5.0, real=20.0, answer=1.5),
-    "smollm2": dict(length=2048, ppl_step=0.15, record=20.0, replay=0.8, replay_group=5.0, real=20.0, answer=1.5),
+    "gemma3": dict(length=2048, ppl_step=0.162, record=12.3, replay=0.33, replay_group=0.53, real=12.3, answer=3.6),
+    "smollm2": dict(length=2048, ppl_step=0.137, record=27.0, replay=0.6, replay_group=0.86, real=27.7, answer=1.56),
     "tiny": dict(length=640, ppl_step=0.004, record=0.05, replay=0.02, replay_group=0.02, real=0.05, answer=0.05),
 }
 GROUP_METHODS = ("pyramidkv", "squeeze")  # replayed through the attention call (needle.replay_prefill)
@@ -406,7 +408,8 @@ def choose_costs(args, model_key: str):
     if got:
         base.update(got)
         return base, "measured: " + ", ".join(str(f) for f in files)
-    return base, "built-in (COSTS: measured on 2 shared x86 cores)"
+    name = "ONE_CHUNK_COSTS" if args.prefill == "one-chunk" else "COSTS"
+    return base, f"built-in ({name}: measured on 2 shared x86 cores)"
 
 
 def run(args):

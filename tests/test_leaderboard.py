@@ -59,6 +59,23 @@ def test_smoke_writes_every_method_at_every_ratio_and_the_full_cache(smoke):
     assert {r["batch"] for r in data["ppl_rows"]} == {2}  # both texts in one batch
 
 
+@pytest.mark.slow
+def test_resume_keeps_the_perplexity_rows_and_runs_none_again(smoke, tmp_path):
+    out, _ = smoke
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "leaderboard.py"), "--smoke", "--no-suite", "--out", str(tmp_path)]
+        + ["--resume", str(out / "leaderboard_smoke.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [x for x in proc.stdout.splitlines() if x.startswith("ppl ")]  # every spec was measured before
+    before = json.loads((out / "leaderboard_smoke.json").read_text())
+    after = json.loads((tmp_path / "leaderboard_smoke.json").read_text())
+    assert after["ppl_rows"] == before["ppl_rows"] and after["errors"] == []
+
+
 @pytest.fixture(scope="module")
 def tiny():
     import tempfile

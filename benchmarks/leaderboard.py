@@ -821,7 +821,8 @@ def ruler_score(output, answers, metric):
 # ----------------------------------------------------------------------------- the board
 def build_board(ppl_rows, suite_rows, min_full: float = 60.0) -> dict:
     """Per method (``full`` included) per ratio: perplexity change per text (and their mean), the suite score per
-    protocol (mean over unflagged tasks of RULER's score) and ``score`` (the mean over the protocols)."""
+    protocol (mean over unflagged tasks of RULER's score; none where some unflagged task was not run, as in a run
+    cut short) and ``score`` (the mean over the protocols)."""
     ppl_rows = label_texts(ppl_rows)
     texts = list(dict.fromkeys(r["text"] for r in ppl_rows))
     full_ppl = {r["text"]: r["perplexity"] for r in ppl_rows if r["method"] == "full"}
@@ -847,11 +848,13 @@ def build_board(ppl_rows, suite_rows, min_full: float = 60.0) -> dict:
     for (name, ratio, protocol, task), v in per.items():
         c = cells.setdefault((name, ratio), {"ppl": {}, "ppl_abs": {}, "suite": {}, "tasks": {}})
         c["tasks"].setdefault(protocol, {})[task] = round(100 * sum(v) / len(v), 1)
+    needed = [t for t in full_by_task if t not in flagged]  # a score needs every task the full cache can do
     rows = []
     for (name, ratio), c in cells.items():
         for protocol, by_task in c["tasks"].items():
             ok = [s for t, s in by_task.items() if t not in flagged]
-            c["suite"][protocol] = round(sum(ok) / len(ok), 1) if ok else None
+            whole = all(t in by_task for t in needed)  # a run cut short mid-ratio: no score from some tasks
+            c["suite"][protocol] = round(sum(ok) / len(ok), 1) if ok and whole else None
         scores = [c["suite"].get(p) for p in protocols if c["suite"].get(p) is not None]
         deltas = [c["ppl"][t] for t in texts if c["ppl"].get(t) is not None]
         rows.append(

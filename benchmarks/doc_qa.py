@@ -401,23 +401,10 @@ def report(data: Dict[str, Any], full_runs: Sequence[str] = ()) -> None:
 
 
 def load(model: str, smoke: bool):
-    import mlx.core as mx
-    import mlx_lm
+    """The model as the long-context suite loads it; the smoke model has sliding-window layers (gemma3_text)."""
+    from long_context import load as load_model
 
-    if smoke:
-        import tempfile
-
-        from kvpolicy_core.testing.tiny_models import write_model_dir
-
-        path = write_model_dir(Path(tempfile.mkdtemp(prefix="doc-qa-tiny-")), "gemma3_text", layers=4)
-        m, tok = mlx_lm.load(str(path))
-        return m, tok, "tiny random gemma3_text"
-    from kvpolicy_core.model.resolve import resolve_model_path
-
-    path = resolve_model_path(None if model == "gemma3" else model)
-    m, tok = mlx_lm.load(str(path))
-    m.set_dtype(mx.float32)
-    return m, tok, str(path)
+    return load_model(model, smoke, tiny="gemma3_text", tiny_layers=4)
 
 
 def main(argv=None):

@@ -106,7 +106,9 @@ def spec_for(name: str, budget: int) -> str:
     return with_budget(base, budget)
 
 
-def load(model: str, smoke: bool):
+def load(model: str, smoke: bool, tiny: str = "llama", tiny_layers: int = 2):
+    """(model, tokenizer, description): ``gemma3`` (the default model), ``smollm2`` or a model directory, in
+    float32; with ``smoke`` a tiny random-weight model of family ``tiny`` instead."""
     import mlx.core as mx
     import mlx_lm
 
@@ -115,9 +117,9 @@ def load(model: str, smoke: bool):
 
         from kvpolicy_core.testing.tiny_models import write_model_dir
 
-        path = write_model_dir(Path(tempfile.mkdtemp(prefix="long-context-tiny-")), "llama", layers=2)
+        path = write_model_dir(Path(tempfile.mkdtemp(prefix="kvpolicy-tiny-")), tiny, layers=tiny_layers)
         m, tok = mlx_lm.load(str(path))
-        return m, tok, "tiny random llama"
+        return m, tok, f"tiny random {tiny}"
     from kvpolicy_core.model.resolve import resolve_model_path
 
     path = resolve_model_path(None if model == "gemma3" else model)

@@ -50,7 +50,7 @@ plots (``--plots``, benchmarks/results).
 
 Sizes: ``smoke`` (a tiny random-weight model, a few methods, tiny lengths: seconds); ``quick`` (one text, 1024
 tokens of perplexity, the 4k suite on one haystack with one context per task, ratios 4 and 8, a few
-methods); ``headline`` (every method, ratios 2, 4, 8, 16, two texts of 256 tokens, the 2k suite on niah_single
+methods); ``headline`` (every method, ratios 2, 4, 8, 16, two texts of 128 tokens, the 2k suite on niah_single
 and niah_multikey: the haystacks and contexts per task chosen so the estimate fits ``--hours``, 1 per model, so
 that the two models' headlines together fit 2 h). The estimate, from measured per-row costs (``--costs FILE``:
 an earlier leaderboard JSON of the same model; else this model's ``leaderboard_quick_<model>.json`` under
@@ -105,7 +105,7 @@ SIZES = {
         methods="all",
         ratios="2,4,8,16",
         texts="pydoc,stdlib",
-        ppl_tokens=256,
+        ppl_tokens=128,
         length=2048,
         tasks="niah_single,niah_multikey",
         haystacks="noise,pydoc",
@@ -127,13 +127,15 @@ COSTS = {
 #: the one-chunk suite's and the batched perplexity's costs (seconds at ``length``), measured by the headline
 #: runs of docs/leaderboard.md on 2 x86 cores running ~12 processes (load average 11-15): each kind's median
 #: wall time times the CPU share its process got (0.18-0.30), i.e. the CPU seconds a row used, the stand-in for
-#: 2 idle cores. ppl_step: one token-by-token step of one spec with the texts as one batch; record: one prompt's
+#: 2 idle cores; the suite's kinds then scaled (x1.2 Gemma 3, x1.64 SmolLM2) so that the estimate of each run
+#: equals the CPU seconds its process used (the medians leave out the slow rows: wrong answers run to the limit).
+#: ppl_step: one token-by-token step of one spec with the texts as one batch; record: one prompt's
 #: full-cache forward (once per context and protocol and question); replay: a policy cache's replay of it;
 #: replay_group: the same for a layer-group method (pyramidkv, squeeze: the attention output is computed); real:
 #: a cache that cannot replay (mlx-lm's rotating) runs the forward; answer: one question asked and answered.
 ONE_CHUNK_COSTS = {
-    "gemma3": dict(length=2048, ppl_step=0.162, record=12.3, replay=0.33, replay_group=0.53, real=12.3, answer=3.6),
-    "smollm2": dict(length=2048, ppl_step=0.137, record=27.0, replay=0.6, replay_group=0.86, real=27.7, answer=1.56),
+    "gemma3": dict(length=2048, ppl_step=0.162, record=14.8, replay=0.4, replay_group=0.64, real=14.8, answer=4.3),
+    "smollm2": dict(length=2048, ppl_step=0.137, record=44.0, replay=1.0, replay_group=1.4, real=45.0, answer=2.6),
     "tiny": dict(length=640, ppl_step=0.004, record=0.05, replay=0.02, replay_group=0.02, real=0.05, answer=0.05),
 }
 GROUP_METHODS = ("pyramidkv", "squeeze")  # replayed through the attention call (needle.replay_prefill)

@@ -158,6 +158,15 @@ def test_pyramid_budgets_fall_with_depth_and_keep_the_mean():
     assert PyramidAllocation(beta=1).budgets(64, infos) == [64] * 8
 
 
+def test_a_small_pyramid_budget_keeps_every_layer_its_floor():
+    """budget 8 at beta 20 puts the last layers' pyramid below one token (8 / 20 = 0.4): they keep the least a
+    layer may keep (before: the pyramid returned 0 and the builder refused the method, ending a leaderboard run)."""
+    infos = [LayerInfo(i, 6, None) for i in range(6)]
+    assert min(PyramidAllocation().budgets(8, infos)) == 1
+    caches = KVCacheBuilder.for_model(tiny_gemma3(), "h2o:budget=8,n_sink=2,allocation=pyramid")
+    assert [c.budget for c in caches][-1] == 3 and all(c.budget >= 3 for c in caches)  # n_sink + 1
+
+
 def test_the_builder_gives_each_layer_its_allocated_budget_from_a_config_string():
     model = tiny_gemma3()
     caches = KVCacheBuilder.for_model(model, "h2o:budget=32,allocation=pyramid")

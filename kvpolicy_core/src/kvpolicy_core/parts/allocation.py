@@ -74,7 +74,7 @@ class PyramidAllocation(Allocation):
 
     With ``L`` layers, ``b_min = budget / beta`` and ``b_max = 2 * budget - b_min``::
 
-        b_l = round(b_max - l * (b_max - b_min) / (L - 1))
+        b_l = max(1, round(b_max - l * (b_max - b_min) / (L - 1)))
 
     so the first layers, whose attention is spread wide, keep the most. ``beta`` (the config field
     ``pyramid_beta`` where a method has it, else 20 as in the paper's code) sets the slope: ``beta = 1`` is
@@ -98,4 +98,4 @@ class PyramidAllocation(Allocation):
         lo = budget / self.beta
         hi = 2 * budget - lo
         step = (hi - lo) / (L - 1) if L > 1 else 0.0
-        return [int(round(hi - info.index * step)) if L > 1 else budget for info in layers]
+        return [max(1, int(round(hi - info.index * step))) if L > 1 else budget for info in layers]

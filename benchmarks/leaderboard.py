@@ -590,12 +590,12 @@ def run_perplexity(model, tok, plan, state, save):
         save()
 
 
-def run_suite(model, tok, plan, state, save, model_name: str, smoke: bool):
+def suite_contexts(tok, plan, model_name: str, smoke: bool):
+    """The suite's contexts of ``plan`` (calibrated prompts, no chat format; the smoke model's own parameters)."""
     from kvpolicy_core.eval.tasks import ruler
-    from kvpolicy_core.eval.tasks.ruler_runner import record_first_chunk, run_context
 
     params = {t: ruler.TaskParams(**v) for t, v in SMOKE_PARAMS.items()} if smoke else None
-    contexts = ruler.build_suite(
+    return ruler.build_suite(
         tok,
         plan["tasks"],
         [plan["length"]],
@@ -606,6 +606,12 @@ def run_suite(model, tok, plan, state, save, model_name: str, smoke: bool):
         preset="calibrated",
         params=params,
     )
+
+
+def run_suite(model, tok, plan, state, save, model_name: str, smoke: bool):
+    from kvpolicy_core.eval.tasks.ruler_runner import record_first_chunk, run_context
+
+    contexts = suite_contexts(tok, plan, model_name, smoke)
     protocols = [p for p in PROTOCOL_ORDER if p in plan["protocols"]]
     for task in plan["tasks"]:
         group = [c for c in contexts if c.task == task]
@@ -655,21 +661,9 @@ def run_suite_one_chunk(model, tok, plan, state, save, model_name: str, smoke: b
     context but its last token is replayed, the last token is a step of its own (the cut), then each question is
     asked of a copy; question-in-prompt: each question's prompt but its last token is replayed and the last token
     starts the answer (as the compress-once route does, :mod:`kvpolicy_core.eval.tasks.ruler_runner`)."""
-    from kvpolicy_core.eval.tasks import ruler
     from kvpolicy_core.eval.tasks.needle import record_prefill
 
-    params = {t: ruler.TaskParams(**v) for t, v in SMOKE_PARAMS.items()} if smoke else None
-    contexts = ruler.build_suite(
-        tok,
-        plan["tasks"],
-        [plan["length"]],
-        plan["haystacks"],
-        range(plan["seeds"]),
-        model=model_name,
-        chat="none",
-        preset="calibrated",
-        params=params,
-    )
+    contexts = suite_contexts(tok, plan, model_name, smoke)
     protocols = [p for p in PROTOCOL_ORDER if p in plan["protocols"]]
     items = {}  # context id -> [(protocol, question or None, prompt ids, record)], kept for the run
     unflagged = []

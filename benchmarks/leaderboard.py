@@ -731,7 +731,7 @@ def one_chunk_context(model, tok, ctx, spec, items, step: int) -> list:
 
     from kvpolicy_core.eval.perplexity import kv_bytes, make_caches
     from kvpolicy_core.eval.tasks.needle import needle_kept, replay_prefill, replayable
-    from kvpolicy_core.eval.tasks.ruler_runner import copy_caches, greedy, method_label
+    from kvpolicy_core.eval.tasks.ruler_runner import copy_caches, greedy, method_label, result_row
 
     rows = []
     label = method_label(spec)
@@ -750,35 +750,10 @@ def one_chunk_context(model, tok, ctx, spec, items, step: int) -> list:
         return greedy(model, tok, caches, ids, q.max_new_tokens, ctx.stop_ids, step, q.answers, ctx.metric)
 
     def row(protocol, i, got, caches, start_s, answer_s, extra):
-        q = ctx.questions[i]
-        kept, full = kv_bytes(caches)
-        rows.append(
-            {
-                "id": ctx.id,
-                "task": ctx.task,
-                "length": ctx.length,
-                "haystack": ctx.haystack,
-                "seed": ctx.seed,
-                "model": ctx.model,
-                "method": label,
-                "protocol": protocol,
-                "question": i,
-                "prefill": "one-chunk",
-                "replayed": replayed,
-                "context_tokens": len(ctx.context_ids),
-                "question_tokens": len(q.question_ids),
-                "answers": q.answers,
-                "output": got["output"],
-                "new_tokens": got["tokens"],
-                "score": ruler_score(got["output"], q.answers, ctx.metric),
-                "kv_bytes_kept": kept,
-                "kv_bytes_full": full,
-                "start_seconds": round(start_s, 2),
-                "answer_seconds": round(answer_s, 2),
-                "seconds": round(answer_s + (start_s if protocol == "question-in-prompt" else 0.0), 2),
-                **extra,
-            }
-        )
+        seconds = answer_s + (start_s if protocol == "question-in-prompt" else 0.0)
+        timing = {"start_seconds": round(start_s, 2), "answer_seconds": round(answer_s, 2)}
+        more = {"prefill": "one-chunk", "replayed": replayed, **timing, **extra}
+        rows.append(result_row(ctx, label, protocol, i, got, caches, seconds, more))
 
     for proto, i, ids, rec in items:
         t = time.perf_counter()
@@ -806,12 +781,6 @@ def one_chunk_context(model, tok, ctx, spec, items, step: int) -> list:
             row(proto, i, got, caches, start_s, time.perf_counter() - t, {})
         del caches
     return rows
-
-
-def ruler_score(output, answers, metric):
-    from kvpolicy_core.eval.tasks.ruler import score
-
-    return score(output, answers, metric)
 
 
 # ----------------------------------------------------------------------------- the board

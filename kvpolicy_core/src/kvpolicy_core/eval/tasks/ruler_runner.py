@@ -130,33 +130,39 @@ def _statement_positions(ctx: Context) -> List[int]:
     return [p for a, b in ctx.spans for p in range(a, b)]
 
 
+def result_row(ctx: Context, label: str, protocol: str, i: int, got, caches, seconds: float, extra) -> Dict[str, Any]:
+    """One result row: question ``i`` of ``ctx`` asked of ``label``'s ``caches`` under ``protocol`` (``got``: the
+    greedy answer), its score and KV bytes, then ``extra``."""
+    q = ctx.questions[i]
+    kept, full = kv_bytes(caches)
+    return {
+        "id": ctx.id,
+        "task": ctx.task,
+        "length": ctx.length,
+        "haystack": ctx.haystack,
+        "seed": ctx.seed,
+        "model": ctx.model,
+        "method": label,
+        "protocol": protocol,
+        "question": i,
+        "context_tokens": len(ctx.context_ids),
+        "question_tokens": len(q.question_ids),
+        "answers": q.answers,
+        "output": got["output"],
+        "new_tokens": got["tokens"],
+        "score": score(got["output"], q.answers, ctx.metric),
+        "kv_bytes_kept": kept,
+        "kv_bytes_full": full,
+        "seconds": round(seconds, 2),
+        **extra,
+    }
+
+
 def _row_maker(ctx: Context, label: str, rows: List[Dict[str, Any]], log):
-    """``row(protocol, i, got, caches, seconds, extra)``: appends one result row (and logs it)."""
+    """``row(protocol, i, got, caches, seconds, extra)``: appends one :func:`result_row` (and logs it)."""
 
     def row(protocol, i, got, caches, seconds, extra):
-        q = ctx.questions[i]
-        kept, full = kv_bytes(caches)
-        r = {
-            "id": ctx.id,
-            "task": ctx.task,
-            "length": ctx.length,
-            "haystack": ctx.haystack,
-            "seed": ctx.seed,
-            "model": ctx.model,
-            "method": label,
-            "protocol": protocol,
-            "question": i,
-            "context_tokens": len(ctx.context_ids),
-            "question_tokens": len(q.question_ids),
-            "answers": q.answers,
-            "output": got["output"],
-            "new_tokens": got["tokens"],
-            "score": score(got["output"], q.answers, ctx.metric),
-            "kv_bytes_kept": kept,
-            "kv_bytes_full": full,
-            "seconds": round(seconds, 2),
-            **extra,
-        }
+        r = result_row(ctx, label, protocol, i, got, caches, seconds, extra)
         rows.append(r)
         if log:
             log(r)

@@ -197,12 +197,11 @@ class Recorder:
 
 def run_one(model, tok, spec: Optional[str], prompt: List[int], stop_ids, explain: bool, prefill_step: int):
     """Greedy answer of ``prompt`` under ``spec``; (output text, tokens, seconds, record or None)."""
-    import mlx.core as mx
     import numpy as np
-    from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvpolicy_core import attach, detach
+    from kvpolicy_core.eval.tasks.greedy import greedy_tokens
     from kvpolicy_core.integration.compress_once import compress_context, repeat_prompt, split_spec
 
     record, progress = None, None
@@ -233,20 +232,8 @@ def run_one(model, tok, spec: Optional[str], prompt: List[int], stop_ids, explai
         if explain and spec:
             rec = Recorder(caches)
             progress = rec.progress
-    out: List[int] = []
-    for tok_id, _ in generate_step(
-        mx.array(feed, dtype=mx.uint32),
-        model,
-        max_tokens=MAX_NEW,
-        prompt_cache=caches,
-        prefill_step_size=prefill_step,
-        prompt_progress_callback=progress,
-    ):
-        if tok_id in stop_ids:
-            break
-        out.append(tok_id)
-        if SEVEN.search(tok.decode(out)):
-            break
+    done = lambda text: SEVEN.search(text) is not None  # noqa: E731
+    out = greedy_tokens(model, tok, feed, caches, MAX_NEW, prefill_step, stop_ids, done, progress)
     seconds = time.perf_counter() - t
     if progress is not None:
         record = {"before": rec.before, "after": rec.after}

@@ -16,11 +16,12 @@ def greedy_tokens(
     prefill_step: int,
     stop_ids: Collection[int],
     done: Optional[Callable[[str], bool]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> List[int]:
     """The greedy continuation of ``ids`` (prefilled in chunks of ``prefill_step`` tokens) through ``caches``.
 
     Stops before a token of ``stop_ids``, after ``max_tokens`` tokens, or once ``done(text so far)`` is true
-    (that token kept).
+    (that token kept). ``progress``: mlx-lm's prompt progress callback ``(done, total)``.
     """
     from mlx_lm.generate import generate_step
 
@@ -31,6 +32,7 @@ def greedy_tokens(
         max_tokens=max_tokens,
         prompt_cache=caches,
         prefill_step_size=prefill_step,
+        **({} if progress is None else {"prompt_progress_callback": progress}),
     ):
         if tok in stop_ids:
             break

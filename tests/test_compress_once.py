@@ -107,6 +107,22 @@ def test_reconstruction_score_matches_a_numpy_reference(model, compressed, monke
         assert ref.max() > 0.05  # the reconstruction attends the context (not an all-zero match)
 
 
+def test_row_blocks_on_any_number_of_streams_give_the_same_scores(model, monkeypatch):
+    """The prefill's and the reconstruction's row blocks alternate over CPU streams (one per core): how many
+    streams there are changes where blocks run, never the scores or the kept tokens (bit for bit)."""
+    monkeypatch.setattr(ReconstructionCache, "rows", 7)
+    monkeypatch.setattr(reconstruction, "ROWS", 7)
+    runs = []
+    for n in (1, 3):
+        streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n - 1)]
+        monkeypatch.setattr(reconstruction, "row_streams", lambda s=streams: s)
+        runs.append(compress_context(model, IDS, EXACT, prefill_step=128, repeat=REPEAT, chunk=CHUNK))
+    one, three = runs
+    for a, b in zip(one.scores, three.scores):
+        np.testing.assert_array_equal(a, b)
+    assert [k.tolist() for k in one.kept] == [k.tolist() for k in three.kept]
+
+
 def test_per_chunk_normalisation_matches_kvpress_rule_in_a_numpy_reference(model, monkeypatch):
     want = _reference_scores(model, monkeypatch, n_sink=3)
     monkeypatch.undo()

@@ -30,6 +30,7 @@ the same, at a fraction of the cost (Gemma 3: 15 of 18 layers).
 
 from __future__ import annotations
 
+import os
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
@@ -66,16 +67,35 @@ def blocked_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     if mask is None or S <= ROWS:
         return fused(queries, keys, values, None, scale, mask)
     outs = []
-    for r0 in range(0, S, ROWS):
+    streams = row_streams()
+    for i, r0 in enumerate(range(0, S, ROWS)):
         r1 = min(S, r0 + ROWS)
         lo, hi = 0 if window is None else max(0, T - S + r0 - window + 1), T - S + r1
-        m = _rows(mask, r0, r1, S, T)[..., lo:hi]
-        outs.append(fused(queries[:, :, r0:r1], keys[..., lo:hi, :], values[..., lo:hi, :], None, scale, m))
+        with mx.stream(streams[i % len(streams)]):
+            m = _rows(mask, r0, r1, S, T)[..., lo:hi]
+            outs.append(fused(queries[:, :, r0:r1], keys[..., lo:hi, :], values[..., lo:hi, :], None, scale, m))
     return mx.concatenate(outs, axis=2)
 
 
 #: query rows per block of :func:`blocked_attention` (and of the reconstruction's weights)
 ROWS = 256
+#: at most this many CPU streams for row blocks (:func:`row_streams`)
+MAX_STREAMS = 4
+_streams: dict = {}
+
+
+def row_streams() -> list:
+    """The streams that independent row blocks alternate over: on the CPU one per core (at most
+    :data:`MAX_STREAMS`), since MLX's CPU backend runs each stream's ops in order on one thread and its element-wise
+    ops (the softmax's ``exp``: most of a block's time at these shapes) on that thread alone, so blocks on two
+    streams take two cores (measured: ``benchmarks/compress_once_cost.py``, docs/methods/compress-once.md). On a GPU,
+    the default stream alone (one device queue). The results are the same on every stream: only where they run
+    changes."""
+    device = mx.default_device()
+    if device not in _streams:
+        n = min(MAX_STREAMS, os.cpu_count() or 1) if device == mx.cpu else 1
+        _streams[device] = [mx.default_stream(device)] + [mx.new_stream(device) for _ in range(n - 1)]
+    return _streams[device]
 
 
 class PrefillCache(KVCache):
@@ -179,8 +199,9 @@ class ReconstructionCache:
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, fused):
         """queries [B, Hq, S, D] -> the attention output [B, Hq, S, Dv]; the score takes the max of the weights.
 
-        Computed ``rows`` query rows at a time and evaluated per block (a host sync: this pass is one-shot, not
-        a decode step), so a layer's [B, H, G, S, n + S] weights never exist at once (peak memory: one block).
+        Computed ``rows`` query rows at a time, one block per stream of :func:`row_streams` (so one per core on the
+        CPU) and evaluated per round of blocks (a host sync: this pass is one-shot, not a decode step), so a layer's
+        [B, H, G, S, n + S] weights never exist at once (peak memory: one block per stream).
         In a sliding-window layer (window ``w``) only the chunk's first ``w - 1`` rows (positions ``L .. L + w - 2``)
         see a context key; the other rows take the model's own kernel over the chunk's keys alone (their weights
         on the context are 0, so the scores are unchanged)."""
@@ -188,15 +209,18 @@ class ReconstructionCache:
         n = self.held
         seeing = S if self.own or self.window is None else min(S, self.window - 1)
         outs = []
-        for r0 in range(0, seeing, self.rows):
+        streams = row_streams()
+        for i, r0 in enumerate(range(0, seeing, self.rows)):
             r1 = min(seeing, r0 + self.rows)
             hi = T if mask is None else n + r1  # the keys up to the block's last row (the rest are masked)
-            m = _rows(mask, r0, r1, S, T)
-            q, k, v = queries[:, :, r0:r1], keys[..., :hi, :], values[..., :hi, :]
-            out, weights = attention_with_weights(q, k, v, scale, None if m is None else m[..., :hi])
-            self._take(weights.astype(mx.float32), hi)
-            mx.eval(self.score, out, *(() if self.whole is None else (self.whole,)))
+            with mx.stream(streams[i % len(streams)]):  # a block per core; the folds into the score keep their order
+                m = _rows(mask, r0, r1, S, T)
+                q, k, v = queries[:, :, r0:r1], keys[..., :hi, :], values[..., :hi, :]
+                out, weights = attention_with_weights(q, k, v, scale, None if m is None else m[..., :hi])
+                self._take(weights.astype(mx.float32), hi)
             outs.append(out)
+            if (i + 1) % len(streams) == 0 or r1 == seeing:  # one block per stream in memory at once
+                mx.eval(self.score, *outs[-len(streams) :], *(() if self.whole is None else (self.whole,)))
         if seeing < S:  # rows that see no context key: the chunk's own keys under the layer's mask
             rest = _rows(mask, seeing, S, S, T)[..., n:]
             q, k, v = queries[:, :, seeing:], keys[..., n:, :], values[..., n:, :]

@@ -28,8 +28,9 @@ shot cut drops the losers (KVzip's rule) for every method; CaM merges from its n
 Cost: one prefill as mlx-lm's own (a sliding-window layer holds and attends its window only) plus the
 reconstruction, which attends the whole context in global layers and the window in the others; both by blocks of
 rows, one block per CPU core (:func:`~.reconstruction.row_streams`). ``benchmarks/compress_once_cost.py`` measures
-the total against mlx-lm's plain prefill side by side (1.4-1.9x at 4k and 8k on both models, docs). Memory: the global layers' full context K/V are
-held until the cut, unlike a streaming method, which never holds more than budget + one chunk.
+the total against mlx-lm's plain prefill side by side (1.4-2.0x at 4k and 8k on both models, docs). Memory: the
+global layers' full context K/V are held until the cut, unlike a streaming method, which never holds more than
+budget + one chunk.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ _streams: dict = {}
 
 
 def row_streams() -> list:
-    """The streams that independent row blocks alternate over: on the CPU one per core (at most
+    """The streams that independent row blocks alternate over: on the CPU one per core this process may use (at most
     :data:`MAX_STREAMS`), since MLX's CPU backend runs each stream's ops in order on one thread and its element-wise
     ops (the softmax's ``exp``: most of a block's time at these shapes) on that thread alone, so blocks on two
     streams take two cores (measured: ``benchmarks/compress_once_cost.py``, docs/methods/compress-once.md). On a GPU,
@@ -93,7 +93,8 @@ def row_streams() -> list:
     changes."""
     device = mx.default_device()
     if device not in _streams:
-        n = min(MAX_STREAMS, os.cpu_count() or 1) if device == mx.cpu else 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n = min(MAX_STREAMS, cores) if device == mx.cpu else 1
         _streams[device] = [mx.default_stream(device)] + [mx.new_stream(device) for _ in range(n - 1)]
     return _streams[device]
 

@@ -23,7 +23,7 @@ METHODS = (
     "h2o:budget=16,n_sink=2",
     "cam:budget=16,n_sink=2",
     "random:budget=16,n_sink=2,salt=3",
-    "cam:budget=16,n_sink=2,min_sim=-1",
+    "cam:budget=16,n_sink=2,min_sim=-1,allocation=uniform",  # 16 in the global layers too: merges happen
 )
 PROMPT = (20, 13)  # chunk sizes of the prompt (the second chunk evicts)
 DECODE = 5  # decode steps before saving (a pending eviction is saved)

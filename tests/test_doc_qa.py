@@ -52,7 +52,8 @@ def test_smoke_explains_what_each_cut_kept(smoke):
     layers = ex["cam8/0"]["layers"]
     assert len(layers) == 4  # the tiny gemma3's 4 layers, one entry per KV head in each
     for layer in layers:
-        assert layer["budget"] == 128 and len(layer["statement"]) == len(layer["value_in_top"]) >= 1
+        assert len(layer["statement"]) == len(layer["value_in_top"]) >= 1
+    assert sum(layer["budget"] for layer in layers) == 4 * 128  # the mean budget (reach: window layers give theirs)
     budgets = [layer["budget"] for layer in ex["kvzip+cam8/0"]["layers"]]
     assert len(budgets) == 4 and all(b >= 1 for b in budgets)  # compress-once's per-layer budgets are recorded
     w = data["windows"][0]

@@ -256,7 +256,8 @@ def test_the_builder_gives_each_layer_its_own_rope_and_refuses_one_it_cannot_rea
     assert caches[0].policy is caches[1].policy and caches[0].policy is not caches[2].policy
     # keydiff needs no RoPE: one policy, no rope fields
     kd = KVCacheBuilder.for_model(model, "h2o:budget=16,n_sink=2,score=keydiff")
-    assert all(c.policy is kd[0].policy and c.policy.config.policy.rope_freqs is None for c in kd)
+    assert all(c.policy.config.policy.rope_freqs is None for c in kd)
+    assert len({id(c.policy) for c in kd}) == len({c.budget for c in kd})  # one policy per budget
     llama = tiny_llama(layers=2)
     for layer in llama.layers:
         layer.self_attn.rope = DynamicNTKScalingRoPE(

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from kvpolicy_core import KVCacheBuilder, PolicyCache, attach, detach, parse_config
 from kvpolicy_core.config.policy import layer_budgets
 from kvpolicy_core.errors import ConfigError, PluginError
-from kvpolicy_core.parts.allocation import LayerInfo, PyramidAllocation
+from kvpolicy_core.parts.allocation import LayerInfo, PyramidAllocation, ReachAllocation, UniformAllocation
 from kvpolicy_core.parts.lowest_score import LowestScoreSelector
 from kvpolicy_core.plugin.discovery import register_plugin, unregister_plugin
 from kvpolicy_core.plugin.hookspecs import hookimpl
@@ -75,8 +75,10 @@ def test_prompt_end_through_mlx_lm_generate_bounds_decode_and_each_turn_is_cut_a
             decoding.append(max(c.n for c in glob))
             if n == 3:
                 break
-    assert max(decoding) <= 17  # decode: budget + the new token
-    assert max(held) == 17 + 59  # turn 2 holds its 59 prompt tokens before its last one (17 slots of turn 1)
+    G = glob[0].budget  # the default allocation (reach) gives the global layers the sliding layers' unused share
+    assert G == (16 * 6 - 8 * 4) // 2 and all(c.budget == 8 for c in caches if c.window is not None)
+    assert max(decoding) <= G + 1  # decode: budget + the new token
+    assert max(held) == G + 1 + 59  # turn 2 holds its 59 prompt tokens before its last one (G + 1 slots of turn 1)
 
 
 def test_prompt_end_answers_as_the_full_cache_while_the_prompt_fits():
@@ -158,6 +160,35 @@ def test_pyramid_budgets_fall_with_depth_and_keep_the_mean():
     assert PyramidAllocation(beta=1).budgets(64, infos) == [64] * 8
 
 
+def test_reach_caps_sliding_layers_at_their_window_and_gives_the_rest_to_the_global_layers():
+    """Gemma 3 270M's shape (18 layers, every sixth global, the others sliding over 512 tokens): at budget 1024 a
+    sliding layer keeps its 512 reachable tokens and the 3 global layers share the rest, the same total."""
+    gemma = [LayerInfo(i, 18, None if i % 6 == 5 else 512) for i in range(18)]
+    b = ReachAllocation().budgets(1024, gemma)
+    assert [b[i] for i in (0, 5)] == [512, 3584] and sum(b) == 18 * 1024
+    assert ReachAllocation().budgets(512, gemma) == [512] * 18  # no window below the budget: uniform
+    assert ReachAllocation().budgets(513, gemma)[5] == 518 and sum(ReachAllocation().budgets(513, gemma)) == 18 * 513
+    plain = [LayerInfo(i, 4, None) for i in range(4)]
+    assert ReachAllocation().budgets(100, plain) == UniformAllocation().budgets(100, plain)
+    # windows of different sizes: the smallest capped first, the level shared by the rest; all capped: less in all
+    assert ReachAllocation().budgets(1024, [LayerInfo(0, 2, 256), LayerInfo(1, 2, 4096)]) == [256, 1792]
+    assert ReachAllocation().budgets(1000, [LayerInfo(0, 2, 256), LayerInfo(1, 2, 300)]) == [256, 300]
+
+
+def test_a_sliding_layer_never_holds_more_than_its_window_and_the_global_layers_use_its_share():
+    """Through mlx-lm's generate_step with the defaults (cut at the prompt's end): the sliding layers keep at most
+    their window (+ the new token) while decoding, the global layers fill the larger budget reach gives them."""
+    model = tiny_gemma3(window=8)
+    caches = KVCacheBuilder.for_model(model, "h2o:budget=16")
+    prompt = mx.random.randint(0, VOCAB, (80,), key=mx.random.key(4))
+    for n, _ in enumerate(generate_step(prompt, model, prompt_cache=caches, prefill_step_size=32)):
+        assert all(c.n <= 9 for c in caches if c.window is not None)
+        if n == 3:
+            break
+    glob = [c for c in caches if c.window is None]
+    assert all(c.budget == 32 and c.tokens_kept == 32 for c in glob)  # (6 * 16 - 4 * 8) / 2
+
+
 def test_a_small_pyramid_budget_keeps_every_layer_its_floor():
     """budget 8 at beta 20 puts the last layers' pyramid below one token (8 / 20 = 0.4): they keep the least a
     layer may keep (before: the pyramid returned 0 and the builder refused the method, ending a leaderboard run)."""
@@ -172,8 +203,10 @@ def test_the_builder_gives_each_layer_its_allocated_budget_from_a_config_string(
     caches = KVCacheBuilder.for_model(model, "h2o:budget=32,allocation=pyramid")
     budgets = [c.budget for c in caches]
     assert budgets == sorted(budgets, reverse=True) and budgets[0] > 32 > budgets[-1]
-    uniform = KVCacheBuilder.for_model(model, "h2o:budget=32")
+    uniform = KVCacheBuilder.for_model(model, "h2o:budget=32,allocation=uniform")
     assert [c.budget for c in uniform] == [32] * len(uniform)
+    reach = KVCacheBuilder.for_model(model, "h2o:budget=32")  # the default: windows of 8 on 4 of the 6 layers
+    assert [c.budget for c in reach] == [8, 8, 80, 8, 8, 80]
     explicit = KVCacheBuilder.for_model(model, "h2o:budget=32", budgets=[40, 30, 20, 20, 30, 40])
     assert [c.budget for c in explicit] == [40, 30, 20, 20, 30, 40]
 

@@ -34,8 +34,9 @@ class PolicyConfig(BaseModel):
         ge=1,
         le=2**31 - 1,
         description="Tokens kept per layer on average over the model's layers, sinks included; each layer keeps at "
-        "most its own budget: `budget` itself under the default uniform allocation, more or less where "
-        "`allocation` (pyramid, data-driven) or a compress-once ranking shares it unevenly.",
+        "most its own budget: `budget` itself on a model without sliding-window layers under the default `reach` "
+        "allocation (a sliding layer keeps at most its window, the global layers share what that frees), more or "
+        "less where `allocation` (pyramid, data-driven) or a compress-once ranking shares it unevenly.",
     )
     n_sink: int = Field(4, ge=0, le=2**31 - 1, description="First absolute positions that are never evicted.")
     recent: Optional[int] = Field(
@@ -52,9 +53,10 @@ class PolicyConfig(BaseModel):
         "with the prompt's last queries (the question's) in view, then streams.",
     )
     allocation: str = Field(
-        "uniform",
-        description="How the budget is shared between layers: a registered allocation ('uniform': every layer "
-        "keeps `budget`; 'pyramid': budgets falling linearly with depth, their mean `budget`).",
+        "reach",
+        description="How the budget is shared between layers: a registered allocation ('reach': every layer "
+        "`budget`, a sliding-window layer at most its window, what that frees shared by the global layers; "
+        "'uniform': every layer keeps `budget`; 'pyramid': budgets falling linearly with depth, their mean `budget`).",
     )
 
     @property

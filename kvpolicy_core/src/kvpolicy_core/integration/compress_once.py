@@ -357,7 +357,7 @@ def cut(
     scores = [pooled_scores(s, P) for s in scores]
     keys = [selection_keys(s, n_sink, c.window, x.start) for s, c, x in zip(scores, built[budget], contexts)]
     budgets = [budget] * len(keys) if layerwise else model_budgets(keys, budget, min_budget(config), L, share)
-    out = Compressed(built[budget] if layerwise else KVCacheBuilder.for_model(model, config, budgets=budgets))
+    out = Compressed(KVCacheBuilder.for_model(model, config, budgets=budgets))  # not the allocation's: the cut's
     for cache, context, s, key, b in zip(out.caches, contexts, scores, keys, budgets):
         kept = kept_positions(key, min(b, live_count(key)))  # a window layer's dead positions are not loaded
         load_kept(cache, context, kept, s)

@@ -4,7 +4,9 @@ An allocation is registered by name (``register_allocations``) and chosen with t
 ``allocation`` (``"h2o:budget=256,allocation=pyramid"``), so any scorer, selector and disposition
 composes with any allocation, as kvpress's ``PyramidKVPress`` and ``PerLayerCompressionPress`` wrap
 any scorer press. ``budget`` is then the *mean* tokens kept per layer; layer ``l`` never keeps more
-than its own budget ``b_l``. :class:`UniformAllocation` (the default) gives every layer ``budget``.
+than its own budget ``b_l``. :class:`ReachAllocation` (the default) gives every layer ``budget`` but a
+sliding-window layer no more than its window, and shares what that frees among the global layers;
+:class:`UniformAllocation` gives every layer ``budget``.
 
 The builder calls :meth:`Allocation.budgets` once per model, with each layer's :class:`LayerInfo`, and
 builds each layer's cache with its own budget (the config of layer ``l`` is the method's config with
@@ -67,6 +69,41 @@ class UniformAllocation(Allocation):
 
     def budgets(self, budget: int, layers: Sequence[LayerInfo], stats=None) -> List[int]:
         return [budget] * len(layers)
+
+
+class ReachAllocation(Allocation):
+    """Equal shares, each layer at most what its attention can reach: ``budget`` is the mean tokens kept per layer.
+
+    A sliding-window layer (window ``w_l``) never attends further than its last ``w_l`` tokens, so slots beyond
+    them are dead weight; a global layer reaches every token. With ``N`` layers, the budgets are the water level
+    ``c`` capped by each layer's reach ``r_l`` (``w_l``, or unbounded for a global layer)::
+
+        b_l = min(r_l, c),   c the largest level with  sum_l min(r_l, c) <= N * budget
+
+    so a model without sliding layers (or with windows >= ``budget``) gets ``budget`` everywhere, i.e.
+    :class:`UniformAllocation` bit for bit, and on a hybrid model (Gemma 3: 5 of 6 layers slide over 512 tokens)
+    the slots a window cannot use go to the global layers, which hold the long range: at ``budget=1024`` on
+    Gemma 3 270M (15 sliding layers, 3 global) ``b = 512`` sliding and ``3584`` global, the same total
+    (measured: docs/long-context.md#budgets-by-reach). A remainder of less than one token per uncapped layer
+    goes one token each to the first of them, so the total is exactly ``N * budget`` unless every layer is
+    capped by its window (then less: no layer could use more).
+    """
+
+    def budgets(self, budget: int, layers: Sequence[LayerInfo], stats=None) -> List[int]:
+        total = budget * len(layers)
+        capped = sorted((info.window, i) for i, info in enumerate(layers) if info.window is not None)
+        out: List[Optional[int]] = [None] * len(layers)
+        free = len(layers)  # layers not yet capped at their reach
+        for w, i in capped:  # the smallest windows first: cap a layer while its reach is below the level
+            if w * free > total:
+                break
+            out[i], total, free = w, total - w, free - 1
+        if free:
+            level, extra = divmod(total, free)
+            uncapped = [i for i in range(len(layers)) if out[i] is None]
+            for k, i in enumerate(uncapped):
+                out[i] = level + (1 if k < extra else 0)
+        return out
 
 
 class PyramidAllocation(Allocation):

@@ -5,7 +5,7 @@ from typing import Optional
 from pydantic import Field
 
 from ..config.policy_config import PolicyConfig
-from ..parts.allocation import PyramidAllocation, UniformAllocation
+from ..parts.allocation import PyramidAllocation, ReachAllocation, UniformAllocation
 from ..parts.cumulative_attention import CumulativeAttentionScorer
 from ..parts.drop import DropDisposition
 from ..parts.expected_attention import ExpectedAttentionScorer
@@ -45,6 +45,7 @@ def register_dispositions(register):
 
 @hookimpl
 def register_allocations(register):
+    register("reach", ReachAllocation)
     register("uniform", UniformAllocation)
     register("pyramid", PyramidAllocation)
 

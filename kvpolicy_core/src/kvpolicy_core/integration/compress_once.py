@@ -352,12 +352,11 @@ def cut(
     layer (module docstring): pooled, ranked, layer budgets from one ranking with each layer's best ``share ·
     budget`` first (:func:`model_budgets`; ``layerwise``: ``budget`` each)."""
     budget, n_sink = config.policy.budget, config.policy.n_sink
-    built = {budget: KVCacheBuilder.for_model(model, config)}
     P = cut_pool(config)
     scores = [pooled_scores(s, P) for s in scores]
-    keys = [selection_keys(s, n_sink, c.window, x.start) for s, c, x in zip(scores, built[budget], contexts)]
+    keys = [selection_keys(s, n_sink, x.window, x.start) for s, x in zip(scores, contexts)]
     budgets = [budget] * len(keys) if layerwise else model_budgets(keys, budget, min_budget(config), L, share)
-    out = Compressed(KVCacheBuilder.for_model(model, config, budgets=budgets))  # not the allocation's: the cut's
+    out = Compressed(KVCacheBuilder.for_model(model, config, budgets=budgets))  # the cut's budgets, not allocation's
     for cache, context, s, key, b in zip(out.caches, contexts, scores, keys, budgets):
         kept = kept_positions(key, min(b, live_count(key)))  # a window layer's dead positions are not loaded
         load_kept(cache, context, kept, s)

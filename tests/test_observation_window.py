@@ -88,10 +88,36 @@ def test_a_span_is_kept_whole():
         assert want <= kept
 
 
+def test_a_taper_orders_a_plateau_by_distance_and_nothing_else():
+    x = mx.array([[[0.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0]]])
+    pos = mx.arange(10, dtype=mx.int32)[None, None]
+    plain = np.array(pool_by_position(x, pos, 5))[0, 0]
+    tapered = np.array(pool_by_position(x, pos, 5, taper=1e-6))[0, 0]
+    np.testing.assert_array_equal(plain, [0, 5, 5, 5, 5, 5, 2, 2, 2, 2])  # a plateau: ties
+    assert tapered[3] == 5.0 and tapered[2] == tapered[4] > tapered[1] == tapered[5] > tapered[6]
+    np.testing.assert_allclose(tapered, plain, rtol=3e-6)  # a tie-break, not a new score
+    assert np.array_equal(np.argsort(-tapered, kind="stable")[:5], [3, 2, 4, 1, 5])
+
+
+def test_the_cut_keeps_the_middle_of_a_span_the_budget_splits():
+    """At the end-of-prompt cut a pooled span is one plateau; a budget that holds only part of it keeps the tokens
+    nearest the one the question attends to (the needle), not an arbitrary part."""
+    D, T = 8, 40
+    K = mx.zeros((1, 1, T, D)).at[0, 0, 20].add(mx.ones((D,)) * 4)
+    V = mx.zeros((1, 1, T, D))
+    Q = mx.zeros((1, 1, T, D)).at[0, 0, T - 4 :].add(mx.ones((4, D)))
+    cache = PolicyCache("h2o:budget=9,n_sink=0,obs_window=4,pool=9")  # 4 for the window, 5 of the 9-token span
+    assert cache.policy.scorer.taper > 0
+    drive(cache, K, V, [T - 1, 1], Q, 1.0)
+    kept = set(np.array(cache.retained()[2])[0, 0].tolist())
+    assert {18, 19, 20, 21, 22} <= kept, sorted(kept)
+
+
 def test_config_defaults_and_the_v01_behaviour():
     h2o = build_policy("h2o:budget=64")
     assert type(h2o.scorer) is ObservationWindowScorer and (h2o.scorer.window, h2o.scorer.pool) == (32, 31)
     assert build_policy("h2o:budget=64,when=stream").scorer.pool == 15
+    assert h2o.scorer.taper > 0 and build_policy("cam:budget=64,when=stream").scorer.taper == 0.0
     assert h2o.scorer.signal == "observed"
     for spec in ("h2o:signal=proxy", "cam:signal=proxy", "h2o:signal=observed,obs_window=0,pool=1"):
         assert type(build_policy(spec).scorer).__name__ == "CumulativeAttentionScorer", spec

@@ -66,6 +66,10 @@ WINDOW_DEFAULTS = {"observed": (32, 15), "proxy": (0, 1)}
 #: words, and a pool of 15 around them ended before a 7-digit answer did (one token per digit) on both model
 #: families (Gemma 3 and SmolLM2, 4k tokens, 4x and 8x, docs/long-context.md#the-end-of-prompt-cut); 31 kept it
 CUT_POOL = 31
+#: the cut's pool taper (``pool_by_position``): a tie-break only. Each step of distance moves a float32 score by ~8
+#: ulps (above its rounding) and 15 steps by 1.5e-5 of it, so plateaus further apart than that keep their order and
+#: within one plateau (a statement pooled from one attended token) the nearer tokens rank higher
+TIE_TAPER = 1e-6
 
 
 class AttentionPolicyConfig(PolicyConfig):
@@ -206,6 +210,14 @@ class AttentionPolicyConfig(PolicyConfig):
         if self.signal == "observed" and self.when == "prompt_end":
             return CUT_POOL
         return WINDOW_DEFAULTS[self.signal][1]
+
+    @property
+    def pool_taper(self) -> float:
+        """The pool's tie-break (``pool_by_position`` in :mod:`kvpolicy_core.parts.pooling`): at the end-of-prompt cut a
+        statement's pooled span is one plateau, and where the budget ends inside it the tokens nearest the attended
+        one stay (Gemma 3, 4k, 8x: `h2o` kept the statement but not its last digit without it,
+        docs/long-context.md#ties-inside-a-pooled-span); streaming pools plainly."""
+        return TIE_TAPER if self.when == "prompt_end" else 0.0
 
     @property
     def scorer_name(self) -> str:

@@ -56,7 +56,9 @@ class ObservationWindowScorer(AttentionScorer):
 
     so a run scores exactly as its tokens would in one chunk (a query never attends to a
     later key, so its row over the run's later tokens is 0). ``pool_P`` is
-    :func:`pool_by_position`. New tokens enter with 0 and receive their own run's mass.
+    :func:`pool_by_position` with ``taper`` (0 streaming; the end-of-prompt cut breaks a pooled
+    plateau's ties by distance from the token it pools from: ``TIE_TAPER`` in
+    :mod:`kvpolicy_core.config.attention_config`). New tokens enter with 0 and receive their own run's mass.
     The run's state (``view.run``): ``rows`` [B, H, min(W, T), L] the window's attention
     rows summed over G (``W = 0``: their sum, [B, H, 1, L]) and ``base`` [B, H, L] = ``s^0``.
     A view without a run (None) scores each chunk as a run of its own. ``signal="proxy"`` uses the new keys as the
@@ -70,18 +72,23 @@ class ObservationWindowScorer(AttentionScorer):
 
     default_signal = "observed"
 
-    def __init__(self, signal: str = None, window: int = 32, pool: int = 7) -> None:
+    def __init__(self, signal: str = None, window: int = 32, pool: int = 7, taper: float = 0.0) -> None:
         super().__init__(signal)
         if window < 0:
             raise ValueError(f"obs_window must be >= 0 (got {window})")
         if pool < 1 or pool % 2 == 0:
             raise ValueError(f"pool must be an odd integer >= 1 (got {pool})")
-        self.window, self.pool = window, pool
+        if not 0.0 <= taper < 1.0 / max(pool, 1):
+            raise ValueError(f"taper must be in [0, 1/pool) (got {taper})")
+        self.window, self.pool, self.taper = window, pool, taper
 
     @classmethod
     def from_config(cls, config) -> "ObservationWindowScorer":
         return cls(
-            signal=config.signal, window=getattr(config, "obs_window_rows", 32), pool=getattr(config, "pool_width", 7)
+            signal=config.signal,
+            window=getattr(config, "obs_window_rows", 32),
+            pool=getattr(config, "pool_width", 7),
+            taper=getattr(config, "pool_taper", 0.0),
         )
 
     def _rows(self, S: int) -> int:
@@ -110,7 +117,7 @@ class ObservationWindowScorer(AttentionScorer):
             base = mx.pad(run["base"], [(0, 0), (0, 0), (0, grow)])
             rows = earlier + rows if self.window == 0 else mx.concatenate([earlier, rows], axis=2)[:, :, -self.window :]
         run["rows"], run["base"] = rows, base
-        return base + pool_by_position(rows.sum(axis=2), view.positions, self.pool)
+        return base + pool_by_position(rows.sum(axis=2), view.positions, self.pool, self.taper)
 
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
         if self.signal != "proxy":

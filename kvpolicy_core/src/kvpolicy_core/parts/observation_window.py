@@ -78,7 +78,7 @@ class ObservationWindowScorer(AttentionScorer):
             raise ValueError(f"obs_window must be >= 0 (got {window})")
         if pool < 1 or pool % 2 == 0:
             raise ValueError(f"pool must be an odd integer >= 1 (got {pool})")
-        if not 0.0 <= taper < 1.0 / max(pool, 1):
+        if not 0.0 <= taper < 1.0 / pool:
             raise ValueError(f"taper must be in [0, 1/pool) (got {taper})")
         self.window, self.pool, self.taper = window, pool, taper
 

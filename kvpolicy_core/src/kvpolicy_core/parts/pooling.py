@@ -19,10 +19,9 @@ def pool_by_position(x: mx.array, positions: mx.array, P: int, taper: float = 0.
 
     ``taper = 0``: the plain max-pool, under which a span around one attended token is a plateau of
     equal scores. A small ``taper`` (the cut's ``TIE_TAPER``, :mod:`kvpolicy_core.config.attention_config`)
-    only orders such a plateau: nearer the token
-    it pools from ranks higher, so a budget boundary that falls inside the span keeps its middle,
-    not an arbitrary part of it. Neighbours are the nearest *retained* tokens: after evictions they
-    may be further apart than r positions. ``P == 1`` returns ``x``.
+    only orders such a plateau: nearer the token it pools from ranks higher, so a budget boundary that
+    falls inside the span keeps its middle, not an arbitrary part of it. Neighbours are the nearest
+    *retained* tokens: after evictions they may be further apart than r positions. ``P == 1`` returns ``x``.
     """
     if P <= 1:
         return x

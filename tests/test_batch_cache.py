@@ -141,7 +141,7 @@ def test_protocol_filter_extend_extract_and_padding_never_kept():
     for b in batch:
         b.finalize()
         assert [r.offset for r in b.rows] == lengths
-        assert [r.tokens_kept for r in b.rows] == [2, 6, 4]
+        assert [r.tokens_kept for r in b.rows] == [2, 9, 4]  # the prompts held for their cut
         assert b.offset.tolist() == lengths
     # extract gives an independent single-sequence cache
     row = batch[0].extract(1)
@@ -193,6 +193,7 @@ def test_merged_rows_keep_the_attention_hook_their_caches_hold():
     assert all(h() is not None and h().active for h in hooks)  # the rows hold them
     model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1]]), cache=batch)
     row = batch[0].rows[0]
+    row.settle()  # the end-of-prompt cut
     assert row.tokens_kept == 6 and float(row.scores[..., : row.n].sum()) > 0  # observed attention scored
     del batch, row
     gc.collect()

@@ -129,6 +129,9 @@ def test_byte_accounting_uses_the_true_dtype():
     cache = PolicyCache("h2o:budget=16,n_sink=2,signal=proxy")
     cache.update_and_fetch(*random_kv(B=1, H=2, S=64, D=32, dtype=mx.bfloat16))
     per_token = 1 * 2 * (32 * 2 + 32 * 2)
+    # a prompt held for its cut (h2o cuts at the prompt's end) is counted whole: memory is what the cache holds
+    assert cache.tokens_seen == 64 and cache.tokens_kept == 64 and cache.compression_ratio == 1.0
+    cache.settle()
     assert cache.tokens_seen == 64 and cache.tokens_kept == 16
     assert cache.kept_bytes == 16 * per_token and cache.full_seq_bytes == 64 * per_token
     assert cache.compression_ratio == pytest.approx(4.0)

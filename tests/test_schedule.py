@@ -31,7 +31,7 @@ def test_prompt_end_holds_the_prompt_and_cuts_it_once_as_one_chunk_would(method)
     held = PolicyCache(f"{method},budget=12,when=prompt_end")
     one = PolicyCache(f"{method},budget=12")
     feed(held, K[:, :, :40], V[:, :, :40], (7, 20, 13))
-    assert held.n == 40 and held.offset == 40 and held.tokens_kept == 12
+    assert held.n == 40 and held.offset == 40 and held.tokens_kept == 40  # the held prompt is what it holds
     held.state  # mlx-lm evaluates the state after every prefill chunk: it must not cut the held prompt
     assert held.n == 40
     feed(one, K[:, :, :40], V[:, :, :40], (40,))

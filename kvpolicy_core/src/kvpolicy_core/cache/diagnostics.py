@@ -24,8 +24,9 @@ class CacheDiagnostics:
 
     @property
     def tokens_kept(self) -> int:
-        """Tokens retained once the current step is settled (same for every head)."""
-        return self.n - self._n_evict(1)
+        """Tokens this layer holds (same for every head), once a decode step's pending eviction is applied; a prompt
+        held for its cut (``when="prompt_end"``, before its first decode step or :meth:`settle`) counts whole."""
+        return self.n if (self.holds_prompt and self._run_open) else self.n - self._n_evict(1)
 
     @property
     def nbytes(self) -> int:

@@ -125,18 +125,18 @@ class PolicyCache(CacheDiagnostics):
         S = keys.shape[2]
         saved = self.row_state()
         try:
-            cut = self.holds_prompt and self._run_open  # this eviction cuts a held prompt at its end
-            if cut and S == 1 and self.group is not None:
+            cut = self.holds_prompt and self._run_open and S == 1  # this eviction cuts a held prompt at its end
+            if cut and self.group is not None:
                 self._rebudget(self.group.budget_for(self.layer, self.budget))
             n_evict = self._n_evict(S)
             self._run = dict(self._run) if (self._run_open and S > 1 and n_evict == 0) else {}
-            self._run_open = S > 1
             if n_evict == 1 and S == 1 and not cut:
                 self._evict(1, Token(keys, values, self.offset))
             else:
                 if n_evict > 0:
-                    self._slots.compact(self._evict(n_evict, cut=cut))
+                    self._slots.compact(self._evict(n_evict, cut=cut))  # an eviction ends the run
                 self._slots.append(keys, values, self.offset, self.budget + 1)
+            self._run_open = S > 1  # a prompt chunk: a run (re)starts or goes on; held for its cut
             self.offset += S
             if self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
                 new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
@@ -392,18 +392,31 @@ class PolicyCache(CacheDiagnostics):
         return self.n - self._n_evict(S) + S
 
     def _n_evict(self, S: int) -> int:
-        """How many slots the next update of ``S`` tokens evicts first: none while ``n <= budget``, and none
-        for a prompt chunk (``S > 1``) of a policy that cuts at the end of the prompt (``when="prompt_end"``:
-        the prompt is held until the first decode step); else the selector's count for the overflow
-        ``n - budget`` (:meth:`~.step.PolicyStep.n_evict`: at least the overflow, whole chunks for some)."""
-        over = self.n - self.budget
-        if over <= 0 or (S > 1 and self.holds_prompt):
-            return 0
-        return self._step.n_evict(over, self.n)
+        """How many of the ``n`` slots the next update of ``S`` tokens evicts before appending them: ``E = max(E_p,
+        E_w)``.
+
+        ``E_p``, the policy's: the selector's count (:meth:`~.step.PolicyStep.n_evict`: at least the overflow,
+        whole chunks for some) for the overflow ``over = n - budget``, or for a prompt chunk (``S > 1``) under
+        ``when="prompt_end"``, ``over = min(n - budget, n + S - hold)`` with ``hold`` the config's
+        :meth:`~kvpolicy_core.config.policy_config.PolicyConfig.hold_tokens`: the prompt is held while it fits
+        the hold (without one, always) and cut to ``budget`` at its end; 0 when ``over <= 0``.
+
+        ``E_w``, a sliding-window layer's (window ``w``), for a chunk: ``n - (w - 1)``. The next query (position
+        ``offset``) reaches positions ``> offset - w`` only, at most ``w - 1`` of the slots, so at least ``n - (w - 1)``
+        slots are window-dead, and the step evicts those first: the layer drops nothing a query can see and holds at
+        most ``w - 1 + S`` slots through a prompt, as mlx-lm's ``RotatingKVCache`` does, in every schedule."""
+        n, over = self.n, self.n - self.budget
+        if S > 1 and self.holds_prompt:
+            hold = self.policy.config.policy.hold_tokens()
+            over = 0 if hold is None else min(over, n + S - hold)
+        E = self._step.n_evict(over, n) if over > 0 else 0
+        if S > 1 and self.window is not None and n >= self.window:
+            E = max(E, min(n - 1, n - self.window + 1))
+        return E
 
     def _window_dead(self) -> Optional[mx.array]:
         """bool [B, H, n]: slots outside the sliding window of every future query, or None (no window yet)."""
-        if self.window is None or self.offset <= self.window:
+        if self.window is None or self.offset < self.window:
             return None
         pos = self.positions
         return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)

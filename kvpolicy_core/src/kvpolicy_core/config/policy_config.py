@@ -52,6 +52,14 @@ class PolicyConfig(BaseModel):
         "chunk); 'prompt_end' holds the prompt whole and cuts it once when the first decode step arrives, scored "
         "with the prompt's last queries (the question's) in view, then streams.",
     )
+    hold: Optional[float] = Field(
+        None,
+        ge=1.0,
+        le=2**20,
+        description="With when='prompt_end': the most a layer holds while the prompt streams in, as a multiple of "
+        "its budget (2: twice the budget); above it the method evicts as it streams, and the prompt's end is cut to "
+        "the budget with the question in view. None: the whole prompt is held. 1 holds what when='stream' holds.",
+    )
     allocation: str = Field(
         "reach",
         description="How the budget is shared between layers: a registered allocation ('reach': every layer "
@@ -66,6 +74,11 @@ class PolicyConfig(BaseModel):
         if self.recent is None:
             return max(0, min(self.budget // 2, self.budget - self.n_sink - 1))
         return self.recent
+
+    def hold_tokens(self) -> Optional[int]:
+        """The most slots this layer holds during a prompt chunk under ``when="prompt_end"``:
+        ``ceil(hold * budget)``, or None (the whole prompt)."""
+        return None if self.hold is None else math.ceil(self.hold * self.budget)
 
     @model_validator(mode="after")
     def _leave_room_to_evict(self):

@@ -102,7 +102,10 @@ def perplexity(
 
     Each token's NLL is read from the logits of the step that fed its predecessor, i.e.
     before the cache is reduced for the next step. ``chunk=1`` is the StreamingLLM
-    recipe; larger chunks are faster (prefill-style) and reported separately.
+    recipe; larger chunks are faster (prefill-style) and reported separately. With ``chunk > 1`` every chunk
+    is a short prompt: each policy cache is settled after it (:meth:`~kvpolicy_core.cache.policy_cache.PolicyCache.
+    settle`), so a method that cuts at the prompt's end (``when="prompt_end"``) cuts every chunk to its budget with
+    that chunk's last queries in view, and the next chunk attends to what the cut kept.
     """
     caches = make_caches(model, spec)
     tokens = mx.array(list(ids), dtype=mx.int32)
@@ -124,6 +127,10 @@ def perplexity(
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         step = -mx.take_along_axis(logp, tokens[i + 1 : j + 1, None], axis=-1)[:, 0]
         nll[i:j] = np.array(step)
+        if chunk > 1:
+            for c in caches:
+                if isinstance(c, PolicyCache):
+                    c.settle()
         if bar is not None:
             bar.update(j - i)
     seconds = time.perf_counter() - start

@@ -96,7 +96,8 @@ class PolicyConformance:
                 t += S
                 if S == 1:
                     assert cache.n <= budget + 1, "a decode step holds at most budget + 1 slots"
-                assert 0 < cache.tokens_kept <= min(t, budget) and cache.offset == t
+                held = cache.holds_prompt and S > 1  # a prompt held for its cut (when="prompt_end") counts whole
+                assert 0 < cache.tokens_kept <= (cache.n if held else min(t, budget)) and cache.offset == t
             pos = np.array(cache.retained()[2])
             assert pos.shape[-1] <= min(total, budget)
             assert (np.diff(pos, axis=-1) > 0).all(), "retained positions must be distinct"

@@ -74,7 +74,9 @@ def measure_row(model_name: str, row: str, L: int, ratio: int, step: int) -> dic
     base = mx.get_active_memory()
     mx.reset_peak_memory()
     kw = {} if bits is None else {"kv_bits": bits, "kv_group_size": 64, "quantized_kv_start": 0}
-    for _ in zip(generate_step(prompt, model, prompt_cache=caches, max_tokens=8, prefill_step_size=step, **kw), range(8)):
+    for _ in zip(
+        generate_step(prompt, model, prompt_cache=caches, max_tokens=8, prefill_step_size=step, **kw), range(8)
+    ):
         pass
     mx.eval([c.state for c in caches])
     peak, resident = mx.get_peak_memory() - base, mx.get_active_memory() - base

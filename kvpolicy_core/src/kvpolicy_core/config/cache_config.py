@@ -57,6 +57,14 @@ class KVCacheConfig(BaseModel):
     layers: Literal["all", "unbounded"] = Field(
         "all", description="'all' layers, or only layers whose native cache is unbounded."
     )
+    kv_memory: Optional[int] = Field(
+        None,
+        ge=1,
+        le=2**63 - 1,
+        description="Bytes the kept KV cache of one sequence may take (e.g. 512MB, 2GB, 1.5GiB, or bytes); when "
+        "given, the caches are built with the largest budget that fits on the model (its layer shapes, dtype and "
+        "allocation), in place of `budget`.",
+    )
     policy: SerializeAsAny[PolicyConfig]
 
     def __init__(self, /, **data: Any) -> None:
@@ -69,6 +77,11 @@ class KVCacheConfig(BaseModel):
         except ValidationError as exc:
             raise ConfigError(format_errors(exc, "")) from None
         _check_token_counts(self.method, self.policy)
+
+    @field_validator("kv_memory", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return parse_bytes(value)
 
     @field_validator("seed", "head_dim", mode="before")
     @classmethod
@@ -112,11 +125,38 @@ class KVCacheConfig(BaseModel):
     def to_string(self) -> str:
         """The config-string form of this config (only the fields needed to give it back)."""
         items = _needed_fields(self.policy)
-        for key in ("head_dim", "seed", "layers"):
+        for key in ("head_dim", "seed", "layers", "kv_memory"):
             if getattr(self, key) != type(self).model_fields[key].default:
                 items[key] = getattr(self, key)
         body = ",".join(f"{k}={_fmt(v)}" for k, v in items.items())
         return f"{self.method}:{body}" if body else self.method
+
+
+#: byte units of ``kv_memory``: SI (kB, MB, GB, TB: powers of 1000) and binary (KiB, MiB, GiB, TiB: of 1024)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9})
+
+
+def parse_bytes(value: Any) -> Any:
+    """``"512MB"``, ``"1.5GiB"``, ``"2 GB"`` or an int -> bytes (an int); other input is left to the field's
+    validation. Units: :data:`_UNITS` (case-insensitive)."""
+    if isinstance(value, bool):
+        raise ValueError("must be a size in bytes (e.g. 512MB, 2GB, 1.5GiB), not a bool")
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("bikmgt")
+    unit = text[len(number) :]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = None
+    if amount is None or unit not in _UNITS or not amount > 0 or amount != amount or amount == float("inf"):
+        raise ValueError(
+            f"must be a size in bytes: a positive number with an optional unit kB, MB, GB, TB, KiB, MiB, GiB, TiB "
+            f"(got {value!r})"
+        )
+    return int(amount * _UNITS[unit])
 
 
 def _check_token_counts(method: str, policy: PolicyConfig) -> None:

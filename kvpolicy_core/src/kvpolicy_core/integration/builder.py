@@ -99,17 +99,33 @@ def model_kv_shapes(model) -> List[Optional[Tuple[int, int, int]]]:
     (MLX knows shapes without computing), so it is exact for every family (per-layer heads, tensor-parallel
     ranks) and costs only building the graph.
     """
+    return model_kv_layout(model)[0]
+
+
+def model_kv_layout(model) -> Tuple[List[Optional[Tuple[int, int, int]]], int]:
+    """(:func:`model_kv_shapes`, the bytes of one K/V element in the model's KV dtype; 4 when unknown)."""
     caches = native_caches(model)
     try:
         model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
-    except Exception:
-        return [None] * len(caches)
-    shapes = []
+    except Exception:  # noqa: BLE001 - a model that cannot run a one-token step: shapes unknown, said as None
+        return [None] * len(caches), 4
+    shapes, itemsize = [], 4
     for c in caches:
         k, v = getattr(c, "keys", None), getattr(c, "values", None)
         ok = isinstance(k, mx.array) and isinstance(v, mx.array) and k.ndim == 4 and v.ndim == 4
         shapes.append((k.shape[1], k.shape[3], v.shape[3]) if ok else None)
-    return shapes
+        itemsize = k.itemsize if ok else itemsize
+    return shapes, itemsize
+
+
+def memory_budget(model, config: KVCacheConfig, windows, replaced, layer_offset: int = 0):
+    """The :class:`~.memory_budget.MemoryBudget` that fits ``config.kv_memory`` on ``model``'s replaced layers."""
+    from .memory_budget import budget_for_memory, bytes_per_token
+
+    shapes, itemsize = model_kv_layout(model)
+    costs = [c for c, r in zip(bytes_per_token(shapes, itemsize), replaced) if r]
+    infos = [i for i, r in zip(layer_infos(model, windows, layer_offset), replaced) if r]
+    return budget_for_memory(config, infos, costs, config.kv_memory)
 
 
 class KVCacheBuilder:
@@ -145,6 +161,10 @@ class KVCacheBuilder:
         layout = shard_layout(model)
         windows = [n.max_size if type(n) is RotatingKVCache else None for n in natives]
         replaced = [not (type(n) is RotatingKVCache and config.layers == "unbounded") for n in natives]
+        if config.kv_memory is not None:  # bytes -> the mean token budget that keeps them (memory_budget.py)
+            if budgets is not None:
+                raise ConfigError("kv_memory: give a memory limit or explicit per-layer budgets, not both")
+            config = config.replace(budget=memory_budget(model, config, windows, replaced, layout.layer_offset).budget)
         policies = layer_policies(model, config, windows, layout.layer_offset, budgets)
         group = layer_group(model, config, windows, layout.layer_offset) if budgets is None else None
         caches = []

@@ -1,0 +1,67 @@
+"""Budgets in bytes: ``kv_memory`` becomes the largest token budget whose kept K/V (and slot positions and scores)
+fit on the model, and what the caches then keep is within it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import tiny_gemma3, tiny_llama
+from mlx_lm.generate import generate_step
+
+from kvpolicy_core import KVCacheBuilder
+from kvpolicy_core.config.parse import parse_config
+from kvpolicy_core.errors import ConfigError
+from kvpolicy_core.integration.builder import detach, memory_budget
+
+
+def kept_bytes(caches) -> int:
+    """K/V bytes plus 8 per KV head and slot (int32 position, float32 score), as the caches hold them."""
+    total = 0
+    for c in caches:
+        k, v = c.state[:2]
+        total += k.nbytes + v.nbytes + k.shape[0] * k.shape[1] * k.shape[2] * 8
+    return total
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+@pytest.mark.parametrize("limit", ["40kB", "0.1MiB"])
+def test_kv_memory_sets_the_largest_budget_whose_kept_bytes_fit(make, limit):
+    model = make()
+    config = parse_config(f"h2o:kv_memory={limit}")
+    try:
+        caches = KVCacheBuilder.for_model(model, config)
+        chosen = memory_budget(model, config, [c.window for c in caches], [True] * len(caches))
+        assert chosen.kept_bytes <= config.kv_memory
+        bigger = memory_budget(
+            model,
+            config.replace(kv_memory=chosen.kept_bytes + chosen.bytes_per_token * 2),
+            [c.window for c in caches],
+            [True] * len(caches),
+        )
+        assert bigger.budget > chosen.budget  # the largest that fits: one more token per layer would not
+        prompt = mx.random.randint(0, 97, (4 * chosen.budget,), key=mx.random.key(0))
+        for _ in zip(generate_step(prompt, model, prompt_cache=caches, prefill_step_size=64), range(4)):
+            pass
+        assert kept_bytes(caches) <= config.kv_memory  # measured on what the caches hold
+        assert kept_bytes(caches) >= 0.9 * chosen.kept_bytes
+    finally:
+        detach(model)
+
+
+def test_a_limit_below_the_least_cache_is_refused_naming_kv_memory():
+    model = tiny_llama()
+    with pytest.raises(ConfigError, match="kv_memory: 100 bytes is less than this method's least cache"):
+        KVCacheBuilder.for_model(model, "h2o:kv_memory=100")
+
+
+@pytest.mark.parametrize(
+    "text,want", [("512MB", 512 * 10**6), ("1.5GiB", 3 * 2**29), ("2 gb", 2 * 10**9), (4096, 4096)]
+)
+def test_sizes_are_read_in_si_and_binary_units(text, want):
+    assert parse_config({"method": "cam", "kv_memory": text}).kv_memory == want
+
+
+@pytest.mark.parametrize("bad", ["0", "-1MB", "lots", "5XB", "nan", "inf"])
+def test_a_bad_size_names_the_field(bad):
+    with pytest.raises(ConfigError, match="kv_memory"):
+        parse_config(f"cam:kv_memory={bad}")

@@ -194,15 +194,18 @@ def test_a_small_pyramid_budget_keeps_every_layer_its_floor():
     layer may keep (before: the pyramid returned 0 and the builder refused the method, ending a leaderboard run)."""
     infos = [LayerInfo(i, 6, None) for i in range(6)]
     assert min(PyramidAllocation().budgets(8, infos)) == 1
-    caches = KVCacheBuilder.for_model(tiny_gemma3(), "h2o:budget=8,n_sink=2,allocation=pyramid")
+    caches = KVCacheBuilder.for_model(tiny_gemma3(window=64), "h2o:budget=8,n_sink=2,allocation=pyramid")
     assert [c.budget for c in caches][-1] == 3 and all(c.budget >= 3 for c in caches)  # n_sink + 1
 
 
 def test_the_builder_gives_each_layer_its_allocated_budget_from_a_config_string():
     model = tiny_gemma3()
-    caches = KVCacheBuilder.for_model(model, "h2o:budget=32,allocation=pyramid")
-    budgets = [c.budget for c in caches]
+    wide = KVCacheBuilder.for_model(tiny_gemma3(window=64), "h2o:budget=32,allocation=pyramid")  # windows not reached
+    budgets = [c.budget for c in wide]
     assert budgets == sorted(budgets, reverse=True) and budgets[0] > 32 > budgets[-1]
+    # windows of 8: the pyramid's sliding layers capped at 8, what that frees shared by the global layers
+    capped = [c.budget for c in KVCacheBuilder.for_model(model, "h2o:budget=32,allocation=pyramid")]
+    assert [capped[i] for i in (0, 1, 3, 4)] == [8] * 4 and capped[2] > capped[5] and sum(capped) == 6 * 32
     uniform = KVCacheBuilder.for_model(model, "h2o:budget=32,allocation=uniform")
     assert [c.budget for c in uniform] == [32] * len(uniform)
     reach = KVCacheBuilder.for_model(model, "h2o:budget=32")  # the default: windows of 8 on 4 of the 6 layers

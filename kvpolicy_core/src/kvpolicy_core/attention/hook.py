@@ -44,6 +44,8 @@ def _wrap(original):
             if kind == "single" and sinks is None and len(args) <= 1:
                 return cache.attend(queries, keys, values, scale, mask, original)
             mask = cache.before_attention(queries, scale, mask)
+            out = original(queries, keys, values, cache, scale, mask, *args, **kwargs)
+            return cache.after_attention(out, values)  # a data-driven allocation measures the output
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
     scaled_dot_product_attention.__wrapped__ = original

@@ -42,6 +42,7 @@ from ..errors import KVPolicyError
 from ..parts.attention_scorer import causal_allowed
 from . import interop
 from .batch_rows import StackedRows, can_stack
+from .layer_group import copied_group
 
 #: the masks :meth:`BatchPolicyCache.make_mask` made last on this thread, with the plan each was made for: mlx-lm
 #: builds one mask from the first layer's cache (``create_attention_mask(h, cache[0])``) and hands it to every layer,
@@ -57,8 +58,13 @@ Row = Any
 def copy_row(cache: Row) -> Row:
     """An independent copy of a policy cache. Its policy's parts are shared (they are stateless),
     and so is its attention-hook install (:class:`~kvpolicy_core.attention.hook.AttentionHook` copies
-    as itself): the copy keeps the hook alive as the original does."""
-    return copy.deepcopy(cache, memo={id(cache.policy): cache.policy})
+    as itself): the copy keeps the hook alive as the original does. A row of a data-driven allocation's group
+    joins the copy of that group that the copies of its other layers join (mlx-lm merges and extracts one layer
+    after another: :func:`~.layer_group.copied_group`)."""
+    memo = {id(cache.policy): cache.policy}
+    if cache.group is not None:
+        memo[id(cache.group)] = copied_group(cache.group, cache.layer)
+    return copy.deepcopy(cache, memo=memo)
 
 
 class BatchPolicyCache:
@@ -285,6 +291,16 @@ class BatchPolicyCache:
         if not changed and _made_for(mask, S, plan):
             return mask
         return self._batch_mask(S, max(p[2] for p in plan), plan, row_masks)
+
+    def after_attention(self, out: mx.array, values: mx.array) -> mx.array:
+        """``out`` [B, Hq, S, Dv], the batch's attention output: each row of a data-driven allocation measures its own
+        real queries' output against its own new values, as it would alone (:meth:`PolicyCache.after_attention`)."""
+        if self._stacked is not None or out.shape[2] == 1 or len(self._step) != out.shape[0]:
+            return out  # decode steps: only prompt chunks are measured
+        for b, (r, (lo, n, _)) in enumerate(zip(self._rows, self._step)):
+            if n > 1 and r.group is not None:  # row b's new tokens are the last n of its slots (left-padded to Lmax)
+                r.after_attention(out[b : b + 1, :, lo : lo + n], values[b : b + 1, :, values.shape[2] - n :])
+        return out
 
     # ------------------------------------------------------------------ bookkeeping
     @property

@@ -53,6 +53,7 @@ from ..runtime.sharding import check_head_shard
 from . import interop
 from .batch import BatchPolicyCache
 from .diagnostics import CacheDiagnostics
+from .layer_group import prompt_statistic, record
 from .restore_checks import check_restored
 from .row_state import RowState
 from .slots import FIELDS, SlotStore, Token
@@ -113,7 +114,7 @@ class PolicyCache(CacheDiagnostics):
         self.hook_every_step = needs.attention or self.uses_log_weights
         #: ``when="prompt_end"``: prompt chunks are held whole and cut at the first decode step (or settle())
         self.holds_prompt = self.policy.config.policy.when == "prompt_end"
-        #: the :class:`~.layer_group.LayerGroup` of a data-driven allocation (set by the builder), or None
+        #: the :class:`~.layer_group.LayerGroup` linking the caches of a data-driven allocation, or None
         self.group = None
 
     # ------------------------------------------------------------------ mlx-lm contract
@@ -126,10 +127,14 @@ class PolicyCache(CacheDiagnostics):
         saved = self.row_state()
         try:
             cut = self.holds_prompt and self._run_open and S == 1  # this eviction cuts a held prompt at its end
-            if cut and self.group is not None:
-                self._rebudget(self.group.budget_for(self.layer, self.budget))
+            self._cut_budget(S)
             n_evict = self._n_evict(S)
-            self._run = dict(self._run) if (self._run_open and S > 1 and n_evict == 0) else {}
+            if not (self._run_open and S > 1):
+                self._run = {}
+            elif n_evict == 0:
+                self._run = dict(self._run)
+            else:  # an eviction inside a held prompt (its hold, a window) ends the run, not the prompt's statistic
+                self._run = prompt_statistic(self._run)
             if n_evict == 1 and S == 1 and not cut:
                 self._evict(1, Token(keys, values, self.offset))
             else:
@@ -242,8 +247,7 @@ class PolicyCache(CacheDiagnostics):
     def settle(self) -> None:
         """Apply a pending eviction now (after a step), so at most ``budget`` tokens remain (a held prompt,
         ``when="prompt_end"``, is cut here as at its first decode step)."""
-        if self.group is not None and self.holds_prompt and self._run_open:
-            self._rebudget(self.group.budget_for(self.layer, self.budget))
+        self._cut_budget(1)
         n_evict = self._n_evict(1)
         if n_evict > 0:
             saved = self.row_state()
@@ -283,8 +287,8 @@ class PolicyCache(CacheDiagnostics):
     @property
     def needs_hook(self) -> bool:
         """Whether this cache's attention must go through kvpolicy's hook: an observed signal, attention
-        log-weights or a sliding window."""
-        return self.window is not None or self._step.needs.attention or self.uses_log_weights
+        log-weights, a sliding window or a data-driven allocation (it measures the attention output)."""
+        return self.window is not None or self._step.needs.attention or self.uses_log_weights or self.group is not None
 
     def __deepcopy__(self, memo):
         """A faithful copy (no restore checks): the same attention-hook install, the policy's parts shared when
@@ -292,6 +296,8 @@ class PolicyCache(CacheDiagnostics):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        if new.group is not None:
+            new.group.join(new)
         return new
 
     def __setstate__(self, d: dict) -> None:
@@ -301,6 +307,8 @@ class PolicyCache(CacheDiagnostics):
         if not isinstance(d.get("_slots"), SlotStore) or not isinstance(d.get("offset"), int):
             raise KVPolicyError("unpickled PolicyCache: not a PolicyCache's pickled state")
         self._slots.key_norms = None
+        if self.group is not None:
+            self.group.join(self)
         check_restored(
             self._slots, self.offset, self.budget, settled=False, where=f"PolicyCache state (layer {self.layer})"
         )
@@ -338,7 +346,7 @@ class PolicyCache(CacheDiagnostics):
         rows = getattr(self.policy.scorer, "rows_observed", None)
         if not (self._weights_once and attend_once(S) and (rows is None or rows(S) >= S)):
             out = fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
-            return self._measured(out, values)
+            return self.after_attention(out, values)
         mask = self._attention_mask(queries, mask)
         out, weights = attention_with_weights(  # grouped once evicted: before, mlx-lm's kernel's numbers exactly
             queries,
@@ -354,14 +362,16 @@ class PolicyCache(CacheDiagnostics):
         self._run = run
         self._bound_graph()
         self._attended = True
-        return self._measured(out, values)
+        return self.after_attention(out, values)
 
-    def _measured(self, out: mx.array, values: mx.array) -> mx.array:
-        """``out`` [B, Hq, S, Dv]; a prompt chunk's attention is measured for a data-driven allocation
-        (:meth:`~.layer_group.LayerGroup.record`; ``values``' last S slots are the chunk's own)."""
+    def after_attention(self, out: mx.array, values: mx.array) -> mx.array:
+        """``out`` [B, Hq, S, Dv], this step's attention output (the hook's); a prompt chunk's is measured for a
+        data-driven allocation into the run's state (:func:`~.layer_group.record`; ``values``' last S slots are
+        the chunk's own)."""
         S = out.shape[2]
         if self.group is not None and S > 1:
-            self.group.record(self.layer, out, values[:, :, -S:])
+            self._run = record(self._run, out, values[:, :, -S:])
+            self.group.stale()
         return out
 
     # ------------------------------------------------------------------ internals
@@ -380,15 +390,19 @@ class PolicyCache(CacheDiagnostics):
         view = sl.view(self.offset, n_new, self._window_dead() if n_new == 0 else None, self.head_shard, run)
         return view if sl.key_norms is not None else on_key_norms(view, sl.norms_read)
 
-    def _rebudget(self, budget: int) -> None:
-        """Take the budget a data-driven allocation gave this layer at the end of the prompt (its policy with that
-        budget: the selector's protection follows it)."""
+    def _cut_budget(self, S: int) -> None:
+        """Before a held prompt's cut (the next update is one token), take the budget a data-driven allocation gives
+        this layer at the end of the prompt (its policy with that budget: the selector's protection follows it)."""
+        if S != 1 or self.group is None or not (self.holds_prompt and self._run_open):
+            return
+        budget = self.group.budget_for(self.layer, self.budget)
         if budget != self.budget:
-            self.policy = self.group.policy_for(self.layer, budget)
+            self.policy = self.group.policy_for(self.policy.config, budget)
             self.budget, self._step = budget, PolicyStep(self.policy, self.layer)
 
     def fetched(self, S: int) -> int:
         """How many slots the next update of ``S`` tokens returns (what its attention reads): ``n - E + S``."""
+        self._cut_budget(S)  # a batch plans its rows' updates first: with the budget the cut will take
         return self.n - self._n_evict(S) + S
 
     def _n_evict(self, S: int) -> int:
@@ -428,7 +442,7 @@ class PolicyCache(CacheDiagnostics):
         ``token``: decode's new token, written into the loser's slot with the update (:meth:`SlotStore.write`, one
         compiled call once the store is full)."""
         sl = self._slots
-        self._run, self._run_open = {}, False  # an eviction ends the run
+        self._run, self._run_open = prompt_statistic(self._run) if not cut else {}, False  # an eviction ends the run
         losers, update, counts = self._step.evict(self._view(0), n_evict, self.offset, cut)
         if update is not None:
             self._lw_used = self._lw_used or update.d_log_weights is not None

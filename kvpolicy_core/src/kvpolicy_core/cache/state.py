@@ -26,6 +26,7 @@ from ..config.parse import parse_config
 from ..errors import KVPolicyError, ModelError
 from ..runtime.sharding import check_head_shard
 from .diagnostics import LEGACY_COUNTERS
+from .layer_group import check_group_meta, check_run_stats, restored_group
 from .restore_checks import check_restored
 from .row_state import RowState
 from .slots import Snapshot
@@ -69,6 +70,8 @@ def parse_meta(meta_json) -> dict:
         raise KVPolicyError(f"PolicyCache meta state: hook must be a list of module names (got {hook!r})")
     if not isinstance(meta.get("attended", True), bool):
         raise KVPolicyError(f"PolicyCache meta state: attended must be true or false (got {meta['attended']!r})")
+    if meta.get("group") is not None:
+        check_group_meta(meta["group"], layer)
     stats = meta.get("stats")
     items = stats.items() if isinstance(stats, dict) else enumerate(stats) if isinstance(stats, list) else None
     if stats is not None and (items is None or any(isinstance(v, bool) or not isinstance(v, int) for _, v in items)):
@@ -176,6 +179,7 @@ def load_state(cache, v, *, settled: bool = True, model=None) -> None:
         check_restored(slots, offset, cache.budget, settled=settled and not held, where=where(cache))
         if not all(isinstance(x, mx.array) for x in run.values()):
             raise KVPolicyError(f"{where(cache)}: the run of prompt chunks must hold mlx arrays")
+        check_run_stats(run, where(cache))
         # restored nonzero log-weights are applied (one host sync when restoring: not on the decode path)
         lw = slots.log_weights
         lw_used = log_weights is not None and lw is not None and bool(mx.any(lw != 0).item())
@@ -265,7 +269,8 @@ def _set_attended(cache, attended: bool) -> None:
 
 def meta_json(cache) -> str:
     """The meta JSON of ``cache`` (``cache.meta_state[0]``): config, offset, layer, window, counters, whether its
-    last step was attended, the hook's modules and (when sharded) the head shard."""
+    last step was attended, the hook's modules, (when sharded) the head shard and (for a data-driven allocation)
+    its :class:`~.layer_group.LayerGroup`."""
     meta = {
         "config": json.loads(cache.policy.config.model_dump_json()),
         "offset": cache.offset,
@@ -278,6 +283,8 @@ def meta_json(cache) -> str:
         meta["hook"] = list(cache.attention_hook.modules)
     if cache.head_shard != (0, 1):  # only when sharded: an unsharded cache's JSON is unchanged
         meta["head_shard"] = list(cache.head_shard)
+    if cache.group is not None:  # a data-driven allocation: the loaders link the caches of one group again
+        meta["group"] = cache.group.meta()
     return json.dumps(meta)
 
 
@@ -296,8 +303,8 @@ def from_state(cls, state, meta_state=None, *, model=None):
 
 
 def from_meta(cls, meta_text: str, *, model=None):
-    """An empty ``cls`` cache with the config, layer, window, head shard and attention hook recorded in the meta JSON
-    ``meta_text``."""
+    """An empty ``cls`` cache with the config, layer, window, head shard, attention hook and layer group recorded in
+    the meta JSON ``meta_text`` (it joins the group being assembled: :func:`.layer_group.restored_group`)."""
     meta = parse_meta(meta_text)
     obj = cls(
         meta_config(meta),
@@ -305,6 +312,9 @@ def from_meta(cls, meta_text: str, *, model=None):
         window=meta["window"],
         head_shard=tuple(meta.get("head_shard", (0, 1))),
     )
+    if meta.get("group") is not None:
+        obj.group = restored_group(meta["group"], obj.policy.config, obj.layer)
+        obj.group.join(obj)
     restore_hook(obj, meta, model)
     return obj
 

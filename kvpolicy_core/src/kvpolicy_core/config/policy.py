@@ -7,6 +7,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence
 import mlx.core as mx
 
 from ..errors import PluginError
+from ..parts.allocation import within_reach
 from ..parts.base import needs_of
 from ..plugin.discovery import get_registry
 from .cache_config import KVCacheConfig
@@ -92,26 +93,26 @@ def layer_budgets(config: Any, layers: Sequence[Any], stats: Optional[Sequence[A
     layer. A budget below the least a layer may keep (``n_sink + recent + 1``, the config's protected tokens
     plus one evictable) is raised to it. ``stats``: the layers' statistics at the end-of-prompt cut, for an
     allocation that needs them (:class:`~kvpolicy_core.parts.allocation.LayerStats`); before it, such an
-    allocation gives every layer ``budget``."""
+    allocation's layers keep the default allocation's budgets (``budget``, a sliding-window layer at most its
+    window: :func:`~kvpolicy_core.parts.allocation.within_reach`)."""
     config = parse_config(config)
     policy = config.policy
     allocation, owner = allocation_of(config)
-    if needs_of(allocation).layer_stats and stats is None:
-        return [policy.budget] * len(layers)
     try:
-        budgets = allocation.budgets(policy.budget, list(layers), *([] if stats is None else [list(stats)]))
+        if needs_of(allocation).layer_stats and stats is None:
+            budgets = within_reach([policy.budget] * len(layers), list(layers))
+        else:
+            budgets = allocation.budgets(policy.budget, list(layers), *([] if stats is None else [list(stats)]))
     except Exception as exc:
         raise PluginError(f"{owner} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(budgets, (list, tuple)) or len(budgets) != len(layers):
         got = f"{len(budgets)} budgets" if isinstance(budgets, (list, tuple)) else type(budgets).__name__
         raise PluginError(f"{owner} returned {got} for {len(layers)} layers; expected a list of one int per layer")
     floor = policy.n_sink + (policy.recent or 0) + 1
-    out = []
     for info, b in zip(layers, budgets):
         if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b > 2**31 - 1:
             raise PluginError(f"{owner} returned {b!r} for layer {info.index}; expected an int in [1, 2**31 - 1]")
-        out.append(max(b, floor))
-    return out
+    return [max(b, floor) for b in budgets]
 
 
 _MASK64 = (1 << 64) - 1

@@ -165,8 +165,12 @@ class KVCacheBuilder:
             if budgets is not None:
                 raise ConfigError("kv_memory: give a memory limit or explicit per-layer budgets, not both")
             config = config.replace(budget=memory_budget(model, config, windows, replaced, layout.layer_offset).budget)
+        group = layer_group(model, config, windows, replaced, layout.layer_offset) if budgets is None else None
+        if group is not None:  # the allocation shares the budget among the layers it allocates: its group
+            budgets = [config.policy.budget] * len(natives)
+            for info, b in zip(group.infos, layer_budgets(config, group.infos)):
+                budgets[info.index - layout.layer_offset] = b
         policies = layer_policies(model, config, windows, layout.layer_offset, budgets)
-        group = layer_group(model, config, windows, layout.layer_offset) if budgets is None else None
         caches = []
         for i, native in enumerate(natives):
             if not replaced[i]:
@@ -175,7 +179,9 @@ class KVCacheBuilder:
                 caches.append(
                     PolicyCache(policies[i], layer=layout.layer_offset + i, window=windows[i], head_shard=layout.tensor)
                 )
-                caches[-1].group = group
+                if group is not None:
+                    caches[-1].group = group
+                    group.join(caches[-1])
         # the caches hold the install (it ends when the last of them is gone); caches whose budgets differ hold it
         # too: mlx-lm builds one mask from the first layer, which a batch's other layers then rebuild for their rows
         differ = group is not None or len({c.budget for c in caches if isinstance(c, PolicyCache)}) > 1
@@ -187,10 +193,11 @@ class KVCacheBuilder:
         return caches
 
 
-def layer_group(model, config: KVCacheConfig, windows, layer_offset: int = 0) -> Optional[LayerGroup]:
+def layer_group(model, config: KVCacheConfig, windows, replaced=None, layer_offset: int = 0) -> Optional[LayerGroup]:
     """The :class:`~kvpolicy_core.cache.layer_group.LayerGroup` the caches share when the config's allocation sets
     budgets from the prompt (``Needs(layer_stats=True)``), else None. Such an allocation acts at the end of the
-    prompt, so it needs ``when="prompt_end"``."""
+    prompt, so it needs ``when="prompt_end"``. Its layers are those that get a policy cache (``replaced[i]``, all
+    by default): a layer that keeps mlx-lm's cache (``layers="unbounded"``) is neither measured nor allocated."""
     allocation, owner = allocation_of(config)
     if not needs_of(allocation).layer_stats:
         return None
@@ -199,16 +206,10 @@ def layer_group(model, config: KVCacheConfig, windows, layer_offset: int = 0) ->
             f"allocation: {owner} sets budgets from the prompt, at its end: it needs when='prompt_end' "
             f"(got when={config.policy.when!r})"
         )
-    infos = layer_infos(model, windows, layer_offset)
-    policies = {}
-
-    def policy_for(layer: int, budget: int):
-        i = layer - layer_offset
-        if budget not in policies:
-            policies[budget] = layer_policies(model, config, windows, layer_offset, [budget] * len(windows))
-        return policies[budget][i]
-
-    return LayerGroup(lambda infos, stats: layer_budgets(config, infos, stats), infos, policy_for)
+    members = [
+        info for i, info in enumerate(layer_infos(model, windows, layer_offset)) if replaced is None or replaced[i]
+    ]
+    return LayerGroup(config, members) if members else None
 
 
 def layer_infos(model, windows, layer_offset: int = 0) -> List[LayerInfo]:

@@ -15,7 +15,10 @@ builds each layer's cache with its own budget (the config of layer ``l`` is the 
 *From data.* An allocation that declares ``needs = Needs(layer_stats=True)`` is called again at the end-of-prompt
 cut (``when="prompt_end"``) with ``stats``: one :class:`LayerStats` per layer, measured by the engine over the
 prompt (SqueezeAttention's calibration pass, without a second pass and without wrapping model modules); the
-caches keep ``budget`` until then.
+caches keep the default allocation's budgets until then. Its layers are those with a policy cache (with
+``layers="unbounded"``, a sliding layer that keeps mlx-lm's cache is neither measured nor allocated), and the
+statistics are part of each cache's state (:mod:`kvpolicy_core.cache.layer_group`): saved, pickled, copied and
+batched with it.
 """
 
 from __future__ import annotations
@@ -71,6 +74,33 @@ class UniformAllocation(Allocation):
         return [budget] * len(layers)
 
 
+def within_reach(budgets: Sequence[int], layers: Sequence[LayerInfo]) -> List[int]:
+    """``budgets`` with every sliding-window layer at most its window, what that frees shared by the others, as
+    :class:`ReachAllocation` shares it.
+
+    With ``b_l`` the given budgets, ``w_l`` each layer's reach (its window, or unbounded) and ``T = sum_l b_l``::
+
+        b'_l = min(w_l, b_l + e),   e >= 0 the least level with  sum_l b'_l = T
+
+    (an integer ``e``; a remainder of less than one token per uncapped layer goes one token each to the first of
+    them), so the total stays ``T`` unless every layer is capped, and budgets that fit their windows are unchanged.
+    Uniform budgets give :class:`ReachAllocation`'s bit for bit; :class:`PyramidAllocation` and data-driven
+    allocations (kvpolicy-table's ``squeeze``) apply it to theirs, :class:`UniformAllocation` does not.
+    """
+    out: List[Optional[int]] = [None] * len(layers)
+    free, spare = len(layers), 0  # uncapped layers; slots freed by the capped ones beyond their own budgets
+    for room, i in sorted((info.window - budgets[i], i) for i, info in enumerate(layers) if info.window is not None):
+        if room * free > spare:  # below the level: the rest stay uncapped
+            break
+        out[i], spare, free = layers[i].window, spare - room, free - 1
+    if free:
+        level, extra = divmod(spare, free)
+        uncapped = [i for i in range(len(layers)) if out[i] is None]
+        for k, i in enumerate(uncapped):
+            out[i] = budgets[i] + level + (1 if k < extra else 0)
+    return out
+
+
 class ReachAllocation(Allocation):
     """Equal shares, each layer at most what its attention can reach: ``budget`` is the mean tokens kept per layer.
 
@@ -90,20 +120,7 @@ class ReachAllocation(Allocation):
     """
 
     def budgets(self, budget: int, layers: Sequence[LayerInfo], stats=None) -> List[int]:
-        total = budget * len(layers)
-        capped = sorted((info.window, i) for i, info in enumerate(layers) if info.window is not None)
-        out: List[Optional[int]] = [None] * len(layers)
-        free = len(layers)  # layers not yet capped at their reach
-        for w, i in capped:  # the smallest windows first: cap a layer while its reach is below the level
-            if w * free > total:
-                break
-            out[i], total, free = w, total - w, free - 1
-        if free:
-            level, extra = divmod(total, free)
-            uncapped = [i for i in range(len(layers)) if out[i] is None]
-            for k, i in enumerate(uncapped):
-                out[i] = level + (1 if k < extra else 0)
-        return out
+        return within_reach([budget] * len(layers), layers)
 
 
 class PyramidAllocation(Allocation):
@@ -113,10 +130,12 @@ class PyramidAllocation(Allocation):
 
         b_l = max(1, round(b_max - l * (b_max - b_min) / (L - 1)))
 
-    so the first layers, whose attention is spread wide, keep the most. ``beta`` (the config field
-    ``pyramid_beta`` where a method has it, else 20 as in the paper's code) sets the slope: ``beta = 1`` is
-    uniform. A budget below the config's floor (``floor``: the least a layer may keep, sinks and recent
-    tokens plus one) is raised to it, so the mean can exceed ``budget`` by the raised amounts.
+    so the first layers, whose attention is spread wide, keep the most; a sliding-window layer then keeps at most
+    its window, what that frees shared by the others (:func:`within_reach`), so ``beta = 1`` is the default
+    allocation (:class:`ReachAllocation`) bit for bit. ``beta`` (the config field ``pyramid_beta`` where a method
+    has it, else 20 as in the paper's code) sets the slope. A budget below the config's floor (``floor``: the least
+    a layer may keep, sinks and recent tokens plus one) is raised to it, so the mean can exceed ``budget`` by the
+    raised amounts.
     """
 
     def __init__(self, beta: float = 20.0) -> None:
@@ -135,4 +154,6 @@ class PyramidAllocation(Allocation):
         lo = budget / self.beta
         hi = 2 * budget - lo
         step = (hi - lo) / (L - 1) if L > 1 else 0.0
-        return [max(1, int(round(hi - info.index * step))) if L > 1 else budget for info in layers]
+        return within_reach(
+            [max(1, int(round(hi - info.index * step))) if L > 1 else budget for info in layers], layers
+        )

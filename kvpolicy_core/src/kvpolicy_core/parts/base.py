@@ -267,7 +267,10 @@ class MergeUpdate(NamedTuple):
     slot with ``lw_j = log c`` draws the attention of ``c`` copies of itself. Deltas of one target sum (as
     for every field).
 
-    Deltas are cast to the buffer's dtype (float32 for scores) before the add. A plain
+    Deltas are added in float32 (return them in float32: a blend's delta ``x_l - x_t`` of two float16 values can
+    exceed float16's range while the blend does not), and each sum is stored in the buffer's dtype, saturating at
+    its largest finite value (``+-65504`` in float16): a merge never writes a non-finite value into a finite
+    element (a NaN or inf delta for a finite element is refused, or not added past the checked evictions). A plain
     average of several losers into one target needs the number of losers per target:
     :func:`kvpolicy_core.parts.merge.average_into` builds that update for you.
 

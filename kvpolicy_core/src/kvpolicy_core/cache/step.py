@@ -10,9 +10,10 @@ A part that raises, or returns the wrong shape or type, becomes a :class:`~kvpol
 naming the part and its plugin.
 
 Checks, the same for every part (no part is trusted): output metadata (types, shapes, dtypes) at every call, on
-the host without a sync; output values (a merge's targets in range, finite deltas for finite rows) evaluated in
-one host sync for a prompt chunk's eviction and for the first :data:`CHECKED_DECODE_EVICTIONS` decode evictions
-of each cache, so a broken part is reported early and by name; after those, decode steps make no host sync and
+the host without a sync; output values (the scores and the losers chosen from the selector's ranks, each evaluated
+on its own so that a graph that fails only when MLX evaluates it names its part, then a merge's targets in range
+and finite deltas for finite rows) evaluated for a prompt chunk's eviction and for the first
+:data:`CHECKED_DECODE_EVICTIONS` decode evictions of each cache, so a broken part is reported early and by name; after those, decode steps make no host sync and
 the slot store's device-side guards (:meth:`~.slots.SlotStore.add`) keep any update from writing outside the
 cache or a non-finite delta into a finite slot.
 """
@@ -101,6 +102,9 @@ class PolicyStep:
         self.eager_checks = 4
         #: decode evictions left whose disposition update is value-checked (:data:`CHECKED_DECODE_EVICTIONS`)
         self.checked_decode = CHECKED_DECODE_EVICTIONS
+        #: decode evictions left whose choice is evaluated on its own (every prompt chunk's is): a selector whose
+        #: ranks only fail when MLX evaluates them is named, not the disposition that consumes its losers
+        self.checked_choices = CHECKED_DECODE_EVICTIONS
         #: the selector may evict more than the overflow (its own ``evict_count``)
         self.counts_more = getattr(sel, "evict_count", Selector.evict_count) is not Selector.evict_count
         self.compiling = Compiling()
@@ -253,6 +257,10 @@ class PolicyStep:
         writes the update and removes (or overwrites) the losers. ``cut``: the end-of-prompt cut of a held prompt
         (``when="prompt_end"``), chosen by the policy's ``cut_selector`` where it has one."""
         losers = self.choose(view, n_evict, cut)
+        if n_evict > 1 or cut or self.checked_choices > 0:  # value-checked: each part's output evaluated on its own
+            self.checked_choices -= n_evict == 1 and not cut and self.checked_choices > 0
+            self.evaluated("scorer", "scores", view.scores)
+            self.evaluated("selector", "ranks", losers)
         update, counts = self.dispose(view, losers, offset)
         return losers, update, counts
 

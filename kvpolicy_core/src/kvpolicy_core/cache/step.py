@@ -13,9 +13,10 @@ Checks, the same for every part (no part is trusted): output metadata (types, sh
 the host without a sync; output values (the scores and the losers chosen from the selector's ranks, each evaluated
 on its own so that a graph that fails only when MLX evaluates it names its part, then a merge's targets in range
 and finite deltas for finite rows) evaluated for a prompt chunk's eviction and for the first
-:data:`CHECKED_DECODE_EVICTIONS` decode evictions of each cache, so a broken part is reported early and by name; after those, decode steps make no host sync and
-the slot store's device-side guards (:meth:`~.slots.SlotStore.add`) keep any update from writing outside the
-cache or a non-finite delta into a finite slot.
+:data:`CHECKED_DECODE_EVICTIONS` decode evictions of each cache, so a broken part is reported early and by name;
+after those, decode steps make no host sync and the slot store's device-side guards
+(:meth:`~.slots.SlotStore.add`) keep any update from writing outside the cache or a non-finite value into a
+finite slot.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ class PolicyStep:
     def n_evict(self, over: int, L: int) -> int:
         """How many of ``L`` slots an eviction removes for an overflow of ``over > 0``: the selector's
         ``evict_count(over, L)`` (:meth:`~kvpolicy_core.parts.base.Selector.evict_count`), checked to be an int
-        in ``[over, L - 1]``."""
+        in ``[over, L - 1]``, then clamped to ``min(E, L - n_sink)`` (at least ``over``): the sinks never leave,
+        so a count that would reach them evicts every other slot it may and no more."""
         if not self.counts_more:
             return over
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
@@ -126,7 +127,7 @@ class PolicyStep:
                 f"{owner} returned evict_count {E!r} for an overflow of {over} of {L} slots; expected an int in "
                 f"[{over}, {L - 1}] (at least the overflow, and one slot left)"
             )
-        return E
+        return max(over, min(E, L - min(self.n_sink, L)))
 
     def counter_names(self) -> Dict[str, str]:
         """Counters the parts declare through ``stats()`` (name -> meaning)."""

@@ -341,7 +341,8 @@ class Selector:
     def evict_count(self, over: int, n: int) -> int:
         """How many of the ``n`` slots leave when ``over = n - budget > 0`` of them must: ``over`` (the default),
         or more, e.g. whole chunks (ChunkKV); the budget is an upper bound. An int in ``[over, n - 1]``,
-        computed on the host from these two ints alone (no array is read)."""
+        computed on the host from these two ints alone (no array is read); the cache evicts at most
+        ``n - n_sink`` of them (a larger count is clamped there: sinks never leave)."""
         return over
 
 

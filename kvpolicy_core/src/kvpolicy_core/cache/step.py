@@ -33,6 +33,7 @@ from ..parts.base import (
     Disposition,
     MergeUpdate,
     PolicyNeeds,
+    RemovedForm,
     Scorer,
     Selector,
     offset_read,
@@ -165,6 +166,8 @@ class PolicyStep:
             return fn(view, *args)
         except KVPolicyError:
             raise
+        except RemovedForm as exc:  # a 0.1 form: named as such, not as a type error of the part's own code
+            raise PluginError(f"layer {self.layer}: {self.policy.owners[kind]} built a removed form: {exc}") from exc
         except Exception as exc:
             hint = ""
             if isinstance(exc, (TypeError, ValueError)) and view is not None and offset_read(view):
@@ -364,6 +367,11 @@ class PolicyStep:
         owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
         if not isinstance(u, MergeUpdate):
             raise PluginError(f"{owner} returned {type(u).__name__}, expected a MergeUpdate or None")
+        if u.stats is not None and not isinstance(u.stats, dict):
+            raise PluginError(
+                f"{owner} returned stats of type {type(u.stats).__name__}, expected a dict name -> count (MergeUpdate"
+                "'s 0.1 fields draws/merges were removed in 0.3: return stats={'gate_draws': ..., 'merges': ...})"
+            )
         B, H, L = view.scores.shape
         T = getattr(u.targets, "shape", (0, 0, 0))[-1] if getattr(u.targets, "ndim", 0) == 3 else -1
         for name, x, row in (
@@ -378,11 +386,6 @@ class PolicyStep:
             raise PluginError(
                 f"{owner} returned d_log_weights, but no part declares Needs(log_weights=True) (the cache keeps "
                 "no log-weights)"
-            )
-        if u.stats is not None and not isinstance(u.stats, dict):
-            raise PluginError(
-                f"{owner} returned stats of type {type(u.stats).__name__}, expected a dict name -> count (MergeUpdate"
-                "'s 0.1 fields draws/merges were removed in 0.3: return stats={'gate_draws': ..., 'merges': ...})"
             )
         deltas = [
             (name, x)

@@ -248,7 +248,30 @@ def offset_read(view: CacheView) -> bool:
     return "_offset" in view.__dict__
 
 
-class MergeUpdate(NamedTuple):
+class _MergeUpdateFields(NamedTuple):
+    """The fields of :class:`MergeUpdate`, in their order."""
+
+    targets: mx.array
+    d_keys: Optional[mx.array] = None
+    d_values: Optional[mx.array] = None
+    d_scores: Optional[mx.array] = None
+    stats: Optional[Dict[str, mx.array]] = None
+    d_log_weights: Optional[mx.array] = None
+
+
+#: the 0.1 form of a MergeUpdate, refused naming its replacement (:class:`RemovedForm`)
+_REMOVED_FORM = (
+    "MergeUpdate(targets, d_keys, d_values, d_scores, draws, merges) is the 0.1 form: draws/merges were removed in "
+    "0.3; the fields are now MergeUpdate(targets, d_keys, d_values, d_scores, stats, d_log_weights): return the "
+    "counters as stats={'gate_draws': ..., 'merges': ...}"
+)
+
+
+class RemovedForm(TypeError):
+    """A part built a value in a form removed from the contract (the message names the replacement)."""
+
+
+class MergeUpdate(_MergeUpdateFields):
     """Additive changes a disposition makes to surviving slots (scatter-added, duplicates sum).
 
     ============= ================== ======== =========================================
@@ -278,12 +301,16 @@ class MergeUpdate(NamedTuple):
     removed in 0.3).
     """
 
-    targets: mx.array
-    d_keys: Optional[mx.array] = None
-    d_values: Optional[mx.array] = None
-    d_scores: Optional[mx.array] = None
-    stats: Optional[Dict[str, mx.array]] = None
-    d_log_weights: Optional[mx.array] = None
+    __slots__ = ()
+
+    def __new__(
+        cls, targets, d_keys=None, d_values=None, d_scores=None, stats=None, d_log_weights=None, **removed
+    ) -> "MergeUpdate":
+        if "draws" in removed or "merges" in removed or isinstance(stats, (mx.array, int, float)):
+            raise RemovedForm(_REMOVED_FORM)  # draws=/merges=, or positional 0.1 counters read as stats
+        if removed:
+            raise TypeError(f"MergeUpdate got unexpected keyword arguments {sorted(removed)}")
+        return super().__new__(cls, targets, d_keys, d_values, d_scores, stats, d_log_weights)
 
 
 def pick_lowest(ranked: mx.array, n_evict: int) -> mx.array:

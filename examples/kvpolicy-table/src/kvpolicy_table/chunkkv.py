@@ -15,6 +15,7 @@ from pydantic import Field
 
 from kvpolicy_core import AttentionPolicyConfig, MethodSpec, hookimpl
 from kvpolicy_core.parts.lowest_score import LowestScoreSelector
+from kvpolicy_core.parts.traits import traits
 
 
 class ChunkKVConfig(AttentionPolicyConfig):
@@ -23,6 +24,7 @@ class ChunkKVConfig(AttentionPolicyConfig):
     chunk_size: int = Field(10, ge=1, le=4096, description="Tokens per chunk, kept or evicted together.")
 
 
+@traits(compile_decode=True)  # its own rank is pure MLX too (a subclass's rank does not inherit the trait)
 class ChunkSelector(LowestScoreSelector):
     """H2O's ranks summed over chunks of positions; evictions of whole chunks."""
 

@@ -180,8 +180,8 @@ class PolicyStep:
             ) from exc
 
     def scores(self, scores, shape: Tuple[int, int, int], current: Optional[mx.array] = None) -> mx.array:
-        """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0 and +-inf as the largest finite
-        float32, so that no score can tie with the +-inf a selector's rank uses for protection.
+        """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0, +inf as float32's max and -inf as its
+        lowest (``-max``), so that no score can tie with the +-inf a selector's rank uses for protection.
         ``current``: the view's scores (already checked); returned as they are when the scorer returned them."""
         if current is not None and scores is current:
             return scores

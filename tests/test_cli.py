@@ -19,7 +19,12 @@ def run(capsys, *argv, stdin=None, monkeypatch=None):
 def test_methods_lists_packages_parts_and_fields(capsys):
     code, out, _ = run(capsys, "methods")
     assert code == 0
-    assert "cam  (kvpolicy-cam 0.2.0)" in out and "h2o  (kvpolicy-h2o 0.2.0)" in out
+    from importlib.metadata import version  # the installed distributions' (0.3.0 once reinstalled)
+
+    assert (
+        f"cam  (kvpolicy-cam {version('kvpolicy-cam')})" in out
+        and f"h2o  (kvpolicy-h2o {version('kvpolicy-h2o')})" in out
+    )
     assert "disposition=mass_merge" in out and "disposition=drop" in out
     assert "budget = 512" in out and "merge = 'mass'" in out
     code, out, _ = run(capsys, "methods", "--json")

@@ -67,8 +67,48 @@ def test_a_selector_with_the_removed_select_form_is_refused_naming_rank(old_plug
 def test_merge_update_counters_in_the_removed_fields_are_refused_naming_stats(old_plugin):
     keys, values = random_kv(B=1, H=2, S=30, D=4)
     cache = PolicyCache("oldmerge:budget=8,n_sink=1,recent=1")
-    with pytest.raises(PluginError, match=r"old_merge.*stats.*draws/merges were removed in 0.3"):
+    with pytest.raises(PluginError, match=r"old_merge.*0.1 form: draws/merges were removed in 0.3.*stats="):
         feed(cache, keys, values, (1,) * 30)
+
+
+class SixFields(Disposition):
+    """The whole 0.1 call: ``MergeUpdate(t, dk, dv, ds, draws, merges)``, positional or with keywords (after reading
+    ``view.offset``, whose hint must not be what the error says)."""
+
+    keywords = False
+
+    def dispose(self, view, losers, key):
+        zeros = mx.zeros((*losers.shape, view.values.shape[-1]))
+        t = mx.minimum(losers * 0 + 1 + view.offset * 0, 1)
+        if SixFields.keywords:
+            return MergeUpdate(t, None, zeros, None, draws=mx.array(2), merges=mx.array(1))
+        return MergeUpdate(t, None, zeros, None, mx.array(2), mx.array(1))
+
+
+@pytest.mark.parametrize("keywords", [False, True])
+def test_the_six_field_0_1_merge_update_is_refused_naming_the_removed_form(keywords):
+    class Six:
+        @hookimpl
+        def register_dispositions(self, register):
+            register("six_fields", SixFields)
+
+        @hookimpl
+        def register_methods(self, register):
+            register(MethodSpec("sixfields", PolicyConfig, "cumulative_attention", "lowest_score", "six_fields"))
+
+    register_plugin(Six(), "six")
+    SixFields.keywords = keywords
+    try:
+        cache = PolicyCache("sixfields:budget=8,n_sink=1,recent=1,when=stream")
+        keys, values = random_kv(B=1, H=2, S=12, D=4)
+        with pytest.raises(PluginError) as err:
+            feed(cache, keys, values, (10, 1))
+        message = str(err.value)
+        assert "disposition 'six_fields' of plugin 'six'" in message
+        assert "MergeUpdate(targets, d_keys, d_values, d_scores, draws, merges) is the 0.1 form" in message
+        assert "stats={'gate_draws'" in message and "view.offset" not in message and "of shape" not in message
+    finally:
+        unregister_plugin("six")
 
 
 @pytest.mark.parametrize(

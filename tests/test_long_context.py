@@ -315,7 +315,7 @@ def test_first_chunk_then_the_rest_is_the_whole_context_prefill(tiny, gemma_mode
             np.testing.assert_allclose(np.array(ka), np.array(kb), atol=1e-5)
 
 
-# ----------------------------------------------------------------------------- the suite's options (issue 39)
+# ----------------------------------------------------------------------------- the suite's options
 RULER = ["eval", "--task", "ruler", "--no-progress"]
 
 

@@ -207,9 +207,10 @@ def test_an_updates_check_code_says_broken_changed_or_nothing():
     assert code(t, zero, mx.array([[[math.nan]]])) == 0  # a NaN log-weight delta is made 0: nothing changes
     assert code(t, zero, mx.array([[[0.5]]])) == 1
     assert nonfinite_flags(t, 2, [(nan, base)]) == [True]  # a finite row would get NaN: broken
-    half = base.astype(mx.float16)  # checked as added: 1e6 is inf in float16
-    assert update_checks(t, scalar(2), [(one * 1e6, half)], None)[0].item() == 2
-    assert nonfinite_flags(t, 2, [(one * 1e6, half)]) == [True]
+    half = base.astype(mx.float16)  # checked as added, in float32: 1e6 is finite (the float16 sum saturates)
+    assert update_checks(t, scalar(2), [(one * 1e6, half)], None)[0].item() == 1
+    assert nonfinite_flags(t, 2, [(one * 1e6, half)]) == [False]
+    assert update_checks(t, scalar(2), [((one * 1e6).astype(mx.float16), half)], None)[0].item() == 2  # inf
     assert nonfinite_flags(mx.array([[[1]]], dtype=mx.int32), 2, [(nan, base)]) == [False]  # already non-finite
 
 
@@ -284,7 +285,7 @@ def odd_plugin():
         ("bool", "d_values of dtype"),
         ("complex", "d_values of dtype"),
         ("stats_list", "returned stats of type list, expected a dict name -> count"),
-        ("stats_array", "returned stats of type array, expected a dict .*draws/merges were removed"),
+        ("stats_array", "the 0.1 form: draws/merges were removed in 0.3"),
         ("stats_float_list", "counter 'merges'"),
     ],
 )
@@ -332,15 +333,16 @@ def test_targets_past_int32_are_out_of_range_not_wrapped_into_the_cache(odd_plug
         assert cache.offset == 12
 
 
-def test_a_delta_that_is_inf_in_the_caches_dtype_is_refused(odd_plugin):
-    """float32 d_values of 1e6 are finite, but inf once added to a float16 cache: refused, nothing written."""
+def test_a_delta_whose_sum_leaves_the_caches_dtype_saturates(odd_plugin):
+    """float32 d_values of 1e6 are finite; added to a float16 cache the sums saturate at 65504: accepted, and
+    every value stays finite."""
     keys, values = random_kv(S=20, dtype=mx.float16)
     cache = PolicyCache("oddmerge:budget=8,n_sink=1,recent=1")
     feed(cache, keys[:, :, :12], values[:, :, :12], (12,))
     OddMerge.mode = "big"
-    with pytest.raises(PluginError, match="d_values with non-finite values"):
-        feed(cache, keys[:, :, 12:13], values[:, :, 12:13], (1,))
-    assert cache.offset == 12 and mx.all(mx.isfinite(cache.values)).item()
+    feed(cache, keys[:, :, 12:13], values[:, :, 12:13], (1,))
+    assert cache.offset == 13 and mx.all(mx.isfinite(cache.values)).item()
+    assert mx.all(cache.values[:, :, 1] == 65504).item()
 
 
 def test_a_non_finite_delta_for_a_non_finite_row_is_allowed(odd_plugin):
@@ -376,8 +378,6 @@ class StickyMerge(Disposition):
             t = mx.zeros((B, H, E), mx.int64) + 2**32 + 1
         elif mode == "nan":
             dv, ds = dv * math.nan, mx.full((B, H, E), math.inf)
-        elif mode == "overflow":  # finite in float32, inf once added to a float16 cache
-            dv = dv * 1e6
         return MergeUpdate(t, None, dv, ds)
 
 
@@ -414,7 +414,6 @@ def sticky_plugin():
         ("negative_target", "merge targets outside the cache"),
         ("wide_target", "merge targets outside the cache"),
         ("nan", "non-finite values"),
-        ("overflow", "d_values with non-finite values"),
     ],
 )
 @pytest.mark.parametrize("method", ["sticky", "stickyc"])
@@ -426,7 +425,7 @@ def test_a_broken_merge_is_refused_while_checked_then_guarded_on_the_device(stic
     from kvpolicy_core.cache.step import CHECKED_DECODE_EVICTIONS
 
     config = "budget=8,n_sink=1,recent=1"
-    keys, values = random_kv(S=30, dtype=mx.float16 if mode == "overflow" else mx.float32)
+    keys, values = random_kv(S=30)
     cache = PolicyCache(f"{method}:{config}")
     feed(cache, keys[:, :, :9], values[:, :, :9], (9,))  # budget + 1 slots: every next token evicts one
     StickyMerge.mode = mode

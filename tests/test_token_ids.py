@@ -1,4 +1,4 @@
-"""Token ids checked against the model's vocabulary wherever they enter (issue 39, defect 7): JSONL contexts,
+"""Token ids checked against the model's vocabulary wherever they enter: JSONL contexts,
 ``compress_context`` and the server's prompts. An id past the embedding is an out-of-bounds read (10**9
 segfaulted; 5000 with a vocabulary of 97 ran silently): each is refused before any model call, naming its source."""
 

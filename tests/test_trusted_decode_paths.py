@@ -386,8 +386,9 @@ def test_an_update_without_value_deltas_moves_only_what_it_names(monkeypatch, co
 # ----------------------------------------------------------------------------- the store's guard
 def test_the_store_never_adds_a_non_finite_delta_to_a_finite_element():
     """SlotStore.add's device-side guard (what protects the cache from a decode update past the checked ones): a
-    delta element that is NaN or inf in the buffer's dtype is not added where the target element is finite
-    (that element keeps its value), is added where it is not; finite elements of the same row still change."""
+    delta element that is NaN or inf is not added where the target element is finite (that element keeps its
+    value), is added where it is not; a finite delta whose sum leaves float16's range saturates; finite elements of
+    the same row still change."""
     from kvpolicy_core.cache.slots import SlotStore
     from kvpolicy_core.parts.base import MergeUpdate
 
@@ -396,7 +397,7 @@ def test_the_store_never_adds_a_non_finite_delta_to_a_finite_element():
     values = values.at[0, 0, 1, 1].add(math.inf)  # slot 1's second element is non-finite
     store.append(keys, values, 0, steady=9)
     t = mx.array([[[1, 2]]], dtype=mx.int32)
-    d_values = mx.array([[[[0.5, math.nan], [1e6, 0.25]]]])  # 1e6 is inf in float16
+    d_values = mx.array([[[[0.5, math.nan], [1e6, 0.25]]]])  # added in float32: the float16 sum saturates
     store.add(
         MergeUpdate(
             t, d_values=d_values, d_scores=mx.array([[[math.inf, 2.0]]]), d_log_weights=mx.array([[[math.nan, 0.5]]])
@@ -406,7 +407,7 @@ def test_the_store_never_adds_a_non_finite_delta_to_a_finite_element():
     want = np.array(values[0, 0].astype(mx.float32))
     assert v[0].tolist() == want[0].tolist() and v[1, 0] == np.float16(want[1, 0] + np.float16(0.5))
     assert np.isnan(v[1, 1])  # inf + NaN: the non-finite element may take any delta
-    assert v[2, 0] == want[2, 0] and v[2, 1] == np.float16(want[2, 1] + np.float16(0.25))  # 1e6 (inf) not added
+    assert v[2, 0] == 65504 and v[2, 1] == np.float16(want[2, 1] + np.float16(0.25))  # + 1e6 saturates
     assert store.scores.tolist() == [[[0.0, 0.0, 2.0]]] and store.log_weights.tolist() == [[[0.0, 0.0, 0.5]]]
 
 
@@ -432,10 +433,10 @@ def test_the_store_adds_nothing_at_a_target_outside_the_cache():
     assert store.scores.tolist() == [[[0.0, 0.0, 1.0]]] and store.log_weights.tolist() == [[[0.0, 0.0, 1.0]]]
 
 
-def test_a_shipped_merge_whose_delta_overflows_the_cache_dtype_leaves_the_element_as_it_was():
-    """float16 values near +-60000 blended by a similarity weight near 1: the delta (~120000) is inf in float16.
-    Past a cache's checked decode evictions, CaM's decode merge is not value-checked, and the guard keeps those
-    elements (every value stays finite) while the rest of the merge applies."""
+def test_a_shipped_merge_whose_delta_exceeds_the_cache_dtype_still_merges_finite():
+    """float16 values near +-60000 blended by a similarity weight near 1: the delta (~120000) is past float16's
+    range, the blend is not. Past a cache's checked decode evictions, CaM's decode merge is not value-checked; its
+    float32 deltas are added in float32, so the merge applies and every value stays finite."""
     keys = mx.ones((1, 1, 12, 4), mx.float16)  # identical keys: cosine 1, weight 1
     values = mx.where(mx.arange(12)[None, None, :, None] % 2 == 0, 60000.0, -60000.0) * mx.ones((1, 1, 12, 4))
     values = values.astype(mx.float16)

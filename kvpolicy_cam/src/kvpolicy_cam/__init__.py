@@ -3,4 +3,4 @@
 from .config import CamConfig
 
 __all__ = ["CamConfig"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

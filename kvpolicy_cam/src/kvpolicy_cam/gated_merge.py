@@ -91,7 +91,7 @@ def blend_update(
 
     def delta(x):  # where(), not a product: 0 * NaN would still be NaN
         d = coef[..., None] * (take(x, losers).astype(mx.float32) - take(x, target).astype(mx.float32))
-        return mx.where(merge[..., None], d, 0.0).astype(x.dtype)
+        return mx.where(merge[..., None], d, 0.0)  # float32: the cache adds it in float32 (no overflow in float16)
 
     return MergeUpdate(
         targets=target,

@@ -67,7 +67,7 @@ class PaperMergeDisposition(Disposition):
         return MergeUpdate(
             targets=nxt_flat,
             d_keys=None,
-            d_values=add.reshape(B, H, E * k, -1).astype(view.values.dtype),
+            d_values=add.reshape(B, H, E * k, -1),  # float32: added in float32, the sum saturating in float16
             d_scores=None,
             stats={"gate_draws": draws, "merges": per_row(merge)},
         )

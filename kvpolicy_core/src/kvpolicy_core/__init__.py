@@ -17,7 +17,7 @@ import importlib
 
 from ._lazy import after_import
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _EXPORTS = {
     "hookimpl": "plugin.hookspecs",
@@ -52,6 +52,9 @@ _EXPORTS = {
     "Scorer": "parts.base",
     "Selector": "parts.base",
     "Disposition": "parts.base",
+    "Allocation": "parts.allocation",
+    "LayerInfo": "parts.allocation",
+    "LayerStats": "parts.allocation",
     "AttentionScorer": "parts.attention_scorer",
     "observed_weights": "parts.cumulative_attention",
     "masked_softmax": "parts.cumulative_attention",

@@ -3,4 +3,4 @@
 from .config import H2OConfig
 
 __all__ = ["H2OConfig"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -1,3 +1,3 @@
 """kvpolicy-streaming: StreamingLLM and TOVA as kvpolicy methods (an example third-party plugin)."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -15,6 +15,7 @@ from pydantic import Field
 
 from kvpolicy_core import AttentionPolicyConfig, MethodSpec, hookimpl
 from kvpolicy_core.parts.lowest_score import LowestScoreSelector
+from kvpolicy_core.parts.traits import traits
 
 
 class ChunkKVConfig(AttentionPolicyConfig):
@@ -23,6 +24,7 @@ class ChunkKVConfig(AttentionPolicyConfig):
     chunk_size: int = Field(10, ge=1, le=4096, description="Tokens per chunk, kept or evicted together.")
 
 
+@traits(compile_decode=True)  # its own rank is pure MLX too (a subclass's rank does not inherit the trait)
 class ChunkSelector(LowestScoreSelector):
     """H2O's ranks summed over chunks of positions; evictions of whole chunks."""
 
@@ -38,17 +40,34 @@ class ChunkSelector(LowestScoreSelector):
         return min(-(-over // self.chunk_size) * self.chunk_size, n - 1)
 
     def rank(self, view):
+        """float32 [B, H, L]: each slot ranked as its chunk, ``R_j`` above, with ties between chunks broken by
+        position (the older chunk first): the chunks' places in the order of ``(R, chunk)``, so that the engine's
+        ``E`` lowest are whole chunks but for the last one taken (its order among equal ranks is unspecified);
+        a protected chunk (``R = +inf``) stays ``+inf``."""
         r = super().rank(view)
         if self.chunk_size == 1:
             return r
         order = mx.argsort(view.positions, axis=-1)  # slots by position: a chunk's slots are adjacent
         chunk = mx.take_along_axis(view.positions, order, axis=-1) // self.chunk_size
         starts = mx.concatenate([mx.ones_like(chunk[..., :1]), (chunk[..., 1:] != chunk[..., :-1])], axis=-1)
-        seg = mx.cumsum(starts.astype(mx.int32), axis=-1) - 1  # dense chunk index [B, H, L]
+        seg = mx.cumsum(starts.astype(mx.int32), axis=-1) - 1  # dense chunk index [B, H, L], in position order
         sums = mx.zeros(r.shape, mx.float32)  # per-chunk sums: at most L chunks
         b, h = mx.arange(r.shape[0])[:, None, None], mx.arange(r.shape[1])[None, :, None]
         sums = sums.at[b, h, seg].add(mx.take_along_axis(r, order, axis=-1))
-        return mx.put_along_axis(mx.zeros_like(r), order, mx.take_along_axis(sums, seg, axis=-1), axis=-1)
+        places = _places(sums)  # chunk k's place in the order of (sum, k)
+        ranked = mx.where(mx.isposinf(sums), mx.inf, places.astype(mx.float32))
+        return mx.put_along_axis(mx.zeros_like(r), order, mx.take_along_axis(ranked, seg, axis=-1), axis=-1)
+
+
+def _places(x: mx.array) -> mx.array:
+    """int32 [..., N]: the place of each x_k in the order of the pairs (x_k, k) (ties by index, lower first), from one
+    argsort of an int64 key: the float32 value's order-preserving bit pattern (NaN as 0), then the index."""
+    bits = mx.nan_to_num(x, nan=0.0).view(mx.int32).astype(mx.int64)
+    ordered = mx.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)  # monotone in the float's value (-0.0 before 0.0)
+    n = x.shape[-1]
+    key = ordered * n + mx.arange(n, dtype=mx.int64)
+    sort = mx.argsort(key, axis=-1)
+    return mx.put_along_axis(mx.zeros(x.shape, mx.int32), sort, mx.arange(n, dtype=mx.int32), axis=-1)
 
 
 @hookimpl

@@ -65,8 +65,8 @@ def update_checks(
     """A MergeUpdate's value checks as one summary, traceable (the compiled decode path runs them in the
     disposition's graph): one reduction per array, no gather.
 
-    ``pairs``: (delta, base) for d_keys, d_values, d_scores as present (each delta is checked in its buffer's
-    dtype, as it will be added; the bases' rows are read only by :func:`nonfinite_flags`, on the rare path).
+    ``pairs``: (delta, base) for d_keys, d_values, d_scores as present (each delta is checked in float32, as it
+    will be added; the bases' rows are read only by :func:`nonfinite_flags`, on the rare path).
     Returns (code [1] int32, the log-weight deltas made finite:
     NaN as 0, clipped to +-``LOG_WEIGHT_BOUND``, or None), where::
 
@@ -89,13 +89,13 @@ def update_checks(
 
 
 def _as_written(delta: mx.array, base: mx.array) -> mx.array:
-    """The delta in its buffer's dtype, as :meth:`~kvpolicy_core.cache.slots.SlotStore.add` adds it: a value finite in
-    the delta's dtype but not in the buffer's (1e6 into float16) is a non-finite delta."""
-    return delta if delta.dtype == base.dtype else delta.astype(base.dtype)
+    """The delta as :meth:`~kvpolicy_core.cache.slots.SlotStore.add` adds it: in float32 (the sum is then stored in
+    the buffer's dtype, saturating at its finite range, so a delta finite in float32 is never a non-finite one)."""
+    return delta if delta.dtype == mx.float32 else delta.astype(mx.float32)
 
 
 def nonfinite_flags(targets: mx.array, last: int, pairs: Sequence[Tuple[mx.array, mx.array]]) -> List[bool]:
-    """Per (delta, base) of ``pairs``: whether the delta, in the buffer's dtype, has a NaN or inf where its target
+    """Per (delta, base) of ``pairs``: whether the delta, in float32, has a NaN or inf where its target
     row of ``base`` is finite (the broken rule; a non-finite delta on a non-finite element is allowed). Host-side,
     on the rare path where :func:`update_checks` reported a non-finite delta; targets are clamped before the gather."""
     flags = _target_flags(targets, scalar(last), [(_as_written(d, b), b) for d, b in pairs])[1:]

@@ -59,11 +59,40 @@ def _inside(delta: mx.array, inside: mx.array) -> mx.array:
 
 
 def _kept(delta: mx.array, buffer: mx.array, targets: mx.array) -> mx.array:
-    """``delta`` [B, H, T(, D)] in ``buffer``'s dtype, with -0.0 (adds nothing) where it is NaN or inf but the
+    """``delta`` [B, H, T(, D)] in float32 (as it is added), with -0.0 (adds nothing) where it is NaN or inf but the
     buffer's element at its target (``targets`` [B, H, T] into buffer [B, H, L(, D)]) is finite."""
-    d = delta if delta.dtype == buffer.dtype else delta.astype(buffer.dtype)
+    d = delta if delta.dtype == mx.float32 else delta.astype(mx.float32)
     rows = mx.take_along_axis(buffer, targets[..., None] if buffer.ndim == 4 else targets, axis=2)
     return mx.where(mx.isfinite(d) | ~mx.isfinite(rows), d, _nothing(d))
+
+
+#: the largest finite value of each buffer dtype: a merged element saturates there (:func:`_stored`)
+FINITE_MAX = {mx.float16: 65504.0, mx.bfloat16: 3.3895313892515355e38, mx.float32: 3.4028234663852886e38}
+
+
+def _stored(total: mx.array, old: mx.array) -> mx.array:
+    """Merged rows in the buffer's dtype: ``total`` [B, H, T, D] float32 (``old + sum of deltas``), where the old
+    element ``old`` [B, H, T, D] (buffer dtype) is finite, clipped to the dtype's finite range (a NaN sum keeps the
+    old value); a non-finite old element takes the sum as it is."""
+    m = FINITE_MAX.get(old.dtype, FINITE_MAX[mx.float32])
+    saturated = mx.where(mx.isnan(total), old.astype(mx.float32), mx.clip(total, -m, m))
+    return mx.where(mx.isfinite(old), saturated, total).astype(old.dtype)
+
+
+def _merged(buffer: mx.array, t: mx.array, delta: mx.array) -> Tuple[mx.array, mx.array]:
+    """``buffer`` [B, H, L, D] with the float32 ``delta`` [B, H, T, D] added at ``t`` [B, H, T] (repeats sum) in
+    float32, stored by :func:`_stored`; and the new target rows [B, H, T, D]. One target per row (decode): the
+    rows alone (the buffer can be updated in place); more: a float32 sum over the buffer, read back at ``t``."""
+    idx = t[..., None]
+    old = mx.take_along_axis(buffer, idx, axis=2)
+    if t.shape[-1] == 1:
+        total = old.astype(mx.float32) + delta
+    else:
+        B, H = t.shape[:2]
+        bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
+        total = mx.take_along_axis(buffer.astype(mx.float32).at[bi, hi, t].add(delta), idx, axis=2)
+    rows = _stored(total, old)
+    return mx.put_along_axis(buffer, idx, rows, axis=2), rows
 
 
 #: the store fields a decode write reads and writes, in the order its compiled call takes them
@@ -359,8 +388,10 @@ class SlotStore:
         """Scatter-add a disposition's deltas at ``u.targets`` [B, H, T] (duplicate targets sum; a None delta
         leaves its field as it is), guarded on the device, with no host read:
 
-        - a delta element that is NaN or inf in its buffer's dtype where the buffer's target element is finite
-          is not added (that element keeps its value; a non-finite element may take any delta);
+        - deltas are added in float32 and each sum stored in the buffer's dtype: an element that was finite stays
+          finite, a sum past the dtype's range saturating at its largest finite value (:data:`FINITE_MAX`:
+          +-65504 in float16); a delta element that is NaN or inf where the buffer's target element is finite is
+          not added (a non-finite element may take any delta and any sum);
         - log-weight deltas are added with NaN as 0, and the sums clipped to +-``LOG_WEIGHT_BOUND``;
         - an update whose every delta is then 0 (no loser merged) leaves every buffer, key norms and
           log-weights included, bit for bit as it was.
@@ -395,24 +426,13 @@ class SlotStore:
             None if d is None else mx.where(changes, d, _nothing(d)) for d in (d_values, d_keys, d_scores)
         )
         if d_values is not None:
-            self.values = self.values.at[bi, hi, t].add(d_values)
-        if d_keys is not None and t.shape[-1] == 1 and self.key_norms is not None:
-            # one target per row (decode): the merged row and its norm come from the old row, so the new
-            # keys have one consumer (the next write) and MLX can update the buffer in place (reading the new
-            # keys back for the norm forced a [B, H, L, D] copy every step); whether it does depends on what
-            # else holds the old buffer when the graph runs: a probe saw some float16 steps still copy
-            row = mx.take_along_axis(self._keys, t[..., None], axis=2) + d_keys
-            self._keys = mx.put_along_axis(self._keys, t[..., None], row, axis=2)
-            norms = mx.where(changes, key_norm(row), mx.take_along_axis(self.key_norms, t, axis=2))
-            self.key_norms = mx.put_along_axis(self.key_norms, t, norms, axis=2)
-        elif d_keys is not None:
-            self._keys = self.keys.at[bi, hi, t].add(d_keys)
+            self.values, _ = _merged(self.values, t, d_values)
+        if d_keys is not None:
+            # the merged rows and their norms come from the old rows (one target per row at decode: the new keys
+            # have one consumer, the next write, and MLX can update the buffer in place)
+            self._keys, rows = _merged(self._keys, t, d_keys)
             if self.key_norms is not None:  # the changed rows only (duplicate targets write the same norm)
-                norms = mx.where(
-                    changes,
-                    key_norm(mx.take_along_axis(self._keys, t[..., None], axis=2)),
-                    mx.take_along_axis(self.key_norms, t, axis=2),
-                )
+                norms = mx.where(changes, key_norm(rows), mx.take_along_axis(self.key_norms, t, axis=2))
                 self.key_norms = mx.put_along_axis(self.key_norms, t, norms, axis=2)
         if d_scores is not None:
             # finite as PolicyStep.scores keeps them (a sum can overflow to inf)

@@ -10,11 +10,13 @@ A part that raises, or returns the wrong shape or type, becomes a :class:`~kvpol
 naming the part and its plugin.
 
 Checks, the same for every part (no part is trusted): output metadata (types, shapes, dtypes) at every call, on
-the host without a sync; output values (a merge's targets in range, finite deltas for finite rows) evaluated in
-one host sync for a prompt chunk's eviction and for the first :data:`CHECKED_DECODE_EVICTIONS` decode evictions
-of each cache, so a broken part is reported early and by name; after those, decode steps make no host sync and
-the slot store's device-side guards (:meth:`~.slots.SlotStore.add`) keep any update from writing outside the
-cache or a non-finite delta into a finite slot.
+the host without a sync; output values (the scores and the losers chosen from the selector's ranks, each evaluated
+on its own so that a graph that fails only when MLX evaluates it names its part, then a merge's targets in range
+and finite deltas for finite rows) evaluated for a prompt chunk's eviction and for the first
+:data:`CHECKED_DECODE_EVICTIONS` decode evictions of each cache, so a broken part is reported early and by name;
+after those, decode steps make no host sync and the slot store's device-side guards
+(:meth:`~.slots.SlotStore.add`) keep any update from writing outside the cache or a non-finite value into a
+finite slot.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..parts.base import (
     Disposition,
     MergeUpdate,
     PolicyNeeds,
+    RemovedForm,
     Scorer,
     Selector,
     offset_read,
@@ -101,6 +104,9 @@ class PolicyStep:
         self.eager_checks = 4
         #: decode evictions left whose disposition update is value-checked (:data:`CHECKED_DECODE_EVICTIONS`)
         self.checked_decode = CHECKED_DECODE_EVICTIONS
+        #: decode evictions left whose choice is evaluated on its own (every prompt chunk's is): a selector whose
+        #: ranks only fail when MLX evaluates them is named, not the disposition that consumes its losers
+        self.checked_choices = CHECKED_DECODE_EVICTIONS
         #: the selector may evict more than the overflow (its own ``evict_count``)
         self.counts_more = getattr(sel, "evict_count", Selector.evict_count) is not Selector.evict_count
         self.compiling = Compiling()
@@ -111,7 +117,8 @@ class PolicyStep:
     def n_evict(self, over: int, L: int) -> int:
         """How many of ``L`` slots an eviction removes for an overflow of ``over > 0``: the selector's
         ``evict_count(over, L)`` (:meth:`~kvpolicy_core.parts.base.Selector.evict_count`), checked to be an int
-        in ``[over, L - 1]``."""
+        in ``[over, L - 1]``, then clamped to ``min(E, L - n_sink)`` (at least ``over``): the sinks never leave,
+        so a count that would reach them evicts every other slot it may and no more."""
         if not self.counts_more:
             return over
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
@@ -121,7 +128,7 @@ class PolicyStep:
                 f"{owner} returned evict_count {E!r} for an overflow of {over} of {L} slots; expected an int in "
                 f"[{over}, {L - 1}] (at least the overflow, and one slot left)"
             )
-        return E
+        return max(over, min(E, L - min(self.n_sink, L)))
 
     def counter_names(self) -> Dict[str, str]:
         """Counters the parts declare through ``stats()`` (name -> meaning)."""
@@ -159,6 +166,8 @@ class PolicyStep:
             return fn(view, *args)
         except KVPolicyError:
             raise
+        except RemovedForm as exc:  # a 0.1 form: named as such, not as a type error of the part's own code
+            raise PluginError(f"layer {self.layer}: {self.policy.owners[kind]} built a removed form: {exc}") from exc
         except Exception as exc:
             hint = ""
             if isinstance(exc, (TypeError, ValueError)) and view is not None and offset_read(view):
@@ -171,8 +180,8 @@ class PolicyStep:
             ) from exc
 
     def scores(self, scores, shape: Tuple[int, int, int], current: Optional[mx.array] = None) -> mx.array:
-        """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0 and +-inf as the largest finite
-        float32, so that no score can tie with the +-inf a selector's rank uses for protection.
+        """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0, +inf as float32's max and -inf as its
+        lowest (``-max``), so that no score can tie with the +-inf a selector's rank uses for protection.
         ``current``: the view's scores (already checked); returned as they are when the scorer returned them."""
         if current is not None and scores is current:
             return scores
@@ -253,6 +262,10 @@ class PolicyStep:
         writes the update and removes (or overwrites) the losers. ``cut``: the end-of-prompt cut of a held prompt
         (``when="prompt_end"``), chosen by the policy's ``cut_selector`` where it has one."""
         losers = self.choose(view, n_evict, cut)
+        if n_evict > 1 or cut or self.checked_choices > 0:  # value-checked: each part's output evaluated on its own
+            self.checked_choices -= n_evict == 1 and not cut and self.checked_choices > 0
+            self.evaluated("scorer", "scores", view.scores)
+            self.evaluated("selector", "ranks", losers)
         update, counts = self.dispose(view, losers, offset)
         return losers, update, counts
 
@@ -354,6 +367,11 @@ class PolicyStep:
         owner = f"layer {self.layer}: {self.policy.owners['disposition']}"
         if not isinstance(u, MergeUpdate):
             raise PluginError(f"{owner} returned {type(u).__name__}, expected a MergeUpdate or None")
+        if u.stats is not None and not isinstance(u.stats, dict):
+            raise PluginError(
+                f"{owner} returned stats of type {type(u.stats).__name__}, expected a dict name -> count (MergeUpdate"
+                "'s 0.1 fields draws/merges were removed in 0.3: return stats={'gate_draws': ..., 'merges': ...})"
+            )
         B, H, L = view.scores.shape
         T = getattr(u.targets, "shape", (0, 0, 0))[-1] if getattr(u.targets, "ndim", 0) == 3 else -1
         for name, x, row in (
@@ -368,11 +386,6 @@ class PolicyStep:
             raise PluginError(
                 f"{owner} returned d_log_weights, but no part declares Needs(log_weights=True) (the cache keeps "
                 "no log-weights)"
-            )
-        if u.stats is not None and not isinstance(u.stats, dict):
-            raise PluginError(
-                f"{owner} returned stats of type {type(u.stats).__name__}, expected a dict name -> count (MergeUpdate"
-                "'s 0.1 fields draws/merges were removed in 0.3: return stats={'gate_draws': ..., 'merges': ...})"
             )
         deltas = [
             (name, x)

@@ -196,4 +196,7 @@ def _needed_fields(policy: PolicyConfig) -> Dict[str, Any]:
 
 
 def _fmt(value: Any) -> str:
+    """A value in the config-string grammar (:mod:`.parse`): a list or tuple as ``[a,b,...]``."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_fmt(v) for v in value) + "]"
     return str(value).lower() if isinstance(value, bool) else str(value)

@@ -11,6 +11,11 @@ Config-string grammar::
 
     config  := method [ ":" item ( "," item )* ]
     item    := key "=" value          (no spaces needed; values are parsed by the field)
+    value   := scalar | "[" [ scalar ( "," scalar )* ] "]"      (a list: ``rope_freqs=[1.0,0.5]``)
+
+A list's commas are inside its brackets, so they do not separate items; a list holds scalars (no nested lists),
+and :meth:`~.cache_config.KVCacheConfig.to_string` writes a list or tuple field in this form, so that
+``parse_config(config.to_string())`` gives the config back.
 
 A value written as a number in the ASCII digits 0-9 (``16``, ``-0.5``, ``1e-3``, ``inf``) is read
 as a number; any other value stays a string for its field to validate (so digits of other scripts,
@@ -45,21 +50,48 @@ def parse_config_string(text: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {"method": method}
     if _ and not body.strip():
         raise ConfigError(f"config string {text!r}: nothing after ':'; expected key=value,...")
-    for i, item in enumerate(body.split(",") if body.strip() else [], start=1):
+    for i, item in enumerate(_items(text, body) if body.strip() else [], start=1):
         key, eq, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not eq or not key or not value:
             raise ConfigError(f"config string {text!r}: item {i} {item.strip()!r} is not key=value")
         if key in out:
             raise ConfigError(f"config string {text!r}: {key!r} is given twice")
-        digits = value.lstrip("+-")
-        if _INT.fullmatch(value) and len(digits) > 20:  # beyond 64 bits: a range error, not float('inf')
-            raise ConfigError(
-                f"{key}: {value[:8]}... ({len(digits)} digits) is out of range; "
-                "integer fields hold at most 64-bit values"
-            )
-        out[key] = _coerce(value)
+        if value.startswith("["):
+            inner = value[1:-1].strip() if value.endswith("]") else None
+            if inner is None or "[" in inner or "]" in inner:
+                raise ConfigError(f"config string {text!r}: {key}={value!r} is not a list of values '[a,b,...]'")
+            parts = [v.strip() for v in inner.split(",")] if inner else []
+            if any(not v for v in parts):
+                raise ConfigError(f"config string {text!r}: {key}={value!r} has an empty list element")
+            out[key] = [_scalar(key, v) for v in parts]
+        else:
+            out[key] = _scalar(key, value)
     return out
+
+
+def _items(text: str, body: str):
+    """The ``key=value`` items of ``body``: split at the commas outside ``[...]``."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(body):
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0:
+            raise ConfigError(f"config string {text!r}: a ']' closes no list")
+        if ch == "," and depth == 0:
+            items.append(body[start:i])
+            start = i + 1
+    if depth:
+        raise ConfigError(f"config string {text!r}: a '[' list is not closed")
+    return items + [body[start:]]
+
+
+def _scalar(key: str, value: str) -> Any:
+    digits = value.lstrip("+-")
+    if _INT.fullmatch(value) and len(digits) > 20:  # beyond 64 bits: a range error, not float('inf')
+        raise ConfigError(
+            f"{key}: {value[:8]}... ({len(digits)} digits) is out of range; integer fields hold at most 64-bit values"
+        )
+    return _coerce(value)
 
 
 #: Numbers in config strings, ASCII only: Python's int() and float() would also read '１６' (full-width) as 16.

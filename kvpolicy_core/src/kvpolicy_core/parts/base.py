@@ -248,7 +248,30 @@ def offset_read(view: CacheView) -> bool:
     return "_offset" in view.__dict__
 
 
-class MergeUpdate(NamedTuple):
+class _MergeUpdateFields(NamedTuple):
+    """The fields of :class:`MergeUpdate`, in their order."""
+
+    targets: mx.array
+    d_keys: Optional[mx.array] = None
+    d_values: Optional[mx.array] = None
+    d_scores: Optional[mx.array] = None
+    stats: Optional[Dict[str, mx.array]] = None
+    d_log_weights: Optional[mx.array] = None
+
+
+#: the 0.1 form of a MergeUpdate, refused naming its replacement (:class:`RemovedForm`)
+_REMOVED_FORM = (
+    "MergeUpdate(targets, d_keys, d_values, d_scores, draws, merges) is the 0.1 form: draws/merges were removed in "
+    "0.3; the fields are now MergeUpdate(targets, d_keys, d_values, d_scores, stats, d_log_weights): return the "
+    "counters as stats={'gate_draws': ..., 'merges': ...}"
+)
+
+
+class RemovedForm(TypeError):
+    """A part built a value in a form removed from the contract (the message names the replacement)."""
+
+
+class MergeUpdate(_MergeUpdateFields):
     """Additive changes a disposition makes to surviving slots (scatter-added, duplicates sum).
 
     ============= ================== ======== =========================================
@@ -267,7 +290,10 @@ class MergeUpdate(NamedTuple):
     slot with ``lw_j = log c`` draws the attention of ``c`` copies of itself. Deltas of one target sum (as
     for every field).
 
-    Deltas are cast to the buffer's dtype (float32 for scores) before the add. A plain
+    Deltas are added in float32 (return them in float32: a blend's delta ``x_l - x_t`` of two float16 values can
+    exceed float16's range while the blend does not), and each sum is stored in the buffer's dtype, saturating at
+    its largest finite value (``+-65504`` in float16): a merge never writes a non-finite value into a finite
+    element (a NaN or inf delta for a finite element is refused, or not added past the checked evictions). A plain
     average of several losers into one target needs the number of losers per target:
     :func:`kvpolicy_core.parts.merge.average_into` builds that update for you.
 
@@ -275,12 +301,16 @@ class MergeUpdate(NamedTuple):
     removed in 0.3).
     """
 
-    targets: mx.array
-    d_keys: Optional[mx.array] = None
-    d_values: Optional[mx.array] = None
-    d_scores: Optional[mx.array] = None
-    stats: Optional[Dict[str, mx.array]] = None
-    d_log_weights: Optional[mx.array] = None
+    __slots__ = ()
+
+    def __new__(
+        cls, targets, d_keys=None, d_values=None, d_scores=None, stats=None, d_log_weights=None, **removed
+    ) -> "MergeUpdate":
+        if "draws" in removed or "merges" in removed or isinstance(stats, (mx.array, int, float)):
+            raise RemovedForm(_REMOVED_FORM)  # draws=/merges=, or positional 0.1 counters read as stats
+        if removed:
+            raise TypeError(f"MergeUpdate got unexpected keyword arguments {sorted(removed)}")
+        return super().__new__(cls, targets, d_keys, d_values, d_scores, stats, d_log_weights)
 
 
 def pick_lowest(ranked: mx.array, n_evict: int) -> mx.array:
@@ -338,7 +368,8 @@ class Selector:
     def evict_count(self, over: int, n: int) -> int:
         """How many of the ``n`` slots leave when ``over = n - budget > 0`` of them must: ``over`` (the default),
         or more, e.g. whole chunks (ChunkKV); the budget is an upper bound. An int in ``[over, n - 1]``,
-        computed on the host from these two ints alone (no array is read)."""
+        computed on the host from these two ints alone (no array is read); the cache evicts at most
+        ``n - n_sink`` of them (a larger count is clamped there: sinks never leave)."""
         return over
 
 

@@ -54,7 +54,7 @@ def average_into(
 
     def delta(x):  # where(), not a product: 0 * NaN would still be NaN
         d = coef * (gather(x, losers).astype(mx.float32) - gather(x, targets).astype(mx.float32))
-        return mx.where(merge[..., None], d, 0.0).astype(x.dtype)
+        return mx.where(merge[..., None], d, 0.0)  # float32: the cache adds it in float32 (no overflow in float16)
 
     return MergeUpdate(
         targets=targets,

@@ -10,7 +10,9 @@ fast the part's own code runs:
 - ``key_norms``: it reads ``view.key_norms`` at every eviction, so the cache keeps them from the first token
   (other parts get them kept from their first read on).
 
-Declared with ``@traits(compile_decode=True)`` on the class; inherited by subclasses.
+Declared with ``@traits(compile_decode=True)`` on the class. A subclass inherits ``key_norms``, but
+``compile_decode`` only while it keeps the declaring class's decode methods (:data:`COMPILED_METHODS`): a subclass
+that overrides ``rank`` or ``dispose`` (say, to keep Python state) runs eager unless it declares the trait itself.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class Traits:
 
 
 _traits: Dict[type, Traits] = {}
+#: the methods ``compile_decode`` runs compiled: a subclass that overrides one does not inherit the trait
+COMPILED_METHODS = ("rank", "dispose")
 #: the 0.2 class flags that became traits: a part that still sets one is refused, naming its replacement
 REMOVED_FLAGS = {"compile_decode": "compile_decode", "uses_key_norms": "key_norms"}
 
@@ -46,7 +50,8 @@ def traits(cls: Type = None, **given):
 
 
 def traits_of(part) -> Traits:
-    """The traits of the nearest class in ``part``'s MRO that declared some (none: :class:`Traits()`).
+    """The traits of the nearest class in ``part``'s MRO that declared some (none: :class:`Traits()`), without
+    ``compile_decode`` when a class below it overrides one of :data:`COMPILED_METHODS`.
 
     Raises :class:`~kvpolicy_core.errors.PluginError` for a part that sets a 0.2 class flag (``compile_decode =
     True``, ``uses_key_norms = True``), naming the replacement."""
@@ -58,4 +63,11 @@ def traits_of(part) -> Traits:
                 f"{cls.__module__}.{cls.__qualname__} sets {flag!r}, a 0.2 class flag removed in 0.3: declare "
                 f"@kvpolicy_core.parts.traits.traits({field}=True) on the class instead (docs/plugins/hooks.md)"
             )
-    return next((_traits[c] for c in type(part).__mro__ if c in _traits), Traits())
+    mro = type(part).__mro__
+    at = next((i for i, c in enumerate(mro) if c in _traits), None)
+    if at is None:
+        return Traits()
+    found = _traits[mro[at]]
+    if found.compile_decode and any(m in c.__dict__ for c in mro[:at] for m in COMPILED_METHODS):
+        return Traits(compile_decode=False, key_norms=found.key_norms)  # a method the declaring class vouched for
+    return found

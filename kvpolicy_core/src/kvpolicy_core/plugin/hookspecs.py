@@ -54,7 +54,7 @@ def register_allocations(register):
 
     Call ``register(name, allocation_cls)``; instances implement
     :class:`kvpolicy_core.parts.allocation.Allocation`. A method's config picks one with
-    ``allocation="<name>"``; core registers ``uniform`` (the default) and ``pyramid``.
+    ``allocation="<name>"``; core registers ``reach`` (the default), ``uniform`` and ``pyramid``.
 
     Since 0.3.0.
     """

@@ -7,11 +7,14 @@ Subclass :class:`PolicyConformance` in your plugin's tests and name your method:
     class TestMyPolicy(PolicyConformance):
         method = "mypolicy:budget=16,n_sink=2"
 
-pytest then runs every check below against it: budget held, sinks kept, each layer's allocated budget,
+pytest then runs every check below against it: budget held, sinks kept, each layer's allocated budget (and the
+allocation's mean),
 batched rows decoding as each row alone, shapes across batch and heads, chunked prefill, determinism with a
 seed, ``state`` round trip, the mlx-lm contract on a tiny random-weight model, and clear errors for invalid
 configs. Equivalences between two methods are :mod:`kvpolicy_core.testing.equivalence`'s.
-``run_conformance(method)`` runs the same checks from a plain function.
+``run_conformance(method)`` runs the same checks from a plain function. The kit prefills a few budgets' worth of
+tokens, so it runs methods whose budget (and every layer's allocated budget) is at most :data:`KIT_MAX_BUDGET`;
+a larger one is refused with a ``ValueError`` before any work.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from ..integration.builder import KVCacheBuilder, detach
 from .tiny_models import VOCAB, tiny_llama
 
 __all__ = ["PolicyConformance", "run_conformance", "tiny_llama", "random_kv", "feed", "with_fields", "CHUNK_PATTERNS"]
+
+#: The largest budget (of the method, and of any layer under its allocation) the kit runs: its checks feed up to
+#: ``4 * budget + 64`` tokens through tiny models, seconds at this size (a budget of 2**30 ran for minutes and GBs)
+KIT_MAX_BUDGET = 4096
 
 #: Update sizes per call: decode, prefill then decode, several chunks, a chunk larger than the budget.
 CHUNK_PATTERNS: Tuple[Tuple[int, ...], ...] = ((1,) * 40, (24,) + (1,) * 16, (7, 7, 1, 1, 20, 4), (3, 37))
@@ -69,6 +76,7 @@ class PolicyConformance:
     # -- helpers -------------------------------------------------------------------------------
     def config(self):
         cfg = parse_config(self.method)
+        _bounded(self.method, [cfg.policy.budget])
         return cfg, cfg.policy.budget, cfg.policy.n_sink
 
     def cache(self, **fields) -> PolicyCache:
@@ -115,6 +123,7 @@ class PolicyConformance:
             caches = KVCacheBuilder.for_model(model, self.method)
             n = len(caches)
             want = layer_budgets(self.method, [LayerInfo(i, n, None) for i in range(n)])
+            _bounded(self.method, want)
             assert [c.budget for c in caches] == want, "each layer's budget is its allocation's"
             prompt = mx.random.randint(0, VOCAB, (max(want) + 12,), key=mx.random.key(2))
             for _, _ in zip(generate_step(prompt, model, prompt_cache=caches, prefill_step_size=9), range(4)):
@@ -122,6 +131,31 @@ class PolicyConformance:
             assert all(0 < c.tokens_kept <= c.budget for c in caches)
         finally:
             detach(model)
+
+    def test_the_allocation_keeps_its_stated_mean(self):
+        """The allocation's budgets (before the floor of ``n_sink + recent + 1``) have mean ``budget``, to within
+        rounding (half a token per layer): exactly on a model of global layers; on a sliding-window model, with
+        each sliding layer counted at most its window (slots past it are never attended), the usable total is at
+        most ``N * budget`` and the total at least ``N * budget`` (the slots a window cannot use go elsewhere).
+        An allocation that needs layer statistics is checked at the cut, on made-up statistics, as well."""
+        from ..config.policy import allocation_of
+        from ..parts.allocation import LayerInfo, LayerStats
+        from ..parts.base import needs_of
+
+        cfg, budget, _ = self.config()
+        allocation, owner = allocation_of(cfg)
+        N = 6
+        for windows in ([None] * N, [8, 8, None, 8, 8, None]):
+            layers = [LayerInfo(i, N, w) for i, w in enumerate(windows)]
+            stats = [None]
+            if needs_of(allocation).layer_stats:
+                stats.append([LayerStats(0.1 + 0.15 * ((3 * i) % 5), 32) for i in range(N)])
+            for st in stats:
+                got = list(allocation.budgets(budget, layers, *([] if st is None else [st])))
+                usable = sum(b if w is None else min(b, w) for b, w in zip(got, windows))
+                where = f"{owner}: budgets {got} for budget {budget} over windows {windows}"
+                assert usable <= N * budget + N / 2, f"{where}: more than the mean allows ({N} x {budget})"
+                assert sum(got) >= N * budget - N / 2, f"{where}: less than the mean ({N} x {budget})"
 
     def test_batched_rows_decode_each_as_alone(self):
         """Rows of different lengths in mlx-lm's batch cache (``BatchPolicyCache``) decode exactly as each row
@@ -230,6 +264,15 @@ class PolicyConformance:
                 assert needle in str(exc), (bad, str(exc))
             else:  # pragma: no cover - a failing plugin
                 raise AssertionError(f"{bad!r} was accepted")
+
+
+def _bounded(method: str, budgets) -> None:
+    """Refuse a method whose budgets (the config's, or a layer's under its allocation) exceed the kit's maximum."""
+    if max(budgets) > KIT_MAX_BUDGET:
+        raise ValueError(
+            f"{method!r}: budget {max(budgets)} is above the conformance kit's maximum of {KIT_MAX_BUDGET} (KIT_MAX_"
+            "BUDGET; its checks feed up to 4 * budget + 64 tokens): run the kit with a smaller budget"
+        )
 
 
 def run_conformance(method: str) -> List[str]:

@@ -198,6 +198,18 @@ def _read_prompt(args) -> str:
     raise CLIError("no prompt: give it as an argument, with --file, or on stdin")
 
 
+def _check_cache_file(path: Optional[str], option: str) -> None:
+    """A ``.safetensors`` file the command will write, checked before the model loads: the suffix, a regular file
+    or none (never a device, pipe or directory, nor a symlink to one), its directory present and writable."""
+    if path is None:
+        return
+    from ..runtime.files import check_writable
+
+    if Path(path).suffix != ".safetensors":
+        raise CLIError(f"{option} {path}: must end in .safetensors")
+    check_writable(path, f"{option} {path}", CLIError)
+
+
 def _spec_from_args(args) -> Any:
     if args.config and args.method:
         raise CLIError("give either --method or --config, not both")
@@ -208,6 +220,7 @@ def cmd_generate(args) -> int:
 
     from ..eval.perplexity import kv_bytes, make_caches, spec_label
 
+    _check_cache_file(args.save_caches, "--save-caches")  # before the generation, not after it
     if args.prompt_cache:
         return _generate_from_prompt_cache(args)
     spec = _with_budget(_spec_from_args(args), args.budget)
@@ -308,6 +321,7 @@ def cmd_cache_prompt(args) -> int:
 
     if _world()[1] > 1:
         raise CLIError("cache-prompt runs in one process (not under mlx.launch)")
+    _check_cache_file(args.prompt_cache_file, "--prompt-cache-file")
     spec = _with_budget(_spec_from_args(args), args.budget)
     compress_once = args.compress_once
     if compress_once is None:  # the default: kvzip, unless the method names its own compress-once scorer

@@ -128,6 +128,7 @@ def cache_prompt(
     from ..integration.builder import KVCacheBuilder
     from ..integration.compress_once import SCORERS, compress_context, repeat_prompt, split_spec
     from ..integration.persistence import write_atomically
+    from ..runtime.files import check_writable
     from ..runtime.progress import reporter
 
     path = Path(path)
@@ -135,6 +136,7 @@ def cache_prompt(
         raise KVPolicyError(f"{path}: prompt-cache files must end in .safetensors")
     if prefill_step_size < 1:
         raise KVPolicyError(f"prefill_step_size must be >= 1 (got {prefill_step_size})")
+    check_writable(path, str(path), KVPolicyError)  # a device, pipe or missing directory: refused before the prefill
     if compress_once not in (None, STREAM, *SCORERS):
         raise KVPolicyError(f"--compress-once {compress_once}: must be one of {', '.join((*SCORERS, STREAM))}")
     once = split_spec(config)
@@ -307,19 +309,25 @@ def file_metadata(path) -> Tuple[Dict[str, str], Optional[Dict[str, Any]]]:
     """(the user metadata mlx-lm's ``save_prompt_cache`` wrote, its kvpolicy object or None), read from the
     file's header without loading the caches."""
     from ..errors import KVPolicyError
+    from ..runtime.files import not_a_file
 
     path = Path(path)
-    if not path.is_file():
-        raise KVPolicyError(f"--prompt-cache {path}: no such file")
+    why = not_a_file(path)
+    if why is not None:  # missing, a directory, a symlink loop, a device
+        raise KVPolicyError(f"--prompt-cache {path}: {why}")
     try:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             if size > 100_000_000:  # safetensors' own limit on the header
                 raise ValueError(f"a header of {size} bytes")
             header = json.loads(f.read(size))
-        raw = header.get("__metadata__", {})
-    except (OSError, struct.error, ValueError, AttributeError) as exc:
+    except (OSError, struct.error, ValueError) as exc:
         raise KVPolicyError(f"{path}: not a safetensors prompt-cache file ({type(exc).__name__}: {exc})") from None
+    raw = header.get("__metadata__", {}) if isinstance(header, dict) else header
+    if not isinstance(raw, dict):
+        field = "header's __metadata__" if isinstance(header, dict) else "header"
+        kind = {list: "an array", str: "a string", int: "a number", float: "a number"}.get(type(raw), repr(raw))
+        raise KVPolicyError(f"{path}: not a safetensors prompt-cache file (its {field} is {kind}, not a JSON object)")
     # save_prompt_cache flattens [metadata, classes, scalars]: the user metadata's keys are "0.<key>"
     metadata = {k[2:]: v for k, v in raw.items() if isinstance(k, str) and k.startswith("0.")}
     return metadata, read_info(metadata, path)
@@ -342,10 +350,12 @@ def load_prompt_file(
     from ..cache import policy_cache as _registered  # noqa: F401  (PolicyCache and BatchPolicyCache, where mlx-lm looks)
     from ..errors import KVPolicyError
     from ..integration.persistence import CacheFileError
+    from ..runtime.files import not_a_file
 
     path = Path(path)
-    if not path.is_file():
-        raise KVPolicyError(f"--prompt-cache {path}: no such file")
+    why = not_a_file(path)
+    if why is not None:  # missing, a directory, a symlink loop, a device
+        raise KVPolicyError(f"--prompt-cache {path}: {why}")
     try:
         data = path.read_bytes()
         arrays, flat = mx.load(_named(data), return_metadata=True)

@@ -54,10 +54,12 @@ from typing import Any, List, Optional
 from ..integration.token_ids import check_token_ids
 from .serve_requests import (
     EMPTY_PROMPT,
+    FINITE_FIELDS,
     BadRequest,
     check_fields,
     check_logit_bias,
     check_prompt_shape,
+    check_sampling,
     content_length,
     parse_body,
     read_body,
@@ -100,6 +102,43 @@ def _vocab_size(model, tokenizer) -> Optional[int]:
     with contextlib.suppress(Exception):
         return len(tokenizer._tokenizer)
     return None
+
+
+#: mlx-lm's numeric server options and their bounds ((low, high), None: unbounded), checked at start-up: mlx-lm
+#: takes any number (``--prefill-step-size 0`` spun the generation thread forever on the first request)
+SERVER_OPTIONS = {
+    "max_tokens": ("--max-tokens", 1, None),
+    "decode_concurrency": ("--decode-concurrency", 1, None),
+    "prompt_concurrency": ("--prompt-concurrency", 1, None),
+    "prefill_step_size": ("--prefill-step-size", 1, None),
+    "prompt_cache_size": ("--prompt-cache-size", 0, None),
+    "prompt_cache_bytes": ("--prompt-cache-bytes", 0, None),
+    "num_draft_tokens": ("--num-draft-tokens", 0, None),
+    "temp": ("--temp", 0, None),
+    "top_p": ("--top-p", 0, 1),
+    "top_k": ("--top-k", 0, None),
+    "min_p": ("--min-p", 0, 1),
+    "kv_bits": ("--kv-bits", 1, 8),
+    "kv_group_size": ("--kv-group-size", 1, None),
+    "quantized_kv_start": ("--quantized-kv-start", 0, None),
+}
+#: seconds the generation loop may hold unfinished requests without a step (a decode step, a prefill chunk, a
+#: token, a request taken) before ``/health`` answers 503 ``stalled``
+STALL_SECONDS = 600.0
+
+
+def check_server_options(cli_args) -> None:
+    """Every numeric mlx-lm server option in :data:`SERVER_OPTIONS` finite and within its bounds (options this
+    mlx-lm does not have, and unset optional ones, pass); a StartupError naming the option otherwise."""
+    import math
+
+    for attr, (option, low, high) in SERVER_OPTIONS.items():
+        value = getattr(cli_args, attr, None)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value) or value < low or (high is not None and value > high):
+            within = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise StartupError(f"{option} must be a finite number {within} (got {value})")
 
 
 def load_method(spec: str) -> Any:
@@ -168,6 +207,11 @@ class ServerStats:
         self._recent: deque = deque(maxlen=_RECENT)
         self._count = 0
         self.document: Optional[dict] = None  # --prompt-cache: the file, its length, requests that extend it or not
+        self.last_step = time.monotonic()  # the generation loop's last sign of progress (see step)
+
+    def step(self) -> None:
+        """The generation loop made progress (a decode step, a token, a request taken): ``/health`` reads it."""
+        self.last_step = time.monotonic()
 
     def serve_document(self, path: str, tokens: int) -> None:
         """Count the requests that extend the ``--prompt-cache`` document of ``tokens`` tokens, and those that
@@ -358,6 +402,7 @@ def _server_classes():
         def next(self):
             prompt_responses, generation_responses = super().next()
             if self.stats is not None:
+                self.stats.step()
                 self.stats.decoded(len(generation_responses))
                 for r in generation_responses:
                     if r.finish_reason is not None and r.prompt_cache is not None:
@@ -395,7 +440,19 @@ def _server_classes():
                         self._generation_failed = True
                         return
 
+        @property
+        def is_healthy(self):
+            return self.stalled_for() is None and super().is_healthy
+
+        def stalled_for(self) -> Optional[float]:
+            """Seconds since the loop's last step while it holds unfinished requests, if more than
+            :data:`STALL_SECONDS` (a loop that makes no progress: ``/health`` answers 503), else None."""
+            idle = time.monotonic() - self.model_provider.stats.last_step
+            busy = any(not q.finished for q in self._taken)
+            return idle if busy and idle > STALL_SECONDS else None
+
         def _next_request(self, timeout=None):
+            self.model_provider.stats.step()
             request = super()._next_request(timeout)
             if request is None:
                 return None
@@ -459,6 +516,17 @@ def _server_classes():
                 return
             super().do_GET()
 
+        def handle_health_check(self):
+            """mlx-lm's ``/health``, plus 503 ``stalled`` for a generation loop that holds requests and makes no
+            progress (:meth:`PolicyResponseGenerator.stalled_for`), e.g. one stuck in a step."""
+            stalled = self.response_generator.stalled_for()
+            if stalled is None:
+                return super().handle_health_check()
+            self._set_completion_headers(503)
+            self.end_headers()
+            self.wfile.write(json.dumps({"status": "stalled", "seconds_without_progress": round(stalled)}).encode())
+            self.wfile.flush()
+
         def do_POST(self):
             length = self.headers.get("Content-Length")
             if length is not None:  # without one, mlx-lm answers 411
@@ -466,7 +534,8 @@ def _server_classes():
                     raw = read_body(self.rfile, content_length(length))
                     body = parse_body(raw)
                     if isinstance(body, dict):  # mlx-lm refuses any other JSON value
-                        check_fields(body, self.response_generator.model_provider.kv_config.method)
+                        chat = self.path.rstrip("/").endswith("chat/completions")
+                        check_fields(body, self.response_generator.model_provider.kv_config.method, chat)
                 except BadRequest as exc:
                     self._send_error(400, str(exc))
                     return
@@ -475,6 +544,8 @@ def _server_classes():
 
         def validate_model_parameters(self) -> None:
             super().validate_model_parameters()  # mlx-lm's checks; logit_bias keys become ints
+            fields = ("seed", "logit_bias", *FINITE_FIELDS)
+            check_sampling({f: getattr(self, f, None) for f in fields})  # BadRequest is a ValueError: a 400
             loaded = self._loaded()
             if loaded is not None:
                 check_logit_bias(self.logit_bias, loaded[1])
@@ -634,8 +705,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     failed: List[BaseException] = []
 
     def provider(cli_args):
-        mp = classes.ModelProvider(cli_args, config, stats, ours.dtype)
         try:
+            check_server_options(cli_args)  # before the model loads
+            mp = classes.ModelProvider(cli_args, config, stats, ours.dtype)
             mp.load_default()  # load and attach now: a model the method cannot serve fails at start-up
             if document is not None:  # (document token ids, caches), verified already; checked against the model
                 from .prompt_file import check_caches
@@ -649,9 +721,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise SystemExit(2)
         return mp
 
+    def stream_generate(*args, **kwargs):  # mlx-lm's one-request path: each token is progress for /health
+        for response in upstream_stream_generate(*args, **kwargs):
+            stats.step()
+            yield response
+
+    upstream_stream_generate = mls.stream_generate
     with (
         _patched_argv(["kvpolicy serve", *rest, "--model", str(model_path)]),
-        _patched(mls, ModelProvider=provider, run=run, BatchGenerator=generator),
+        _patched(mls, ModelProvider=provider, run=run, BatchGenerator=generator, stream_generate=stream_generate),
     ):
         try:
             mls.main()

@@ -7,6 +7,7 @@ the header or field and what is accepted. Nothing here imports MLX or mlx-lm.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Mapping, Optional
 
 # Fields that ask for a per-request method: refused, never silently ignored (see kvpolicy_core.apps.serve).
@@ -60,8 +61,31 @@ def parse_body(raw: bytes) -> Any:
         raise BadRequest("Invalid JSON in request body: nested too deeply") from None
 
 
-def check_fields(body: Mapping[str, Any], method: str) -> None:
-    """Fields of a completion request that mlx-lm would ignore, or fail on inside its generation thread."""
+#: the request's real-valued sampling fields (mlx-lm checks their types and ranges, but NaN passes every range)
+FINITE_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "xtc_probability",
+    "xtc_threshold",
+)
+SEED_LIMIT = 1 << 64  # mx.random.seed takes an unsigned 64-bit integer
+
+
+def check_fields(body: Mapping[str, Any], method: str, chat: bool = False) -> None:
+    """Fields of a completion request that mlx-lm would ignore, or fail on inside its generation thread
+    (``chat``: a chat completion, whose ``messages`` must be a list of message objects)."""
+    if chat and "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            got = type(messages).__name__ if not isinstance(messages, list) else "a list with a non-object item"
+            raise BadRequest(
+                'messages must be a list of message objects ({"role": ..., "content": ...}), '
+                f"got {'a ' if not isinstance(messages, list) else ''}{got}"
+            )
     for field in METHOD_FIELDS:
         if field in body:
             raise BadRequest(
@@ -76,6 +100,22 @@ def check_fields(body: Mapping[str, Any], method: str) -> None:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object")
+
+
+def check_sampling(values: Mapping[str, Any]) -> None:
+    """The sampling fields after mlx-lm's own checks (its types and ranges): each real value finite (NaN passes
+    every range check; Infinity is valid JSON to Python), ``seed`` in [0, 2**64) (``mx.random.seed``'s range), every
+    ``logit_bias`` value finite."""
+    for field in FINITE_FIELDS:
+        v = values.get(field)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise BadRequest(f"{field} must be a finite number (got {v})")
+    seed = values.get("seed")
+    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < SEED_LIMIT):
+        raise BadRequest(f"seed must be an integer in [0, 2**64 - 1] (got {seed!r})")
+    for token, bias in (values.get("logit_bias") or {}).items():
+        if not math.isfinite(bias):
+            raise BadRequest(f"logit_bias: the bias of token {token} must be a finite number (got {bias})")
 
 
 def check_logit_bias(bias: Optional[Mapping[int, float]], vocab_size: Optional[int]) -> None:

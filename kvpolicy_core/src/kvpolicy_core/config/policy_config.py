@@ -198,6 +198,7 @@ def policy_from_fields(config_class, method: str, data: Mapping[str, Any]) -> Tu
     written = {canonical.get(name, name): name for name in fields}  # field -> the key the user wrote
     if len(written) < len(fields):
         raise ConfigError(f"policy: a field is given twice under two of its names ({', '.join(fields)})")
+    as_written = {f: prefix + n for f, n in written.items()}  # what an error names: the key as the user wrote it
     for key in list(data):
         if key in COMMON_FIELDS:
             continue
@@ -211,6 +212,7 @@ def policy_from_fields(config_class, method: str, data: Mapping[str, Any]) -> Tu
         if key.startswith(prefix) or key in known:
             fields[name] = data.pop(key)
             written[field] = name
+            as_written[field] = key if key.startswith(prefix) else f"{key}, i.e. {prefix}{name}"
         else:
             allowed = ", ".join(list(COMMON_FIELDS) + sorted(prefix + f for f in config_class.model_fields))
             raise ConfigError(f"{key}: unknown field for method {method!r}; accepted fields: {allowed}")
@@ -220,7 +222,7 @@ def policy_from_fields(config_class, method: str, data: Mapping[str, Any]) -> Tu
     try:
         policy = config_class(**fields)
     except ValidationError as exc:  # errors name the field as the user wrote it (an alias stays an alias)
-        raise ConfigError(format_errors(exc, prefix, {f: prefix + n for f, n in written.items()})) from None
+        raise ConfigError(format_errors(exc, prefix, as_written)) from None
     return data, policy
 
 

@@ -33,6 +33,7 @@ from ..cache.policy_cache import PolicyCache
 from ..cache.state import from_meta, load_state, meta_json, open_run
 from ..errors import KVPolicyError, ModelError
 from ..runtime.distributed import check_shard, missing_rank_file, rank_path, resolve_shard
+from ..runtime.files import check_output_target, check_writable
 
 FORMAT = "kvpolicy-caches/2"  # /2: the checksum covers the header too (/1 files still load)
 _FORMATS = ("kvpolicy-caches/1", FORMAT)
@@ -66,11 +67,8 @@ def save_caches(
     ``shard`` = (rank, world size), default this process's: with a world size > 1 the file is
     ``path``'s rank file (``run.rank0-of-2.safetensors``).
     """
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        raise CacheFileError(f"{path}: cache files must end in .safetensors")
     shard = resolve_shard(shard)
-    path = rank_path(path, shard)
+    path = check_target(path, shard)  # before any work: a device, pipe or missing directory is refused now
     arrays: Dict[str, mx.array] = {}
     layers: List[Dict[str, Any]] = []
     for i, c in enumerate(caches):
@@ -121,6 +119,18 @@ def save_caches(
     return path
 
 
+def check_target(path, shard: Optional[Tuple[int, int]] = None) -> Path:
+    """The file :func:`save_caches` writes for ``path`` (this rank's), checked before any work: it ends in
+    ``.safetensors``, is missing or a regular file (never a directory, FIFO or device, nor a symlink to one), and its
+    directory exists and is writable; else :class:`CacheFileError`."""
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise CacheFileError(f"{path}: cache files must end in .safetensors")
+    path = rank_path(path, resolve_shard(shard))
+    check_writable(path, str(path), CacheFileError)
+    return path
+
+
 def _write_atomically(path: Path, arrays: Dict[str, mx.array], metadata: Dict[str, str]) -> None:
     write_atomically(path, lambda tmp: mx.save_safetensors(str(tmp), arrays, metadata=metadata))
 
@@ -130,12 +140,13 @@ def write_atomically(path, write) -> None:
 
     A failed write (disk full, interrupted) leaves the previous file as it was. The file gets the mode a new
     file gets (``0o666`` less the umask) or, when it replaces one, the old file's mode; a symlink is written
-    through (its target is replaced, the link stays); a missing directory is an error, not created.
+    through (its target is replaced, the link stays); a missing directory is an error, not created; a path that is
+    not a regular file (a folder, FIFO or device, or a symlink to one) is refused, before and just before the
+    rename (:func:`~kvpolicy_core.runtime.files.check_output_target`).
     """
     path = Path(path)
+    check_output_target(path, str(path), CacheFileError)  # a directory, FIFO or device is refused, never replaced
     target = Path(os.path.realpath(path))
-    if target.is_dir():
-        raise CacheFileError(f"{path}: is a directory; give a file name ending in .safetensors")
     if not target.parent.is_dir():
         raise CacheFileError(f"{path}: directory {target.parent} does not exist; create it first")
     try:
@@ -154,6 +165,7 @@ def write_atomically(path, write) -> None:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        check_output_target(target, str(path), CacheFileError)  # still not made a device or pipe meanwhile
         os.replace(tmp, target)
     except BaseException as exc:
         with contextlib.suppress(OSError):

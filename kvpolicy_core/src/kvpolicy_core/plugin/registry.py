@@ -10,6 +10,7 @@ always skips the other plugin's registration, never theirs.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.metadata
 import re
 import warnings
@@ -141,16 +142,22 @@ class Registry:
         if name not in table:
             installed = ", ".join(sorted(table)) or "none"
             raise UnknownMethodError(
-                f"unknown method {name!r}; installed methods: {installed}. {self._why_missing(name)}"
+                f"unknown method {name!r}; installed methods: {installed}. {self._why_missing(name, sorted(table))}"
             )
         return table[name].obj
 
-    def _why_missing(self, method: str) -> str:
-        """Why a method is not registered, as far as the plugin named after it (``kvpolicy-<method>``) tells."""
+    def _why_missing(self, method: str, installed: List[str]) -> str:
+        """Why a method is not registered: its plugin (``kvpolicy-<method>``) is blocked; or a name close to an
+        installed one (another case, a typo: ``H2O``, ``h20``) gets "did you mean"; else whether its plugin is
+        installed (and did not register it) or the ``pip install`` that adds it."""
         dist = f"kvpolicy-{method}"
         blocked = [b for b in self.blocked if normalize_dist(b.partition(":")[0]) == normalize_dist(dist)]
         if blocked:
             return f"{dist} is installed, but KVPOLICY_BLOCK_PLUGINS blocks its plugin ({', '.join(blocked)})"
+        close = [m for m in installed if m.lower() == method.lower()]
+        close = close or difflib.get_close_matches(method.lower(), installed, n=3, cutoff=0.6)
+        if close:
+            return f"did you mean {' or '.join(repr(m) for m in close)}? (method names are lower case)"
         failed = f" ({len(self.failures)} plugin problems: `kvpolicy methods` lists them)" if self.failures else ""
         if _installed(dist):
             return f"{dist} is installed but did not register {method!r}{failed}"

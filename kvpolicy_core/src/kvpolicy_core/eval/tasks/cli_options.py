@@ -13,7 +13,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -63,21 +62,16 @@ def check_seeds_and_steps(seeds: int, prefill_steps: Iterable[Optional[int]]) ->
 
 
 def check_output(dest: Optional[str], option: str) -> None:
-    """``dest`` (None or ``-``: nothing to check) can be written: not a folder, its folder made and writable.
+    """``dest`` (None or ``-``: nothing to check) can be written: a regular file or none (not a folder, FIFO or
+    device, nor a symlink to one), its folder made and writable.
 
     Checked before a run, so that a run does not end by failing to write its results; ValueError naming ``option``.
     """
     if dest is None or dest == "-":
         return
-    path = Path(dest)
-    if path.is_dir():
-        raise ValueError(f"{option} {dest}: is a folder; give a file name")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"{option} {dest}: cannot write there ({exc.strerror or exc})") from None
+    from ...runtime.files import check_writable
+
+    check_writable(dest, f"{option} {dest}", ValueError, make_parent=True)
 
 
 def check_input_file(path: Optional[str], option: str) -> None:
@@ -121,6 +115,11 @@ def write_json(payload: Dict[str, Any], dest: str, option: str = "--json") -> No
 def atomic_write_text(path: Path, text: str, option: str = "--json") -> None:
     """``text`` into ``path`` through a temporary file in its folder and :func:`os.replace`: ``path`` is the old
     file or the new one, never a part, and nothing is left behind on failure (a ValueError naming ``option``)."""
+    from ...runtime.files import check_output_target
+
+    what = f"{option} {path}"
+    check_output_target(path, what)  # a directory, FIFO or device is refused, never replaced
+    path = Path(os.path.realpath(path))  # a symlink is written through: its target is replaced, the link stays
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,10 +127,13 @@ def atomic_write_text(path: Path, text: str, option: str = "--json") -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        check_output_target(path, what)
         os.replace(tmp, path)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(exc, ValueError):
+            raise
         raise ValueError(
-            f"{option} {path}: could not be written ({exc.strerror or exc}); the previous file, if any, is unchanged"
+            f"{what}: could not be written ({exc.strerror or exc}); the previous file, if any, is unchanged"
         ) from None

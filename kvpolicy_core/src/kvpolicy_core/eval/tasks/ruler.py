@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import random
 import re
 import string
@@ -864,13 +865,19 @@ def to_record(ctx: Context) -> Dict[str, Any]:
 
 
 def write_jsonl(path, contexts: Iterable[Context]) -> Path:
-    """One line per context; written to a temporary file and renamed (never half a file)."""
+    """One line per context; written to a temporary file and renamed (never half a file; a path that is not a
+    regular file, a device or a directory, is refused: :func:`~kvpolicy_core.runtime.files.check_output_target`)."""
+    from ...runtime.files import check_output_target
+
     path = Path(path)
+    check_output_target(path, str(path))
+    path = Path(os.path.realpath(path))  # a symlink is written through
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as f:
         for ctx in contexts:
             f.write(json.dumps(to_record(ctx)) + "\n")
+    check_output_target(path, str(path))
     tmp.replace(path)
     return path
 

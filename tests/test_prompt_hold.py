@@ -107,3 +107,26 @@ def test_a_sliding_window_layer_holds_at_most_its_window_through_a_prompt(when):
     assert max(most) <= window - 1 + chunk
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
+
+
+def test_layers_holding_different_numbers_of_slots_each_get_their_own_causal_mask(monkeypatch):
+    """mlx-lm builds one array mask from the first cache of a kind (Gemma 3's sliding layers ask for one); layers
+    with other budgets (a compress-once file, an allocation) hold other numbers of slots. A question of several
+    tokens then crashed with a broadcast error; each layer must attend causally over its own slots."""
+    import copy
+
+    model = tiny_gemma3(window=64, seed=2)
+    tokens = mx.random.randint(0, 97, (1, 33), key=mx.random.key(4))
+    try:
+        caches = KVCacheBuilder.for_model(model, "cam:budget=8,n_sink=2", budgets=[8, 5, 9, 6, 7, 10])
+        model(tokens[:, :30], cache=caches)
+        for c in caches:
+            c.settle()
+        assert len({c.n for c in caches}) > 1
+        reference = copy.deepcopy(caches)
+        got = model(tokens[:, 30:], cache=caches)
+        monkeypatch.setattr(PolicyCache, "make_mask", lambda self, N, **_: "causal")  # every layer: its own slots
+        want = model(tokens[:, 30:], cache=reference)
+    finally:
+        detach(model)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

@@ -376,9 +376,14 @@ class PolicyCache(CacheDiagnostics):
 
     # ------------------------------------------------------------------ internals
     def _attention_mask(self, queries: mx.array, mask):
-        """The mask this layer's attention uses: its own sliding window, plus the slots' log-weights."""
+        """The mask this layer's attention uses: its own sliding window, plus the slots' log-weights. mlx-lm builds
+        one mask per kind of layer from the first such layer's cache (:meth:`make_mask`); where this layer holds
+        another number of slots (per-layer budgets: an allocation, a compress-once file) its causal mask is rebuilt
+        for its own ``n``."""
         if self.window is not None and self.offset > self.window:
             mask = window_mask(self.positions[..., : self.n], self.offset, self._last_S, self.window, queries.shape[1])
+        elif isinstance(mask, mx.array) and mask.shape[-1] != self.n:
+            mask = causal_allowed(queries.shape[2], self.n)
         if self.uses_log_weights and self._lw_used:
             mask = with_log_weights(mask, self._slots.log_weights[..., : self.n], queries)
         return mask

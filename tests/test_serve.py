@@ -134,6 +134,8 @@ def test_prompt_longer_than_the_budget_holds_the_budget(server):
     assert last["tokens_seen"] == body["usage"]["prompt_tokens"] + len(ids)  # the last token was fed too
     assert last["max_tokens_kept"] <= 8 and all(k <= 8 for k in last["tokens_kept_per_layer"])
     assert last["compression_ratio"] > 1 and last["kv_bytes_kept"] < last["kv_bytes_full"]
+    memory = stats["memory"]  # measured by MLX's allocator, beside the accounted bytes
+    assert memory["peak_bytes"] >= memory["active_bytes"] > last["kv_bytes_kept"]
 
 
 def test_unbatched_path_serves_and_records_too(server, reference):

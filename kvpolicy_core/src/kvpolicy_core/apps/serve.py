@@ -257,6 +257,7 @@ class ServerStats:
             "peak_batch": self.peak_batch,
             "requests_finished": count,
             "recent": recent,
+            "memory": process_memory(),
         }
         if prompt_cache is not None:
             out["prompt_cache"] = {"sequences": len(prompt_cache), "bytes": prompt_cache.nbytes}
@@ -264,6 +265,13 @@ class ServerStats:
             with self._lock:
                 out["prompt_cache_file"] = dict(self.document)
         return out
+
+
+def process_memory() -> dict:
+    """What MLX's allocator holds now and at its peak, in bytes (measured, beside the caches' accounted bytes)."""
+    import mlx.core as mx
+
+    return {"active_bytes": int(mx.get_active_memory()), "peak_bytes": int(mx.get_peak_memory())}
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,7 +33,7 @@ def target(request, tmp_path):
 
     def unchanged():
         mode = os.stat(real).st_mode
-        assert (stat.S_ISFIFO(mode) if real is fifo else stat.S_ISDIR(mode)), f"{real} was replaced"
+        assert stat.S_ISFIFO(mode) if real is fifo else stat.S_ISDIR(mode), f"{real} was replaced"
         assert not list(folder.iterdir()), "something was written into the folder"
         if path is not real:
             assert os.path.islink(path) and os.readlink(path) == str(real)

@@ -755,5 +755,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The ``kvpolicy`` console command: :func:`main`, then stdout and stderr flushed and the process ended with
+    ``os._exit`` (as ``kvpolicy serve`` ends), not by tearing the interpreter down: MLX's C++ threads torn down
+    during interpreter shutdown after an error could abort the process ("terminate called without an active
+    exception", exit 134) instead of giving its exit status (2 for a refused input)."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said on it
+            pass
+    os._exit(code if isinstance(code, int) else 1)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

@@ -59,6 +59,15 @@ def test_the_hook_lets_mlx_lm_load_a_policy_cache_without_importing_kvpolicy(pol
     assert proc.stdout.startswith("['PolicyCache']"), proc.stdout
 
 
+def test_the_hook_and_kvpolicy_core_s_own_watcher_together(policy_file):
+    """The hook runs at start-up, then ``import kvpolicy_core`` adds its own watcher before mlx-lm is imported (a
+    plugin's test suite does this): mlx-lm's module imports once and the classes are registered (the two finders
+    asked each other in turn: ``KeyError: 'mlx_lm.models.cache'``)."""
+    proc = _python("import _kvpolicy_core_hook, kvpolicy_core\n" + LOAD, policy_file)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("['PolicyCache']"), proc.stdout
+
+
 def test_the_hook_imports_nothing_heavy_at_start_up():
     code = (
         "import sys, _kvpolicy_core_hook\n"

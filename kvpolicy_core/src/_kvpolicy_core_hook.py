@@ -3,7 +3,7 @@ own ``load_prompt_cache`` (``mlx_lm.generate --prompt-cache-file``) find kvpolic
 ``import kvpolicy_core``.
 
 It imports nothing but :mod:`sys` at start-up and puts one finder on :data:`sys.meta_path` that finds nothing
-itself: when ``mlx_lm.models.cache`` is first imported, it takes the spec the other finders give and, once that
+itself: when ``mlx_lm.models.cache`` is first imported, it takes the spec the standard path finder gives and, once that
 module has run, imports ``kvpolicy_core`` (which registers ``PolicyCache`` and ``BatchPolicyCache`` in it:
 :mod:`kvpolicy_core.cache.interop`), then leaves the path. Every error of its own is swallowed: a broken hook
 never breaks Python, it only leaves mlx-lm without the classes (``import kvpolicy_core`` then registers them).
@@ -33,12 +33,12 @@ class _Finder:
         except ValueError:
             pass
         try:
-            for finder in sys.meta_path:
-                find = getattr(finder, "find_spec", None)
-                spec = find(name, path, target) if find is not None else None
-                if spec is not None:
-                    break
-            else:
+            # the standard path finder itself, not the other meta-path finders: one of them may be another watcher
+            # that asks this one in turn (kvpolicy_core's own, after `import kvpolicy_core`)
+            from importlib.machinery import PathFinder
+
+            spec = PathFinder.find_spec(name, path, target)
+            if spec is None:
                 return None
             loader = spec.loader
             run = getattr(loader, "exec_module", None)

@@ -69,7 +69,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return None
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        del self.watched[fullname]
+        if self.watched.pop(fullname, None) is None:  # taken meanwhile: a finder asked above asked this one again
+            return spec
         spec.loader = _Then(spec.loader, callbacks)
         return spec
 

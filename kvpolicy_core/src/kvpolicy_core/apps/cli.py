@@ -539,6 +539,53 @@ def cmd_convert(args) -> int:
 
 
 # ----------------------------------------------------------------------------- parser
+_RETRIEVAL = ("needle", "needle-multikey")
+#: eval's options that only some tasks read (option -> those tasks): given to another task they would be ignored
+TASK_OPTIONS = {
+    **dict.fromkeys(("--tokens", "--chunk", "--file"), ("perplexity",)),
+    "--depths": _RETRIEVAL,
+    "--keys": ("needle-multikey",),
+    **dict.fromkeys(("--lengths", "--seeds", "--haystack", "--prefill-step"), (*_RETRIEVAL, "ruler")),
+    **dict.fromkeys(
+        ("--ruler-tasks", "--protocol", "--ratio", "--preset", "--chat", "--export-jsonl", "--from-jsonl"), ("ruler",)
+    ),
+}
+
+
+def _given(parser: argparse.ArgumentParser, argv: List[str]) -> List[str]:
+    """The options of ``argv``'s subcommand written on the command line (not left at their defaults), as their
+    first option string (``--preset``): ``argv`` parsed again with every default suppressed."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[argv[0]]
+    saved = [(a, a.default) for a in sub._actions]
+    try:
+        for a, _ in saved:
+            a.default = argparse.SUPPRESS
+        written = vars(sub.parse_args(argv[1:]))
+    finally:
+        for a, default in saved:
+            a.default = default
+    return [a.option_strings[0] for a, _ in saved if a.option_strings and a.dest in written]
+
+
+def _check_given(args, given: List[str]) -> None:
+    """Options that would be silently ignored are refused (CLIError naming them): an eval option another task
+    reads (``--preset`` with perplexity), and ``--parallel`` in a single process (it splits a model over the ranks
+    of ``mlx.launch``)."""
+    if args.command == "eval":
+        for option in given:
+            tasks = TASK_OPTIONS.get(option)
+            if tasks is not None and args.task not in tasks:
+                raise CLIError(
+                    f"{option} is an option of --task {' and '.join(tasks)}; --task {args.task} does not read it: "
+                    "drop it, or choose that task"
+                )
+    if "--parallel" in given and _world()[1] == 1:
+        raise CLIError(
+            f"--parallel {args.parallel}: splits the model over the processes of mlx.launch, and this is one process; "
+            "run it under mlx.launch (e.g. mlx.launch -n 2 -- kvpolicy ...), or drop --parallel"
+        )
+
+
 def _check_numbers(args) -> None:
     """The numeric options within what the model and machine can do, before anything loads (CLIError naming the
     option). The tasks' own options (``--lengths``, ``--seeds``, ...) are checked by the tasks
@@ -673,9 +720,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .serve import main as serve_main
 
         return serve_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         _check_numbers(args)
+        _check_given(args, _given(parser, argv))
         if args.command in ("generate", "eval"):
             from ..runtime.distributed import rank_zero_output
 
@@ -706,5 +755,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The ``kvpolicy`` console command: :func:`main`, then stdout and stderr flushed and the process ended with
+    ``os._exit`` (as ``kvpolicy serve`` ends), not by tearing the interpreter down: MLX's C++ threads torn down
+    during interpreter shutdown after an error could abort the process ("terminate called without an active
+    exception", exit 134) instead of giving its exit status (2 for a refused input)."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said on it
+            pass
+    os._exit(code if isinstance(code, int) else 1)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

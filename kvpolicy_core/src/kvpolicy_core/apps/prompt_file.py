@@ -242,6 +242,19 @@ def _check_finite(caches: List[Any], what: str) -> None:
                 raise CacheFileError(f"{what}: layer {i} holds non-finite {name} (NaN or Inf)")
 
 
+def _check_finite_arrays(arrays: Dict[str, Any], what: str) -> None:
+    """Every layer's keys and values finite, read from the file's arrays as ``save_prompt_cache`` names them
+    (``"<layer>.0"`` the keys, ``"<layer>.1"`` the values of a layer's state)."""
+    import mlx.core as mx
+
+    from ..integration.persistence import CacheFileError
+
+    for name, a in arrays.items():
+        layer, _, part = name.partition(".")
+        if part in ("0", "1") and mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
+            raise CacheFileError(f"{what}: layer {layer} holds non-finite {('keys', 'values')[int(part)]} (NaN or Inf)")
+
+
 def read_info(metadata: Dict[str, str], path) -> Optional[Dict[str, Any]]:
     """The ``kvpolicy`` object of a prompt-cache file's metadata (None for a file mlx-lm wrote by itself)."""
     from ..errors import KVPolicyError
@@ -273,11 +286,27 @@ def read_info(metadata: Dict[str, str], path) -> Optional[Dict[str, Any]]:
             f"{path}: metadata field dtype is {info['dtype']!r}; a prompt-cache file records one of "
             f"{', '.join(DTYPES)} (the file was modified, or written by something else)"
         )
+    if "model_fingerprint" not in info:
+        raise KVPolicyError(
+            f"{path}: metadata field model_fingerprint is missing; kvpolicy cache-prompt always records it "
+            "(the file was modified)"
+        )
     fingerprint = info.get("model_fingerprint")
     if fingerprint is not None and not isinstance(fingerprint, str):
         raise KVPolicyError(f"{path}: metadata field model_fingerprint must be a string (got {fingerprint!r})")
     if not isinstance(metadata.get("model", ""), str):
         raise KVPolicyError(f"{path}: metadata field model must be a path")
+    if fingerprint is None and metadata.get("model") and model_fingerprint(metadata["model"]) is not None:
+        raise KVPolicyError(
+            f"{path}: metadata field model_fingerprint is null, but the model {metadata['model']} is a model "
+            "directory, which cache-prompt fingerprints (the file was modified)"
+        )
+    seen = info.get("tokens_seen")
+    if seen != len(ids):
+        raise KVPolicyError(
+            f"{path}: metadata field document_ids holds {len(ids)} tokens, but tokens_seen is {seen!r} "
+            "(the file was modified)"
+        )
     try:
         from ..config.parse import parse_config
 
@@ -370,6 +399,7 @@ def load_prompt_file(
             else f"{path}: has no checksum (metadata field {DIGEST_FIELD}): it was modified, or not written by "
             "kvpolicy cache-prompt"
         )
+    _check_finite_arrays(arrays, str(path))  # before the loader, whose restore refuses them with a vaguer message
     del arrays
     try:  # the very bytes just verified, as mlx-lm's loader reads them
         caches, metadata = load_prompt_cache(_named(data), return_metadata=True)
@@ -391,6 +421,58 @@ def _named(data: bytes) -> io.BytesIO:
     return f
 
 
+def check_recorded(path, caches: List[Any], model, info: Dict[str, Any]) -> None:
+    """The caches are what the file's kvpolicy metadata says cache-prompt made: every layer saw the document
+    (``offset`` = ``tokens_seen``), keeps ``tokens_kept_per_layer`` tokens, is a cache of the recorded method
+    (its config apart from the budget and the layer's RoPE) and, for a document streamed through an allocation
+    that does not read the prompt, keeps that allocation's budget for its layer (a compress-once cut or a
+    data-driven allocation sets budgets from the document: each layer then keeps at most its own). Else a
+    :class:`~kvpolicy_core.integration.persistence.CacheFileError` naming the field and the file."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from ..cache.policy_cache import PolicyCache
+    from ..config.parse import parse_config
+    from ..config.policy import allocation_of, layer_budgets
+    from ..integration.builder import layer_infos, native_caches
+    from ..integration.persistence import CacheFileError
+    from ..parts.base import needs_of
+    from ..runtime.sharding import shard_layout
+
+    config = parse_config(info["config"])
+    seen, kept = info["tokens_seen"], info.get("tokens_kept_per_layer")
+    if not isinstance(kept, list) or len(kept) != len(caches):
+        raise CacheFileError(f"{path}: metadata field tokens_kept_per_layer must list one count per layer")
+    loose = ("budget", "rope_freqs", "rope_traditional")
+    want = {k: v for k, v in config.to_dict().items() if k not in loose}
+    budgets = None
+    if not info.get("compress_once") and not needs_of(allocation_of(config)[0]).layer_stats:
+        windows = [n.max_size if type(n) is RotatingKVCache else None for n in native_caches(model)]
+        budgets = layer_budgets(config, layer_infos(model, windows, shard_layout(model).layer_offset))
+    for i, c in enumerate(caches):
+        if getattr(c, "offset", seen) != seen:
+            raise CacheFileError(
+                f"{path}: layer {i}: offset {c.offset}, but the file's document has {seen} tokens (tokens_seen)"
+            )
+        if int(c.size()) != kept[i]:
+            raise CacheFileError(
+                f"{path}: layer {i}: holds {int(c.size())} tokens, but tokens_kept_per_layer records {kept[i]!r}"
+            )
+        if not isinstance(c, PolicyCache):
+            continue
+        mine = {k: v for k, v in c.policy.config.to_dict().items() if k not in loose}
+        if mine != want:
+            fields = sorted(k for k in set(mine) | set(want) if mine.get(k) != want.get(k))
+            raise CacheFileError(
+                f"{path}: layer {i}: config field(s) {', '.join(fields)} differ from the file's config "
+                f"({config.to_string()})"
+            )
+        if budgets is not None and c.budget != budgets[i]:
+            raise CacheFileError(
+                f"{path}: layer {i}: budget {c.budget}, but {config.to_string()} gives this layer {budgets[i]} "
+                "(the file was modified)"
+            )
+
+
 def check_caches(path, caches: List[Any], model, info: Optional[Dict[str, Any]] = None, model_path=None) -> None:
     """Refuse caches that are not ``model``'s (their layers, KV heads or head dims; with ``model_path``, a model
     directory whose fingerprint is not the file's: :func:`check_model`), then let caches whose layers keep
@@ -399,9 +481,13 @@ def check_caches(path, caches: List[Any], model, info: Optional[Dict[str, Any]] 
     from ..errors import KVPolicyError
     from ..integration.builder import model_kv_shapes
     from ..integration.compress_once import hold_hook
+    from ..integration.persistence import check_layers
 
     if model_path is not None:
         check_model(path, info, model_path)
+    check_layers(path, caches, model)
+    if info is not None:
+        check_recorded(path, caches, model, info)
     shapes = model_kv_shapes(model)
     if len(shapes) != len(caches):
         raise KVPolicyError(f"{path}: holds caches for {len(caches)} layers, but the model has {len(shapes)}")

@@ -8,7 +8,8 @@ restored, with the field named, instead of failing or running silently wrong at 
 
 Layout checked (``SlotStore``): ``keys`` [B, H, cap, D] and ``values`` [B, H, cap, Dv] of a floating
 dtype, ``positions`` [B, H, cap] int32, ``scores`` [B, H, n] float32, ``log_weights`` [B, H, n] float32
-when tracked; ``0 <= n <= cap``; each row's positions ``[:n]`` distinct and in ``[0, offset)``.
+when tracked; ``0 <= n <= cap``; each row's positions ``[:n]`` distinct and in ``[0, offset)``; the held keys and
+values ``[:n]`` finite.
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def check_restored(slots, offset: int, budget: int, *, settled: bool, where: str
         mx.any(pos > min(offset - 1, _INT32_MAX)),
         mx.any(ordered[..., 1:] == ordered[..., :-1]) if n > 1 else mx.array(False),
     ]
+    flags += [mx.any(~mx.isfinite(k[..., :n, :])), mx.any(~mx.isfinite(v[..., :n, :]))]
     if lw is not None:
         flags.append(mx.any(~(mx.abs(lw) <= LOG_WEIGHT_BOUND)))
-    below, beyond, repeated, *bad_lw = mx.stack(flags).tolist()
+    below, beyond, repeated, bad_keys, bad_values, *bad_lw = mx.stack(flags).tolist()
     if below or beyond:
         raise KVPolicyError(
             f"{where}: positions must be in [0, offset) = [0, {offset}) (a position is "
@@ -98,5 +100,10 @@ def check_restored(slots, offset: int, budget: int, *, settled: bool, where: str
         )
     if repeated:
         raise KVPolicyError(f"{where}: positions repeat within a row; each held token has its own position")
+    if bad_keys or bad_values:
+        raise KVPolicyError(
+            f"{where}: {'keys' if bad_keys else 'values'} hold NaN or Inf; a cache's keys and values are finite "
+            "(a damaged file: every later token's attention would be NaN)"
+        )
     if bad_lw and bad_lw[0]:
         raise KVPolicyError(f"{where}: log_weights must be finite with |log-weight| <= {LOG_WEIGHT_BOUND}")

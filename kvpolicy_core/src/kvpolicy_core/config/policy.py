@@ -6,7 +6,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from ..errors import PluginError
+from ..errors import ConfigError, PluginError
 from ..parts.allocation import within_reach
 from ..parts.base import needs_of
 from ..plugin.discovery import get_registry
@@ -113,6 +113,20 @@ def layer_budgets(config: Any, layers: Sequence[Any], stats: Optional[Sequence[A
         if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b > 2**31 - 1:
             raise PluginError(f"{owner} returned {b!r} for layer {info.index}; expected an int in [1, 2**31 - 1]")
     return [max(b, floor) for b in budgets]
+
+
+def check_budgets(budgets: Any, n_layers: int) -> List[int]:
+    """Explicit per-layer ``budgets`` (``KVCacheBuilder.for_model(..., budgets=...)``): a list or tuple of one int
+    in ``[1, 2**31 - 1]`` per layer, else a :class:`ConfigError` naming ``budgets`` (a string ``"8"`` is refused,
+    not read as a number: nothing else in the call reads it as text)."""
+    if not isinstance(budgets, (list, tuple)):
+        raise ConfigError(f"budgets: expected a list of one int per layer ({n_layers}), got {type(budgets).__name__}")
+    if len(budgets) != n_layers:
+        raise ConfigError(f"budgets: expected one budget per layer ({n_layers}), got {len(budgets)}")
+    for i, b in enumerate(budgets):
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 2**31 - 1:
+            raise ConfigError(f"budgets: layer {i}'s budget must be an int in [1, 2**31 - 1] (got {b!r})")
+    return list(budgets)
 
 
 _MASK64 = (1 << 64) - 1

@@ -23,5 +23,19 @@ def resolve(data: Mapping[str, Any]) -> Dict[str, Any]:
     method = data.get("method")
     if not isinstance(method, str) or not method:
         raise ConfigError(f"method: a method name is required (got {method!r})")
-    common, policy = policy_from_fields(get_registry().method(method).config_class, method, data)
+    spec = get_registry().method(method)
+    common, policy = policy_from_fields(spec.config_class, method, data)
+    refuse_ignored(spec, policy)
     return {**common, "policy": policy}
+
+
+def refuse_ignored(spec, policy) -> None:
+    """A shared field the method's parts never read (``spec.ignores``: StreamingLLM's ``recent`` and ``signal``)
+    given a value other than its default is refused, naming it: it would change nothing the method does."""
+    fields = type(policy).model_fields
+    for name in spec.ignores:
+        if name in fields and getattr(policy, name) != fields[name].default:
+            raise ConfigError(
+                f"{spec.name}_{name}: method {spec.name!r} does not use {name} (its parts never read it), so "
+                f"{getattr(policy, name)!r} would change nothing; leave it out (its value is {fields[name].default!r})"
+            )

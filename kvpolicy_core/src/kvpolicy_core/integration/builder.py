@@ -12,7 +12,7 @@ from ..cache.layer_group import LayerGroup
 from ..cache.policy_cache import PolicyCache
 from ..config.cache_config import KVCacheConfig
 from ..config.parse import parse_config
-from ..config.policy import allocation_of, build_policy, layer_budgets
+from ..config.policy import allocation_of, build_policy, check_budgets, layer_budgets
 from ..errors import ConfigError, ModelError
 from ..parts.allocation import LayerInfo
 from ..parts.base import needs_of
@@ -225,8 +225,8 @@ def layer_policies(model, config: KVCacheConfig, windows, layer_offset: int = 0,
     n_layers = len(windows)
     if budgets is None:
         budgets = layer_budgets(config, layer_infos(model, windows, layer_offset))
-    elif len(budgets) != n_layers:
-        raise ConfigError(f"budgets: expected one budget per layer ({n_layers}), got {len(budgets)}")
+    else:
+        budgets = check_budgets(budgets, n_layers)
     base = build_policy(config)
     ropes = model_ropes(model, n_layers) if needs_of(base.scorer).rope else [None] * n_layers
     built, out = {(config.policy.budget, None): base}, []

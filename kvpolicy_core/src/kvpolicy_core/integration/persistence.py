@@ -251,7 +251,38 @@ def load_caches(
         except KVPolicyError as exc:
             raise CacheFileError(f"{path}: layer {i}: {exc}") from None
     _check_shapes(path, caches, shapes)
+    if model is not None:
+        check_layers(path, caches, model)
     return caches
+
+
+def check_layers(path, caches: Sequence[Any], model) -> None:
+    """Each policy cache's ``window`` and ``layer`` are its model layer's: the window of the model's own cache
+    there (None on a global layer) and the layer's index (its position, plus a pipeline rank's first layer); else
+    :class:`CacheFileError` naming the field and the file. A checksum proves a file unchanged only against someone
+    who cannot recompute it: a re-signed ``window`` on a global layer would silently limit its attention."""
+    from ..runtime.sharding import shard_layout
+    from .builder import native_caches
+
+    natives = native_caches(model)
+    if len(natives) != len(caches):
+        raise CacheFileError(f"{path}: holds caches for {len(caches)} layers, but the model has {len(natives)}")
+    first = shard_layout(model).layer_offset
+    for i, (c, native) in enumerate(zip(caches, natives)):
+        if not isinstance(c, PolicyCache):
+            continue
+        window = native.max_size if type(native) is RotatingKVCache else None
+        if c.window != window:
+            kind = f"a sliding-window layer of window {window}" if window is not None else "global (window None)"
+            raise CacheFileError(
+                f"{path}: layer {i}: window {c.window} in the file, but the model's layer {first + i} is {kind}: "
+                "the file was modified or made for another model"
+            )
+        if c.layer != first + i:
+            raise CacheFileError(
+                f"{path}: layer {i}: layer {c.layer} in the file, but it holds the model's layer {first + i} "
+                "(its place in the file): the file was modified"
+            )
 
 
 def _int(entry: Dict[str, Any], key: str, low: int = 0) -> int:

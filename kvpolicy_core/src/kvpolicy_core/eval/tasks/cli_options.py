@@ -27,12 +27,14 @@ MAX_SEEDS = 1 << 16
 def number_list(
     text: str, name: str, cast=int, positive: bool = False, minimum: Optional[float] = None, maximum=None
 ) -> List:
-    """``--name``'s comma-separated numbers, each finite; ``positive``: at least one, each above 0; ``minimum`` /
-    ``maximum``: each within them."""
+    """``--name``'s comma-separated numbers, at least one (an empty list would run nothing), each finite;
+    ``positive``: each above 0; ``minimum`` / ``maximum``: each within them."""
     try:
         values = [cast(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--{name}: expected comma-separated numbers (got {text!r})") from None
+    if not values:
+        raise ValueError(f"--{name}: no number given; expected comma-separated numbers (got {text!r})")
     if any(not math.isfinite(v) for v in values):
         raise ValueError(f"--{name}: expected finite numbers (got {text!r})")
     if positive and (not values or any(v <= 0 for v in values)):

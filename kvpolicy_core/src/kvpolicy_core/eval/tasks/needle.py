@@ -371,7 +371,9 @@ def format_summary(summary: Sequence[Dict[str, Any]]) -> str:
 def cli_run(args, specs: Sequence[Any], load_model) -> int:
     """``kvpolicy eval --task needle ...``: run the grid, print the per-depth table, write JSON."""
     depths = number_list(args.depths, "depths", float, minimum=0.0, maximum=1.0)
-    lengths = number_list(args.lengths or "1000", "lengths", positive=True, maximum=MAX_LENGTH)
+    lengths = number_list(
+        "1000" if args.lengths is None else args.lengths, "lengths", positive=True, maximum=MAX_LENGTH
+    )
     steps = args.prefill_step or [None]
     check_seeds_and_steps(args.seeds, steps)
     if args.task != "needle":

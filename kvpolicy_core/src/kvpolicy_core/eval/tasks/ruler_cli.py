@@ -118,7 +118,9 @@ def cli_run(args, specs: Sequence[Any], with_budget: Callable, load_model) -> in
         if p not in ("query-agnostic", "question-in-prompt"):
             raise ValueError(f"--protocol: unknown protocol {p!r}; choose query-agnostic, question-in-prompt")
     lengths = (
-        number_list(args.lengths, "lengths", positive=True, maximum=MAX_LENGTH) if args.lengths else [DEFAULT_LENGTH]
+        number_list(args.lengths, "lengths", positive=True, maximum=MAX_LENGTH)
+        if args.lengths is not None
+        else [DEFAULT_LENGTH]
     )
     ratios = number_list(args.ratio, "ratio", float, positive=True, minimum=1.0)  # budget = length / ratio
     step = (args.prefill_step or [2048])[0]

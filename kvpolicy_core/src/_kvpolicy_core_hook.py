@@ -1,0 +1,69 @@
+"""Run at interpreter start by the ``kvpolicy_core_mlx_lm.pth`` file that kvpolicy-core installs: lets mlx-lm's
+own ``load_prompt_cache`` (``mlx_lm.generate --prompt-cache-file``) find kvpolicy's cache classes without an
+``import kvpolicy_core``.
+
+It imports nothing but :mod:`sys` at start-up and puts one finder on :data:`sys.meta_path` that finds nothing
+itself: when ``mlx_lm.models.cache`` is first imported, it takes the spec the standard path finder gives and, once that
+module has run, imports ``kvpolicy_core`` (which registers ``PolicyCache`` and ``BatchPolicyCache`` in it:
+:mod:`kvpolicy_core.cache.interop`), then leaves the path. Every error of its own is swallowed: a broken hook
+never breaks Python, it only leaves mlx-lm without the classes (``import kvpolicy_core`` then registers them).
+"""
+
+import sys
+
+_WATCHED = "mlx_lm.models.cache"
+
+
+def _register(_module) -> None:
+    try:
+        import kvpolicy_core  # noqa: F401  (its import registers the classes in the module just run)
+    except Exception:  # noqa: BLE001 - a hook must not break the import it watches
+        pass
+
+
+class _Finder:
+    """A :data:`sys.meta_path` finder for :data:`_WATCHED` only; it removes itself at its first use."""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != _WATCHED:
+            return None
+        try:
+            sys.meta_path.remove(cls)
+        except ValueError:
+            pass
+        try:
+            # the standard path finder itself, not the other meta-path finders: one of them may be another watcher
+            # that asks this one in turn (kvpolicy_core's own, after `import kvpolicy_core`)
+            from importlib.machinery import PathFinder
+
+            spec = PathFinder.find_spec(name, path, target)
+            if spec is None:
+                return None
+            loader = spec.loader
+            run = getattr(loader, "exec_module", None)
+            if run is None:
+                return spec
+
+            def exec_module(module, _run=run):
+                _run(module)
+                _register(module)
+
+            loader.exec_module = exec_module  # this module's own loader instance
+            return spec
+        except Exception:  # noqa: BLE001 - leave the import to the other finders
+            return None
+
+
+def install() -> None:
+    """Put the finder on :data:`sys.meta_path` (once; nothing when mlx-lm's module is already imported)."""
+    try:
+        if _WATCHED in sys.modules:
+            _register(sys.modules[_WATCHED])
+        elif _Finder not in sys.meta_path:
+            sys.meta_path.insert(0, _Finder)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+install()

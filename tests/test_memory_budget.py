@@ -3,6 +3,8 @@ fit on the model, and what the caches then keep is within it."""
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import pytest
 from helpers import tiny_gemma3, tiny_llama
@@ -65,3 +67,19 @@ def test_sizes_are_read_in_si_and_binary_units(text, want):
 def test_a_bad_size_names_the_field(bad):
     with pytest.raises(ConfigError, match="kv_memory"):
         parse_config(f"cam:kv_memory={bad}")
+
+
+def test_generate_with_kv_memory_says_the_budget_it_chose_and_keeps_within_it(capsys, tiny_model_dir):
+    from kvpolicy_core.apps.cli import main
+
+    code = main(
+        ["generate", "a prompt long enough to evict " * 4, "--model", str(tiny_model_dir)]
+        + ["--method", "h2o:n_sink=2", "--kv-memory", "20kB", "--max-tokens", "6", "--json"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "[kv-memory 20kB: budget " in err
+    summary = json.loads(err.strip().splitlines()[-1])
+    assert 0 < summary["kv_bytes_kept"] <= 20_000 and summary["active_memory_bytes"] > 0
+    assert main(["generate", "x", "--model", str(tiny_model_dir), "--kv-memory", "20kB", "--budget", "8"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -85,6 +85,26 @@ def _with_budget(spec: Any, budget: Optional[int]) -> Any:
     return parse_config(value, budget=budget)
 
 
+def _with_memory(spec: Any, kv_memory: Optional[str]) -> Any:
+    """``spec`` with ``kv_memory`` (bytes for the kept cache: the builder picks the budget) where it is a policy."""
+    from ..eval.perplexity import parse_spec
+
+    kind, value = parse_spec(spec)
+    if kv_memory is None:
+        return spec if kind != "policy" else value
+    if kind != "policy":
+        raise CLIError(f"--kv-memory: {spec_label_of(spec)} is not a kvpolicy method; give it a budget instead")
+    from ..config.parse import parse_config
+
+    return parse_config(value, kv_memory=kv_memory)
+
+
+def spec_label_of(spec: Any) -> str:
+    from ..eval.perplexity import spec_label
+
+    return spec_label(spec)
+
+
 def _load_model(path_arg: Optional[str], dtype: str, parallel: str = "auto"):
     import mlx.core as mx
     import mlx_lm
@@ -223,12 +243,23 @@ def cmd_generate(args) -> int:
     _check_cache_file(args.save_caches, "--save-caches")  # before the generation, not after it
     if args.prompt_cache:
         return _generate_from_prompt_cache(args)
-    spec = _with_budget(_spec_from_args(args), args.budget)
+    if args.kv_memory is not None and args.budget is not None:
+        raise CLIError("give --budget or --kv-memory, not both")
+    spec = _with_memory(_with_budget(_spec_from_args(args), args.budget), args.kv_memory)
     prompt = _read_prompt(args)
     model, tokenizer, _ = _load_model(args.model, args.dtype, args.parallel)
     caches = make_caches(model, spec)
+    if args.kv_memory is not None:
+        budgets = [c.budget for c in caches if hasattr(c, "budget")]
+        print(
+            f"[kv-memory {args.kv_memory}: budget {round(sum(budgets) / len(budgets))} tokens per layer on average "
+            f"({min(budgets)}-{max(budgets)})]",
+            file=sys.stderr,
+        )
     last = _print_generation(model, tokenizer, prompt, caches, args)
     kept, full = kv_bytes(caches)
+    import mlx.core as mx
+
     summary = {
         "method": spec_label(spec),
         "prompt_tokens": last.prompt_tokens,
@@ -239,6 +270,7 @@ def cmd_generate(args) -> int:
         "kv_bytes_full": full,
         "compression_ratio": round(full / kept, 3) if kept else 1.0,
         "peak_memory_gb": round(last.peak_memory, 3),
+        "active_memory_bytes": int(mx.get_active_memory()),  # measured by MLX's allocator, model included
         "blas": _blas_summary(),
     }
     size = _world()[1]
@@ -269,8 +301,10 @@ def _generate_from_prompt_cache(args) -> int:
     from ..model.resolve import resolve_model_path
     from .prompt_file import file_metadata, load_prompt_file, question_ids
 
-    if args.method or args.config or args.budget is not None:
-        raise CLIError("--prompt-cache: the method comes from the file; drop --method, --config and --budget")
+    if args.method or args.config or args.budget is not None or args.kv_memory is not None:
+        raise CLIError(
+            "--prompt-cache: the method comes from the file; drop --method, --config, --budget and --kv-memory"
+        )
     if _world()[1] > 1:
         raise CLIError("--prompt-cache runs in one process (not under mlx.launch)")
     metadata, info = file_metadata(args.prompt_cache)
@@ -640,6 +674,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", help='config string, e.g. "cam:budget=128,merge=mean" (default: cam)')
     g.add_argument("--config", help="JSON or TOML file with the config")
     g.add_argument("--budget", type=int, help="override the budget")
+    g.add_argument(
+        "--kv-memory",
+        metavar="SIZE",
+        help="bytes the kept cache may take (512MB, 2GB, 1.5GiB): the largest budget that fits on the model",
+    )
     g.add_argument("--max-tokens", type=int, default=100)
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     g.add_argument("--json", action="store_true", help="print the summary as JSON (stderr)")

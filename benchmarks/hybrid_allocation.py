@@ -132,7 +132,7 @@ def run(args):
 
     from kvpolicy_core.eval.perplexity import paired_ratio, perplexity
     from kvpolicy_core.eval.tasks.cli_options import number_list
-    from kvpolicy_core.eval.tasks.ruler_runner import run_context
+    from kvpolicy_core.eval.tasks.ruler_runner import record_first_chunk, run_context
     from kvpolicy_core.eval.tasks.tokens import bos_ids, encode
 
     spec = load_set(args.set)
@@ -228,6 +228,7 @@ def run(args):
                 for r in ratios
                 for m in methods
             ]
+            record = record_first_chunk(model, ctx, args.prefill_step)  # the shared first chunk, computed once
             for method, s, ratio, budget in plan:
                 extra = {"method_label": method, "ratio": ratio, "budget": budget}
                 run_context(
@@ -237,7 +238,7 @@ def run(args):
                     s,
                     ["question-in-prompt"],
                     args.prefill_step,
-                    None,
+                    record,
                     log=lambda r, e=extra: log(r, e),
                 )
                 done += 1

@@ -141,3 +141,41 @@ def test_a_fact_beyond_the_window_survives_at_8x_where_reach_loses_it(fact_metho
         assert glob == [2, 5]
         assert not any(old[i] for i in glob), when  # the old rule loses it in every layer that could carry it
         assert all(new[i] for i in glob), when
+
+
+# -- the conformance kit checks an allocation's total on a hybrid model ---------------------------------------------
+
+
+def test_the_hybrid_allocation_passes_the_conformance_kit():
+    from kvpolicy_core.testing.conformance import run_conformance
+
+    assert "test_allocation_holds_its_total_on_a_hybrid_model" in run_conformance(
+        "h2o:budget=16,n_sink=2,allocation=hybrid"
+    )
+
+
+class _Greedy(ReachAllocation):
+    """Gives the global layers the window's spare tokens and keeps the sliding layers' too: more than the total."""
+
+    def budgets(self, budget, layers, stats=None):
+        return [budget if info.window is not None else 4 * budget for info in layers]
+
+
+class _GreedyPlugin:
+    @hookimpl
+    def register_allocations(self, register):
+        register("greedy_alloc", _Greedy)
+
+
+def test_the_conformance_kit_refuses_an_allocation_over_its_total_on_a_hybrid_model():
+    from kvpolicy_core.testing.conformance import PolicyConformance
+
+    register_plugin(_GreedyPlugin(), "greedy-alloc")
+    try:
+        kit = PolicyConformance()
+        kit.method = "h2o:budget=16,n_sink=2,allocation=greedy_alloc"
+        with pytest.raises(AssertionError, match="greedy_alloc.*on a hybrid model"):
+            kit.test_allocation_holds_its_total_on_a_hybrid_model()
+        kit.test_each_layer_gets_its_allocated_budget_and_keeps_it()  # the global-only check cannot see it
+    finally:
+        unregister_plugin("greedy-alloc")

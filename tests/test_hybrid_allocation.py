@@ -179,3 +179,14 @@ def test_the_conformance_kit_refuses_an_allocation_over_its_total_on_a_hybrid_mo
         kit.test_each_layer_gets_its_allocated_budget_and_keeps_it()  # the global-only check cannot see it
     finally:
         unregister_plugin("greedy-alloc")
+
+
+def test_pyramidkv_takes_hybrid_budgets_when_asked_and_explicit_budgets_override_them():
+    """The allocation field takes one name: ``pyramidkv:allocation=hybrid`` gets the hybrid split
+    (docs/configuration.md); explicit ``budgets=`` win over any allocation."""
+    model = tiny_gemma3(window=64)
+    want = [16, 16, 64, 16, 16, 64]
+    assert [c.budget for c in KVCacheBuilder.for_model(model, "pyramidkv:budget=32,allocation=hybrid")] == want
+    assert [c.budget for c in KVCacheBuilder.for_model(model, "h2o:budget=32,allocation=hybrid", budgets=[20] * 6)] == [
+        20
+    ] * 6

@@ -117,7 +117,14 @@ def main(argv=None):
     p.add_argument("--ppl-ratio", type=float, default=8.0)
     p.add_argument("--ppl-only", action="store_true", help="perplexity only, no retrieval")
     p.add_argument("--prefill-step", type=int, default=2048)
+    p.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of result files and stop")
     args = p.parse_args(argv)
+    if args.report:
+        for f in args.report:
+            data = json.loads(Path(f).read_text(encoding="utf-8"))
+            print(f"{Path(f).name}: {data['config']['model']}, {data['config']['set']} set, {data['seconds']:.0f} s")
+            print(table(data["rows"], data["perplexity"], data["config"]["methods"]) + "\n")
+        return
     try:
         run(args)
     except ValueError as exc:
@@ -193,6 +200,7 @@ def run(args):
 
     def save():
         payload = {"config": config, "seconds": round(time.perf_counter() - start, 1), "summary": summarize(rows)}
+        payload["same_answers_as_first"] = same_answers(rows, methods)
         payload["perplexity"] = ppl
         payload["rows"] = rows
         return write_json(tag, payload, out)
@@ -272,6 +280,7 @@ def run(args):
                     "ppl_full": float(np.exp(nll["full"].mean())),
                     "vs_full": paired_ratio(nll[m], nll["full"]),
                     "vs_first": None if m == methods[0] else paired_ratio(nll[m], nll[methods[0]]),
+                    "identical_to_first": bool(np.array_equal(nll[m], nll[methods[0]])),
                     "nll": [round(float(x), 5) for x in nll[m]],
                 }
                 ppl.append(entry)
@@ -313,6 +322,17 @@ def summarize(rows):
         {"task": k[0], "ratio": k[1], "method": k[2], **v}
         for k, v in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))
     ]
+
+
+def same_answers(rows, methods):
+    """Per method: of its answers, how many are word for word the first method's on the same question and ratio."""
+    first = {(r["id"], r["question"], r["ratio"]): r["output"] for r in rows if r["method_label"] == methods[0]}
+    out = {}
+    for m in methods[1:]:
+        mine = [r for r in rows if r["method_label"] == m]
+        out[m] = {"same": sum(first.get((r["id"], r["question"], r["ratio"])) == r["output"] for r in mine),
+                  "of": len(mine)}  # fmt: skip
+    return out
 
 
 def table(rows, ppl, methods):

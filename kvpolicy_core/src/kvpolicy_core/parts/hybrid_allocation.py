@@ -40,6 +40,10 @@ class HybridAllocation(Allocation):
     to give to). The rule assumes prompts longer than the window, where a sliding layer cannot reach the
     prompt's start; a sliding layer whose window exceeds the prompt attends like a global one and is still
     given ``s * budget``.
+
+    Not the default: it answers questions about facts far back in the prompt as the full cache does where ``reach``
+    cannot (Gemma 3, 8x and 16x), but the sliding layers' smaller share costs perplexity token by token
+    (docs/long-context.md#hybrid-models-the-budget-where-attention-reaches).
     """
 
     def __init__(self, share: float = DEFAULT_SLIDE_SHARE, floor: int = 1) -> None:

@@ -64,7 +64,8 @@ class PolicyConfig(BaseModel):
         "reach",
         description="How the budget is shared between layers: a registered allocation ('reach': every layer "
         "`budget`, a sliding-window layer at most its window, what that frees shared by the global layers; "
-        "'uniform': every layer keeps `budget`; 'pyramid': budgets falling linearly with depth, their mean `budget`).",
+        "'uniform': every layer keeps `budget`; 'pyramid': budgets falling linearly with depth, their mean `budget`; "
+        "'hybrid': a sliding-window layer a share of `budget`, the global layers the rest).",
     )
 
     @property

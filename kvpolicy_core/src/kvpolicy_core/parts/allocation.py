@@ -6,7 +6,9 @@ composes with any allocation, as kvpress's ``PyramidKVPress`` and ``PerLayerComp
 any scorer press. ``budget`` is then the *mean* tokens kept per layer; layer ``l`` never keeps more
 than its own budget ``b_l``. :class:`ReachAllocation` (the default) gives every layer ``budget`` but a
 sliding-window layer no more than its window, and shares what that frees among the global layers;
-:class:`UniformAllocation` gives every layer ``budget``.
+:class:`UniformAllocation` gives every layer ``budget``; ``hybrid``
+(:class:`~.hybrid_allocation.HybridAllocation`) gives a sliding layer a share of ``budget`` and the global layers
+the rest.
 
 The builder calls :meth:`Allocation.budgets` once per model, with each layer's :class:`LayerInfo`, and
 builds each layer's cache with its own budget (the config of layer ``l`` is the method's config with

@@ -9,6 +9,7 @@ from ..parts.allocation import PyramidAllocation, ReachAllocation, UniformAlloca
 from ..parts.cumulative_attention import CumulativeAttentionScorer
 from ..parts.drop import DropDisposition
 from ..parts.expected_attention import ExpectedAttentionScorer
+from ..parts.hybrid_allocation import HybridAllocation
 from ..parts.keydiff import KeyDiffScorer
 from ..parts.lowest_score import LowestScoreSelector
 from ..parts.observation_window import ObservationWindowScorer
@@ -48,6 +49,7 @@ def register_allocations(register):
     register("reach", ReachAllocation)
     register("uniform", UniformAllocation)
     register("pyramid", PyramidAllocation)
+    register("hybrid", HybridAllocation)
 
 
 @hookimpl

@@ -157,6 +157,23 @@ class PolicyConformance:
                 assert usable <= N * budget + N / 2, f"{where}: more than the mean allows ({N} x {budget})"
                 assert sum(got) >= N * budget - N / 2, f"{where}: less than the mean ({N} x {budget})"
 
+    def test_allocation_holds_its_total_on_a_hybrid_model(self):
+        """On a model of sliding-window and global layers (Gemma 3 270M's: 15 of 18 slide over 512 tokens; and one
+        whose windows are below the budget), the method's allocation gives one int per layer summing to
+        ``N * budget`` within one token per layer (rounding), before the config's floor raises any."""
+        from ..config.policy import allocation_of
+        from ..parts.allocation import LayerInfo, LayerStats
+        from ..parts.base import needs_of
+
+        cfg, budget, _ = self.config()
+        allocation, owner = allocation_of(cfg)
+        for w in (512, max(1, budget // 2)):
+            layers = [LayerInfo(i, 18, None if i % 6 == 5 else w) for i in range(18)]
+            stats = [LayerStats(0.5 + 0.1 * (i % 3), 32) for i in range(18)]
+            got = allocation.budgets(budget, layers, *([stats] if needs_of(allocation).layer_stats else []))
+            assert len(got) == 18 and all(isinstance(b, int) for b in got), f"{owner}: one int per layer"
+            assert abs(sum(got) - 18 * budget) <= 18, f"{owner}: total {sum(got)} on a hybrid model, not 18 * {budget}"
+
     def test_batched_rows_decode_each_as_alone(self):
         """Rows of different lengths in mlx-lm's batch cache (``BatchPolicyCache``) decode exactly as each row
         alone, whether the parts declare ``Needs(batch_rows=True)`` (stacked steps) or not (one step per row)."""

@@ -45,12 +45,19 @@ def test_the_total_is_n_times_the_budget_and_no_global_layer_gets_less(share, bu
 def test_through_the_config_the_layers_of_a_tiny_sliding_window_model_get_the_rule():
     model = tiny_gemma3(window=64)  # 6 layers, every third global
     reach = [c.budget for c in KVCacheBuilder.for_model(model, "h2o:budget=32")]
-    hybrid = [c.budget for c in KVCacheBuilder.for_model(model, "h2o:budget=32,allocation=hybrid")]
+    hybrid = [c.budget for c in KVCacheBuilder.for_model(model, "h2o:budget=32,when=stream,allocation=hybrid")]
     assert reach == [32] * 6
     assert hybrid == [16, 16, 64, 16, 16, 64] and sum(hybrid) == sum(reach)
+    # under the end-of-prompt cut (the default schedule): reach's budgets until a prompt is cut, then the rule's
+    caches = KVCacheBuilder.for_model(model, "h2o:budget=32,allocation=hybrid")
+    assert [c.budget for c in caches] == reach
+    tokens = mx.array(np.random.default_rng(2).integers(0, VOCAB, size=(1, 100)))
+    model(tokens[:, :-1], cache=caches)
+    model(tokens[:, -1:], cache=caches)
+    assert [c.budget for c in caches] == hybrid
     # the builder raises no budget: the floor (n_sink + recent + 1) is inside the rule, so the total holds
     layers = [LayerInfo(i, 6, 64 if i % 3 != 2 else None) for i in range(6)]
-    assert layer_budgets("h2o:budget=32,recent=12,allocation=hybrid", layers) == [17, 17, 62, 17, 17, 62]
+    assert layer_budgets("h2o:budget=32,recent=12,when=stream,allocation=hybrid", layers) == [17, 17, 62, 17, 17, 62]
 
 
 def test_a_model_without_sliding_layers_is_unchanged_bit_for_bit():
@@ -186,7 +193,49 @@ def test_pyramidkv_takes_hybrid_budgets_when_asked_and_explicit_budgets_override
     (docs/configuration.md); explicit ``budgets=`` win over any allocation."""
     model = tiny_gemma3(window=64)
     want = [16, 16, 64, 16, 16, 64]
-    assert [c.budget for c in KVCacheBuilder.for_model(model, "pyramidkv:budget=32,allocation=hybrid")] == want
+    assert [
+        c.budget for c in KVCacheBuilder.for_model(model, "pyramidkv:budget=32,when=stream,allocation=hybrid")
+    ] == want
     assert [c.budget for c in KVCacheBuilder.for_model(model, "h2o:budget=32,allocation=hybrid", budgets=[20] * 6)] == [
         20
     ] * 6
+
+
+# -- under the end-of-prompt cut the hybrid budgets are taken at the cut ------------------------------------------
+
+
+def test_at_the_cut_hybrid_is_its_static_budgets_and_without_a_prompt_it_is_reach():
+    """Under ``when="prompt_end"``: a prompt then decode steps give bit for bit the logits of caches built with the
+    hybrid budgets from the start; decode-only streaming (perplexity token by token: no prompt is ever cut) gives
+    bit for bit ``reach``'s, whose sliding layers keep the local context their quality needs."""
+    from mlx_lm.generate import generate_step
+
+    from kvpolicy_core.config.parse import parse_config
+    from kvpolicy_core.eval.perplexity import perplexity
+    from kvpolicy_core.integration.builder import detach, layer_infos
+    from kvpolicy_core.parts.hybrid_allocation import HybridAllocation
+
+    model = tiny_gemma3(window=32)
+    prompt = mx.array(np.random.default_rng(3).integers(0, VOCAB, size=(200,)))
+    spec = "h2o:budget=24,n_sink=2"
+    try:
+        config = parse_config(spec)
+        windows = [c.window for c in KVCacheBuilder.for_model(model, spec)]
+        static = HybridAllocation.from_config(parse_config(spec + ",when=stream").policy).budgets(
+            24, layer_infos(model, windows)
+        )
+        runs = []
+        for caches in (
+            KVCacheBuilder.for_model(model, spec + ",allocation=hybrid"),
+            KVCacheBuilder.for_model(model, config, budgets=static),
+        ):
+            runs.append([lg for (_, lg), _ in zip(generate_step(prompt, model, prompt_cache=caches), range(5))])
+            assert [c.budget for c in caches] == static
+        for a, b in zip(*runs):
+            assert mx.array_equal(a, b)
+        ids = prompt.tolist()[:120]
+        hybrid = perplexity(model, ids, spec + ",allocation=hybrid", progress=False)
+        reach = perplexity(model, ids, spec, progress=False)
+    finally:
+        detach(model)
+    assert np.array_equal(hybrid["nll"], reach["nll"])

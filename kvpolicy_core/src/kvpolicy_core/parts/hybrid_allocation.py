@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 from .allocation import Allocation, LayerInfo, ReachAllocation
+from .base import Needs
 
 #: the share of the mean budget a sliding-window layer keeps (chosen on the tuning set:
 #: benchmarks/hybrid_allocation.py, docs/long-context.md#hybrid-models-the-budget-where-attention-reaches)
@@ -41,8 +42,13 @@ class HybridAllocation(Allocation):
     prompt's start; a sliding layer whose window exceeds the prompt attends like a global one and is still
     given ``s * budget``.
 
+    *When.* Under the end-of-prompt cut (``when="prompt_end"``) these budgets are taken at the cut, where a prompt's
+    facts must be carried past the sliding windows; before it, and in decode-only streaming where no prompt is ever
+    cut (perplexity token by token), every layer keeps :class:`~.allocation.ReachAllocation`'s budget, the local
+    context the sliding layers' quality needs. With ``when="stream"`` they hold from the start.
+
     Not the default: it answers questions about facts far back in the prompt as the full cache does where ``reach``
-    cannot (Gemma 3, 8x and 16x), but the sliding layers' smaller share costs perplexity token by token
+    cannot (Gemma 3, 8x and 16x), and loses one two-key question of twelve at 4x of a short prompt
     (docs/long-context.md#hybrid-models-the-budget-where-attention-reaches).
     """
 
@@ -56,7 +62,12 @@ class HybridAllocation(Allocation):
     @classmethod
     def from_config(cls, config) -> "HybridAllocation":
         floor = getattr(config, "n_sink", 0) + (getattr(config, "recent", None) or 0) + 1
-        return cls(getattr(config, "slide_share", DEFAULT_SLIDE_SHARE), floor)
+        allocation = cls(getattr(config, "slide_share", DEFAULT_SLIDE_SHARE), floor)
+        if getattr(config, "when", "stream") == "prompt_end":
+            # taken at the cut, when a prompt is cut: until then, and in decode-only streaming where no prompt is
+            # ever cut (perplexity token by token), each layer keeps reach's budget (the statistics are not read)
+            allocation.needs = Needs(layer_stats=True)
+        return allocation
 
     def budgets(self, budget: int, layers: Sequence[LayerInfo], stats=None) -> List[int]:
         n_global = sum(1 for info in layers if info.window is None)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import parser, result_name, write_json
+from _common import RESULTS, parser, result_name, write_json
 
 ROWS = "full;rotating;kv4;kv8;cam;cam:hold=2;cam:hold=4;h2o;cam:when=stream"
 
@@ -114,13 +114,18 @@ def main(argv=None):
                 r["peak_vs_full"] = r["peak"] / full["peak"]
                 r["resident_vs_full"] = r["resident"] / full["resident"]
             results.append(r)
+            write_json(result_name(f"memory_{args.model}", args), {"rows": results, "ratio": args.ratio}, args.out)
             print(
                 f"{L:>6} {row:<22} peak {r['peak'] / 2**20:8.1f} MiB  resident {r['resident'] / 2**20:8.1f} MiB  "
                 f"state {r['kv_state_bytes'] / 2**20:8.1f} MiB" + (f"  peak x{r['peak_vs_full']:.2f}" if full else ""),
                 flush=True,
             )
-    path = write_json(result_name(f"memory_{args.model}", args), {"rows": results, "ratio": args.ratio}, args.out)
-    print(f"wrote {path}")
+    print(f"wrote {RESULTS_OF(args)}")
+
+
+def RESULTS_OF(args) -> Path:
+    """Where the rows are written (after each row: a run stopped part-way keeps what it measured)."""
+    return Path(args.out or RESULTS) / f"{result_name(f'memory_{args.model}', args)}.json"
 
 
 def argparse_hidden():

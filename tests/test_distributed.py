@@ -70,7 +70,11 @@ def launch(command, timeout: float = TIMEOUT, cwd=None):
 
 
 def one_process(argv):
-    """The CLI in this (one-rank) process: (exit code, stdout, stderr)."""
+    """The CLI in this (one-rank) process: (exit code, stdout, stderr); ``--parallel`` (refused outside mlx.launch)
+    is dropped."""
+    if "--parallel" in argv:
+        i = argv.index("--parallel")
+        argv = argv[:i] + argv[i + 2 :]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli(argv)

@@ -127,6 +127,49 @@ SERVER_OPTIONS = {
 STALL_SECONDS = 600.0
 
 
+def request_memory(model, config, provider) -> int:
+    """The kept bytes of one request under ``kvpolicy serve --kv-memory M``: the requests in flight (at most ``R =
+    --decode-concurrency + --prompt-concurrency``, what mlx-lm's batch holds at once) share ``M``, and each
+    request's most, ``max(k * b, b + S) * c`` (``b`` its budget, ``c`` its bytes per token over the layers, ``S``
+    the prefill step, ``k`` the method's ``hold``, 1 when it streams), stays within ``M / R``::
+
+        kept = b * c = min(M / (R * k), M / R - S * c)
+
+    A method that holds whole prompts (``when="prompt_end"`` without ``hold``) has no such bound and is refused;
+    so is a limit whose share cannot hold the method's least cache (the builder names ``kv_memory``)."""
+    from ..errors import ConfigError
+    from ..integration.builder import model_kv_layout
+    from ..integration.memory_budget import bytes_per_token
+
+    args, policy = provider.cli_args, config.policy
+    if policy.when == "prompt_end" and policy.hold is None:
+        raise ConfigError(
+            "--kv-memory: this method holds each prompt whole until its cut (when='prompt_end'), so no limit bounds "
+            "it: give hold=k (the held prompt counts k x the budget) or when=stream in --method"
+        )
+    R = args.decode_concurrency + args.prompt_concurrency
+    k = policy.hold if policy.when == "prompt_end" else 1.0
+    shapes, itemsize = model_kv_layout(model)
+    c = sum(bytes_per_token(shapes, itemsize))
+    share = provider.kv_memory / R
+    kept = int(min(share / k, share - args.prefill_step_size * c))
+    if kept <= 0:
+        raise ConfigError(
+            f"--kv-memory: {provider.kv_memory} bytes shared by {R} requests in flight (--decode-concurrency "
+            f"{args.decode_concurrency} + --prompt-concurrency {args.prompt_concurrency}) leave {int(share)} bytes "
+            f"each, less than one prefill chunk ({args.prefill_step_size} tokens x {c} bytes): give more memory, fewer "
+            "requests in flight or a smaller --prefill-step-size"
+        )
+    return kept
+
+
+def stored_caches_limit(rest: List[str], kv_memory: Optional[int]) -> List[str]:
+    """mlx-lm's ``--prompt-cache-bytes`` (the caches it keeps for reuse, trimmed to what the active ones leave) set to
+    the ``--kv-memory`` limit, unless given."""
+    given = any(a == "--prompt-cache-bytes" or a.startswith("--prompt-cache-bytes=") for a in rest)
+    return [] if kv_memory is None or given else ["--prompt-cache-bytes", str(kv_memory)]
+
+
 def check_server_options(cli_args) -> None:
     """Every numeric mlx-lm server option in :data:`SERVER_OPTIONS` finite and within its bounds (options this
     mlx-lm does not have, and unset optional ones, pass); a StartupError naming the option otherwise."""
@@ -200,6 +243,7 @@ class ServerStats:
 
     def __init__(self, config) -> None:
         self.config = config
+        self.budget = None  #: the mean per-layer budget of the loaded model's caches (kv_memory picks it per model)
         self.model_path: Optional[str] = None
         self.batching = False
         self.peak_batch = 0  # most sequences decoded together in one step
@@ -251,7 +295,7 @@ class ServerStats:
         out = {
             "method": self.config.method,
             "config": self.config.to_dict(),
-            "budget": self.config.policy.budget,
+            "budget": self.budget if self.budget is not None else self.config.policy.budget,
             "model": self.model_path,
             "batching": self.batching,
             "peak_batch": self.peak_batch,
@@ -287,11 +331,12 @@ def _server_classes():
     class PolicyModelProvider(mls.ModelProvider):
         """mlx-lm's model provider; every model it loads gets the server's method attached."""
 
-        def __init__(self, cli_args, config, stats: ServerStats, dtype: str = "auto") -> None:
+        def __init__(self, cli_args, config, stats: ServerStats, dtype: str = "auto", kv_memory=None) -> None:
             super().__init__(cli_args)
             self.kv_config = config
             self.stats = stats
             self.dtype = dtype
+            self.kv_memory = kv_memory  #: bytes for the KV caches of every request in flight (--kv-memory), or None
 
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
             if draft_model_path is not None:
@@ -304,8 +349,14 @@ def _server_classes():
                 self.model.set_dtype(mx.float32)
             elif self.dtype != "auto":
                 self.model.set_dtype(getattr(mx, self.dtype))
+            if self.kv_memory is not None:  # the server's limit shared by the requests in flight (request_memory)
+                self.kv_config = self.kv_config.replace(kv_memory=request_memory(self.model, self.kv_config, self))
+                self.stats.config = self.kv_config
             attach(self.model, self.kv_config)
-            self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(self.model))
+            caches = make_prompt_cache(self.model)
+            self.is_batchable = all(hasattr(c, "merge") for c in caches)
+            budgets = [c.budget for c in caches if hasattr(c, "budget")]
+            self.stats.budget = round(sum(budgets) / len(budgets)) if budgets else None  # per layer, on average
             self.vocab_size = _vocab_size(self.model, self.tokenizer)
             self.stats.model_path = str(model_path)
             # mlx-lm batches only without --kv-bits (ResponseGenerator._is_batchable)
@@ -666,6 +717,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="local mlx-lm model directory (default: the embedded Gemma 3 270M)")
     p.add_argument(
+        "--kv-memory",
+        metavar="SIZE",
+        help="KV memory for every request in flight together (512MB, 2GB, 1.5GiB): each request's budget is chosen "
+        "so that its cache, prompt chunk included, stays within SIZE / (--decode-concurrency + --prompt-concurrency)",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "float16", "bfloat16"],
@@ -688,11 +745,21 @@ def main(argv: Optional[List[str]] = None) -> int:
 
                 mls.main()
         return 0
-    from ..errors import KVPolicyError
+    from ..errors import ConfigError, KVPolicyError
     from ..model.default import ModelUnavailable, resolve_model_path
 
     try:
         config = load_method(ours.method or "cam")
+        kv_memory = None
+        if ours.kv_memory is not None:
+            from ..config.cache_config import parse_bytes
+
+            try:
+                kv_memory = parse_bytes(ours.kv_memory)
+            except ValueError as exc:
+                raise ConfigError(f"--kv-memory {exc}") from None
+            if not isinstance(kv_memory, int) or kv_memory < 1:
+                raise ConfigError(f"--kv-memory must be a size in bytes (got {ours.kv_memory!r})")
         from ..config.policy import build_policy
 
         build_policy(config)  # every part of the method is installed and builds from this config
@@ -715,7 +782,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     def provider(cli_args):
         try:
             check_server_options(cli_args)  # before the model loads
-            mp = classes.ModelProvider(cli_args, config, stats, ours.dtype)
+            mp = classes.ModelProvider(cli_args, config, stats, ours.dtype, kv_memory)
             mp.load_default()  # load and attach now: a model the method cannot serve fails at start-up
             if document is not None:  # (document token ids, caches), verified already; checked against the model
                 from .prompt_file import check_caches
@@ -736,7 +803,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     upstream_stream_generate = mls.stream_generate
     with (
-        _patched_argv(["kvpolicy serve", *rest, "--model", str(model_path)]),
+        _patched_argv(["kvpolicy serve", *rest, *stored_caches_limit(rest, kv_memory), "--model", str(model_path)]),
         _patched(mls, ModelProvider=provider, run=run, BatchGenerator=generator, stream_generate=stream_generate),
     ):
         try:

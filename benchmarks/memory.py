@@ -52,6 +52,10 @@ def caches_for(model, row: str, L: int, ratio: int):
     budget = L // ratio
     if row == "full":
         return [KVCache() for _ in model.layers], None
+    if row == "native":  # the model's own caches (Gemma 3: RotatingKVCache on its sliding-window layers)
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(model), None
     if row == "rotating":
         return [RotatingKVCache(max_size=budget, keep=4) for _ in model.layers], None
     if row in ("kv4", "kv8"):
@@ -91,7 +95,9 @@ def main(argv=None):
     p.add_argument("--model", default="kv-shape", help="kv-shape (default), default (Gemma 3 270M) or smollm2")
     p.add_argument("--lengths", default="8192", help="prompt lengths, comma-separated")
     p.add_argument("--ratio", type=int, default=8, help="compression of the budgeted rows: budget = length / ratio")
-    p.add_argument("--methods", default=ROWS, help="rows, ';'-separated (full, rotating, kv4, kv8, kvpolicy specs)")
+    p.add_argument(
+        "--methods", default=ROWS, help="rows, ';'-separated (full, native, rotating, kv4, kv8, kvpolicy specs)"
+    )
     p.add_argument("--prefill-step", type=int, default=512)
     p.add_argument("--row", default=None, help=argparse_hidden())
     args = p.parse_args(argv)

@@ -42,3 +42,11 @@ def default_gemma():
     from kvpolicy_core.model.default import ensure_default_model
 
     return mlx_lm.load(str(ensure_default_model("float32")))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny llama as an mlx-lm model directory with a BPE tokenizer and a chat template (the server tests')."""
+    from server_kit import save_tiny_model_dir
+
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))

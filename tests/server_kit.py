@@ -176,3 +176,12 @@ class Server:
     def _drain(self) -> None:
         for line in self.proc.stdout:
             self._lines.append(line)
+
+
+#: the method the tiny-model server tests share
+TINY_METHOD = "cam:budget=8,n_sink=2"
+
+
+def tiny_server(model_dir: Path) -> "Server":
+    """A server of :data:`TINY_METHOD` on the tiny model in ``model_dir``, 4 tokens per request by default."""
+    return Server(["--model", str(model_dir), "--method", TINY_METHOD, "--max-tokens", "4"])

@@ -10,19 +10,14 @@ import threading
 import time
 
 import pytest
-from server_kit import Server, free_port, save_tiny_model_dir
+from server_kit import Server, free_port, tiny_server
 
 METHOD = "cam:budget=8,n_sink=2"
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
-
-
-@pytest.fixture(scope="module")
 def server(tiny_dir):
-    s = Server(["--model", str(tiny_dir), "--method", METHOD, "--max-tokens", "4"])
+    s = tiny_server(tiny_dir)
     yield s
     s.stop()
 

@@ -6,16 +6,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from server_kit import Server, save_tiny_model_dir
+from server_kit import Server
 
 LIMIT = 64_000  # bytes, shared by --decode-concurrency 2 + --prompt-concurrency 2 requests
 OPTIONS = ["--decode-concurrency", "2", "--prompt-concurrency", "2", "--prefill-step-size", "16", "--max-tokens", "6"]
 PROMPTS = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 3 for i in range(4)]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
 def _ids(server, prompt):

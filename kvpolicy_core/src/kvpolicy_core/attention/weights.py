@@ -52,6 +52,7 @@ def attention_with_weights(
     mask,
     compiled: bool = False,
     grouped: bool = False,
+    quantized=None,
 ) -> Tuple[mx.array, mx.array]:
     """The attention output [B, Hq, S, Dv] and its weights [B, H, G, S, L] (queries' dtype)::
 
@@ -75,12 +76,52 @@ def attention_with_weights(
     (:meth:`~kvpolicy_core.cache.policy_cache.PolicyCache.attend`), so that until then its logits are mlx-lm's
     own bit for bit.
     """
+    if quantized:
+        return quantized_attention_with_weights(queries, keys, values, scale, mask, *quantized)
     grouped = grouped and queries.shape[2] == 1
     if compiled and queries.shape[2] == 1 and (mask is None or isinstance(mask, mx.array)):
         if mask is None:
             return (_decode_grouped_no_mask if grouped else _decode_no_mask)(queries, keys, values, scale)
         return (_decode_grouped_masked if grouped else _decode_masked)(queries, keys, values, scale, mask)
     return _attention(queries, keys, values, scale, mask, grouped)
+
+
+def quantized_attention_with_weights(queries, q_keys, q_values, scale: float, mask, group_size: int, bits: int):
+    """:func:`attention_with_weights` over quantized rows (``q_keys``, ``q_values``: ``mx.quantize`` triples
+    [B, H, L, *]): the output [B, Hq, S, Dv] and the weights [B, H, G, S, L] of mlx-lm's
+    ``quantized_scaled_dot_product_attention``, op for op (its output bit for bit)::
+
+        w = softmax(quantized_matmul(scale * q, K^T) + mask)   (a bool mask: the dtype's lowest where False)
+        out = quantized_matmul(w, V)
+    """
+    B, Hq, S, D = queries.shape
+    H = q_keys[0].shape[-3]
+    G = Hq // H
+    queries = queries * scale
+    if G > 1:
+        queries = mx.reshape(queries, (B, H, G, S, D))
+        q_keys = tuple(mx.expand_dims(x, axis=-3) for x in q_keys)
+        q_values = tuple(mx.expand_dims(x, axis=-3) for x in q_values)
+    logits = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
+    if mask is not None:
+        if isinstance(mask, str):
+            if mask != "causal":
+                raise ValueError(f"attention mask must be None, 'causal' or an array (got {mask!r})")
+            qL, kL = logits.shape[-2:]
+            mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]
+        if G > 1 and mask.ndim > 3:
+            mask = grouped_mask(mask, H, G)
+        if mask.dtype == mx.bool_:
+            logits = mx.where(mask, logits, mx.finfo(logits.dtype).min)
+        else:
+            logits = logits + mask
+    weights = mx.softmax(logits, axis=-1, precise=True)
+    out = mx.quantized_matmul(weights, *q_values, transpose=False, group_size=group_size, bits=bits)
+    if G > 1:
+        out = mx.reshape(out, (B, Hq, S, -1))
+    else:
+        weights = weights[:, :, None]
+    return out, weights
 
 
 def _attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, grouped: bool = False):

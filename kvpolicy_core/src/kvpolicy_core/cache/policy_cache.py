@@ -37,7 +37,6 @@ the hook is refused, before anything changes, when the install was removed or a 
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -59,6 +58,7 @@ from .row_state import RowState
 from .slots import FIELDS, SlotStore, Token
 from .state import from_state, load_state, meta_json, state_of
 from .step import PolicyStep
+from .storage import QuantizedRows, storage_for
 
 
 def _slot(name: str) -> property:
@@ -96,7 +96,13 @@ class PolicyCache(CacheDiagnostics):
         needs = self._step.needs  # what the parts need of the cache (kvpolicy_core.parts.base.policy_needs)
         #: the policy keeps per-slot attention log-weights (added to the logits by the hook)
         self.uses_log_weights = needs.log_weights
-        self._slots = SlotStore(self.step, track_log_weights=self.uses_log_weights, track_key_norms=needs.key_norms)
+        cfg = self.policy.config
+        rows = storage_for(getattr(cfg, "kv_bits", None), getattr(cfg, "kv_group_size", None))
+        self._slots = SlotStore(
+            self.step, track_log_weights=self.uses_log_weights, track_key_norms=needs.key_norms, rows=rows
+        )
+        if rows.bits is not None:  # mlx-lm's attention takes the quantized path for a cache with these
+            self.bits, self.group_size = rows.bits, rows.group_size
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
         self._attended, self._last_S, self._updates = True, 0, 0
@@ -208,16 +214,31 @@ class PolicyCache(CacheDiagnostics):
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PolicyCache":
-        """mlx-lm's ``kv_bits`` hook (it calls this on each cache that has it): a policy cache is not
-        quantized, so this warns (once per cache) that ``kv_bits`` is ignored and returns the cache itself."""
-        if not getattr(self, "_warned_kv_bits", False):
-            self._warned_kv_bits = True
-            warnings.warn(
-                f"layer {self.layer}: kv_bits={bits} is ignored: kvpolicy's PolicyCache keeps keys and "
-                "values unquantized (the policy bounds the cache to its budget instead)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        """mlx-lm's ``kv_bits`` hook (``generate_step`` calls it on every cache once ``quantized_kv_start`` tokens
+        are in): from now on this cache stores its kept rows quantized (:class:`~.storage.QuantizedRows`: the rows
+        held are quantized once, new rows as they come), under the same policy. Returns the cache itself; a cache
+        already quantized so is left as it is, one quantized otherwise is refused (ValueError)."""
+        sl = self._slots
+        if sl.rows.bits is not None:
+            if (sl.rows.bits, sl.rows.group_size) != (bits, group_size):
+                raise ValueError(
+                    f"layer {self.layer}: this cache stores kv_bits={sl.rows.bits}, kv_group_size={sl.rows.group_size}"
+                    f"; mlx-lm asks for kv_bits={bits}, kv_group_size={group_size}: give one of them"
+                )
+            return self
+        rows = QuantizedRows(bits, group_size)
+        if sl.keys is not None:
+            D, Dv = sl.dims
+            rows.check_head_dim(D, self.layer)
+            rows.check_head_dim(Dv, self.layer)
+            keys, values = sl.decoded()
+            dtypes = sl.dtypes
+            sl.rows = rows
+            sl.keys, sl.values = rows.encode(keys), rows.encode(values)
+            sl.dtypes = dtypes
+        else:
+            sl.rows = rows
+        self.bits, self.group_size = bits, group_size
         return self
 
     def size(self) -> int:
@@ -354,8 +375,9 @@ class PolicyCache(CacheDiagnostics):
             values,
             scale,
             mask,
-            compiled=self.n == self._slots.keys.shape[2],
+            compiled=self.n == self._slots.capacity,
             grouped=self.offset > self.n,
+            quantized=getattr(self, "bits", None) and (self.group_size, self.bits),
         )
         run = dict(self._run)  # adopted only if the scorer succeeds (as in before_attention)
         self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)
@@ -455,7 +477,7 @@ class PolicyCache(CacheDiagnostics):
             zero = mx.array(0, dtype=mx.int32)
             self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
         if token is not None:
-            sl.write(token, losers, update, compiled=self.n == sl.keys.shape[2])
+            sl.write(token, losers, update, compiled=self.n == sl.capacity)
         elif update is not None:
             sl.add(update)
         return losers

@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple, Optional, Tuple, Union
 import mlx.core as mx
 
 from ..parts.base import CacheView, MergeUpdate, key_norm
+from .storage import DenseRows, Rows, concat_rows, first_rows, leaves, length, nbytes, put_rows, take_rows, update_rows
 
 _INT_MAX = 2**31 - 1
 FIELDS = ("keys", "values", "positions", "scores", "n")
@@ -58,11 +59,10 @@ def _inside(delta: mx.array, inside: mx.array) -> mx.array:
     return mx.where(inside[..., None] if delta.ndim == 4 else inside, delta, _nothing(delta))
 
 
-def _kept(delta: mx.array, buffer: mx.array, targets: mx.array) -> mx.array:
+def _kept(delta: mx.array, rows: mx.array) -> mx.array:
     """``delta`` [B, H, T(, D)] in float32 (as it is added), with -0.0 (adds nothing) where it is NaN or inf but the
-    buffer's element at its target (``targets`` [B, H, T] into buffer [B, H, L(, D)]) is finite."""
+    buffer's element at its target (``rows`` [B, H, T(, D)], the targets' current elements) is finite."""
     d = delta if delta.dtype == mx.float32 else delta.astype(mx.float32)
-    rows = mx.take_along_axis(buffer, targets[..., None] if buffer.ndim == 4 else targets, axis=2)
     return mx.where(mx.isfinite(d) | ~mx.isfinite(rows), d, _nothing(d))
 
 
@@ -79,20 +79,21 @@ def _stored(total: mx.array, old: mx.array) -> mx.array:
     return mx.where(mx.isfinite(old), saturated, total).astype(old.dtype)
 
 
-def _merged(buffer: mx.array, t: mx.array, delta: mx.array) -> Tuple[mx.array, mx.array]:
-    """``buffer`` [B, H, L, D] with the float32 ``delta`` [B, H, T, D] added at ``t`` [B, H, T] (repeats sum) in
-    float32, stored by :func:`_stored`; and the new target rows [B, H, T, D]. One target per row (decode): the
-    rows alone (the buffer can be updated in place); more: a float32 sum over the buffer, read back at ``t``."""
-    idx = t[..., None]
-    old = mx.take_along_axis(buffer, idx, axis=2)
+def _merged(rows: Rows, buffer, dtype, t: mx.array, old: mx.array, delta: mx.array):
+    """``buffer`` (stored rows, :mod:`.storage`) with the float32 ``delta`` [B, H, T, D] added at ``t`` [B, H, T]
+    (repeats sum) in float32, stored by :func:`_stored` and encoded; and the new target rows [B, H, T, D] (``dtype``,
+    decoded from what is stored). ``old``: the targets' rows [B, H, T, D] before. One target per row (decode):
+    the rows alone (only they are decoded and re-encoded); more: a float32 sum over the decoded buffer, read back
+    at ``t``."""
     if t.shape[-1] == 1:
         total = old.astype(mx.float32) + delta
     else:
         B, H = t.shape[:2]
         bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
-        total = mx.take_along_axis(buffer.astype(mx.float32).at[bi, hi, t].add(delta), idx, axis=2)
-    rows = _stored(total, old)
-    return mx.put_along_axis(buffer, idx, rows, axis=2), rows
+        full = rows.decode(buffer, dtype).astype(mx.float32).at[bi, hi, t].add(delta)
+        total = mx.take_along_axis(full, t[..., None], axis=2)
+    new = rows.encode(_stored(total, old))
+    return put_rows(buffer, t, new), rows.decode(new, dtype)
 
 
 #: the store fields a decode write reads and writes, in the order its compiled call takes them
@@ -102,16 +103,17 @@ _UPDATE_FIELDS = ("d_keys", "d_values", "d_scores", "d_log_weights")
 _writes: dict = {}  # compiled decode writes without a choice, per (store fields, update fields)
 
 
-def _write_graph(fields: Tuple[str, ...], deltas: Tuple[str, ...]) -> Callable:
+def _write_graph(fields: Tuple[str, ...], deltas: Tuple[str, ...], rows: Rows, dtypes) -> Callable:
     """:meth:`SlotStore.write`'s ops as a function of arrays, for ``mx.compile``: ``f(keys, values, offset, losers,
     [targets], *buffers, *deltas) -> buffers`` (targets and deltas only with an update)."""
 
     def fn(keys, values, offset, losers, *arrays):
         n_t = bool(deltas)
         head, bufs, rest = arrays[:n_t], arrays[n_t : n_t + len(fields)], arrays[n_t + len(fields) :]
-        store = SlotStore(track_log_weights="log_weights" in fields, track_key_norms="key_norms" in fields)
+        store = SlotStore(track_log_weights="log_weights" in fields, track_key_norms="key_norms" in fields, rows=rows)
+        store.dtypes = dtypes
         for f, x in zip(fields, bufs):  # _keys first: the keys setter would reset key_norms
-            setattr(store, f, x)
+            setattr(store, f, tuple(x) if isinstance(x, list) else x)
         if deltas:
             store.add(MergeUpdate(head[0], **dict(zip(deltas, rest))))
         store._put(losers, keys, values, offset)
@@ -120,19 +122,25 @@ def _write_graph(fields: Tuple[str, ...], deltas: Tuple[str, ...]) -> Callable:
     return fn
 
 
-def _compiled_write(fields: Tuple[str, ...], deltas: Tuple[str, ...]) -> Callable:
-    """:func:`_write_graph` compiled, one per layout (shared by every layer; MLX retraces on a new shape or dtype)."""
-    if (fields, deltas) not in _writes:
-        _writes[fields, deltas] = mx.compile(_write_graph(fields, deltas))
-    return _writes[fields, deltas]
+def _compiled_write(fields: Tuple[str, ...], deltas: Tuple[str, ...], rows: Rows, dtypes) -> Callable:
+    """:func:`_write_graph` compiled, one per layout and storage (shared by every layer; MLX retraces on a new shape
+    or dtype)."""
+    key = (fields, deltas, type(rows), tuple(sorted(rows.describe().items())), dtypes)
+    if key not in _writes:
+        _writes[key] = mx.compile(_write_graph(fields, deltas, rows, dtypes))
+    return _writes[key]
 
 
 class SlotStore:
     """Buffers of one layer's retained tokens; knows nothing about policies."""
 
-    def __init__(self, step: int = 256, track_log_weights: bool = False, track_key_norms: bool = False) -> None:
+    def __init__(
+        self, step: int = 256, track_log_weights: bool = False, track_key_norms: bool = False, rows: Rows = None
+    ) -> None:
         self.step = step
         self.track_log_weights, self.track_key_norms = track_log_weights, track_key_norms
+        self.rows = DenseRows() if rows is None else rows  #: how keys and values are stored (:mod:`.storage`)
+        self._dtype_names = None  # (keys, values) dtype names of the model's rows (names: MLX dtypes do not copy)
         self.keys = self.values = self.positions = self.scores = self.log_weights = None
         self.n = 0
 
@@ -146,8 +154,46 @@ class SlotStore:
         return {k: v for k, v in self.__dict__.items() if k != "_accepted"}
 
     @property
-    def keys(self) -> Optional[mx.array]:
+    def keys(self):
+        """The stored keys (:mod:`.storage`: an array [B, H, cap, D] for floating rows), or None."""
         return self._keys
+
+    @property
+    def dtypes(self):
+        """(keys, values) dtypes of the model's rows (what decoding gives back), from the first rows stored; None
+        before, or after a load of floating rows in another dtype than the model's (the next input's are taken)."""
+        if self._dtype_names is None:
+            return None if self._keys is None else self.rows.model_dtypes(self._keys, self.values)
+        return tuple(getattr(mx, n) for n in self._dtype_names)
+
+    @dtypes.setter
+    def dtypes(self, value) -> None:
+        self._dtype_names = None if value is None else tuple(str(d).removeprefix("mlx.core.") for d in value)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None else length(self._keys)
+
+    def shape(self) -> Tuple[int, int, int, int]:
+        """(B, H, D, Dv) of the rows held (the keys must be set)."""
+        k = leaves(self._keys)[0]
+        return k.shape[0], k.shape[1], self.dims[0], self.dims[1]
+
+    @property
+    def dims(self) -> Tuple[int, int]:
+        """(D, Dv), the head dims of the model's keys and values (the keys must be set)."""
+        if self.rows.bits is None:
+            return self._keys.shape[3], self.values.shape[3]
+        return self._keys[1].shape[3] * self.rows.group_size, self.values[1].shape[3] * self.rows.group_size
+
+    def decoded(self, n: Optional[int] = None) -> Tuple[mx.array, mx.array]:
+        """(keys [B, H, n, D], values [B, H, n, Dv]) of the first ``n`` slots (all when None) in the model's dtypes."""
+        n = self.capacity if n is None else n
+        kd, vd = self.dtypes
+        return (
+            self.rows.decode(first_rows(self._keys, n), kd),
+            self.rows.decode(first_rows(self.values, n), vd),
+        )
 
     @keys.setter
     def keys(self, value: Optional[mx.array]) -> None:
@@ -160,7 +206,7 @@ class SlotStore:
         if not self.track_key_norms or self._keys is None:
             return None
         if self.key_norms is None:
-            self.key_norms = key_norm(self._keys)
+            self.key_norms = key_norm(self.decoded()[0])
         return self.key_norms
 
     def norms_read(self, keys: mx.array) -> mx.array:
@@ -182,7 +228,8 @@ class SlotStore:
         :func:`.restore_checks.check_restored`); tracked log-weights not given are all zero."""
         if log_weights is None and self.track_log_weights and scores is not None:
             log_weights = mx.zeros(scores.shape, mx.float32)
-        self.restore(Snapshot(keys, values, positions, scores, 0 if keys is None else keys.shape[2], log_weights))
+        self.restore(Snapshot(keys, values, positions, scores, 0 if keys is None else length(keys), log_weights))
+        self.dtypes = None
 
     def check_input(self, keys: mx.array, values: mx.array, layer: int) -> None:
         """Raise ValueError unless keys/values [B, H, S, D(v)] fit these buffers (same B, H, D, Dv, dtype).
@@ -195,18 +242,9 @@ class SlotStore:
             and type(keys) is mx.array
             and type(values) is mx.array
             and (keys.shape, values.shape, keys.dtype, values.dtype) == self._accepted
-            and self.values.dtype == values.dtype
-            and self.values.shape[3] == values.shape[3]
         ):
-            return  # the shapes and dtypes of the last accepted input (decode's steady state), values unchanged
-        known = (
-            self.keys is not None
-            and isinstance(keys, mx.array)
-            and isinstance(values, mx.array)
-            and keys.dtype == self.keys.dtype
-            and values.dtype == self.values.dtype
-        )  # floating, checked before
-        for name, x in () if known else (("keys", keys), ("values", values)):
+            return  # the shapes and dtypes of the last accepted input (decode's steady state)
+        for name, x in ("keys", keys), ("values", values):
             if not isinstance(x, mx.array):
                 raise TypeError(
                     f"layer {layer}: {name} must be an mlx.core.array (got {type(x).__module__}."
@@ -229,34 +267,26 @@ class SlotStore:
                 f"layer {layer}: keys and values need a head dim of at least 1 (got keys "
                 f"{tuple(keys.shape)}, values {tuple(values.shape)})"
             )
-        if self.keys is None:
-            return
-        if (
-            keys.dtype == self.keys.dtype
-            and values.dtype == self.values.dtype
-            and keys.shape[:2] == self.keys.shape[:2]
-            and keys.shape[3] == self.keys.shape[3]
-            and values.shape[3] == self.values.shape[3]
-        ):
-            self._accepted = (keys.shape, values.shape, keys.dtype, values.dtype)
-            return  # the common case, decided without building the error's tuples
-        have = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
-        got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
-        if have != got:
-            raise ValueError(
-                f"layer {layer}: (batch, kv_heads, key_dim, value_dim) changed from {have} to {got}; "
-                "a cache serves one batch with fixed heads and head dims: build fresh caches"
-            )
-        if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
-            name, have, got = (
-                ("keys", self.keys.dtype, keys.dtype)
-                if keys.dtype != self.keys.dtype
-                else ("values", self.values.dtype, values.dtype)
-            )
-            raise ValueError(
-                f"layer {layer}: {name} dtype changed from {have} to {got}; "
-                "a cache keeps the dtype it was first given: build fresh caches"
-            )
+        self.rows.check_head_dim(keys.shape[3], layer)
+        self.rows.check_head_dim(values.shape[3], layer)
+        if self._keys is not None:
+            have, got = self.shape(), (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+            if have != got:
+                raise ValueError(
+                    f"layer {layer}: (batch, kv_heads, key_dim, value_dim) changed from {have} to {got}; "
+                    "a cache serves one batch with fixed heads and head dims: build fresh caches"
+                )
+            if self.dtypes is not None and (keys.dtype, values.dtype) != self.dtypes:
+                name, have, got = (
+                    ("keys", self.dtypes[0], keys.dtype)
+                    if keys.dtype != self.dtypes[0]
+                    else ("values", self.dtypes[1], values.dtype)
+                )
+                raise ValueError(
+                    f"layer {layer}: {name} dtype changed from {have} to {got}; "
+                    "a cache keeps the dtype it was first given: build fresh caches"
+                )
+        self._accepted = (keys.shape, values.shape, keys.dtype, values.dtype)
 
     def view(
         self,
@@ -270,22 +300,25 @@ class SlotStore:
         split of the KV heads: these H heads are global heads ``rank * H ..`` of ``size * H``;
         ``run``: the scorer's dict for the current run of prompt chunks (``CacheView.run``); ``offset``: tokens
         seen, an int or per row an int32 array [B, 1, 1] (``CacheView.offset`` reads either as the array)."""
-        n, keys, (rank, size) = self.n, self._keys, head_shard
-        H = keys.shape[1]
+        n, (rank, size) = self.n, head_shard
+        H = leaves(self._keys)[0].shape[1]
         norms = self._norms()
-        values, positions = self.values, self.positions
-        if n != keys.shape[2]:  # a full buffer (decode's steady state) is viewed whole: no slice nodes
-            keys, values, positions = keys[..., :n, :], values[..., :n, :], positions[..., :n]
+        keys, values = self.decoded(n)
+        positions = self.positions
+        if n != positions.shape[-1]:  # a full buffer (decode's steady state) is viewed whole: no slice nodes
+            positions = positions[..., :n]
             norms = None if norms is None else norms[..., :n]
         return CacheView(
             keys, values, positions, self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights, run, norms
         )
 
-    def valid(self) -> Tuple[mx.array, mx.array]:
-        """(keys, values) of the n valid slots (the buffers themselves when full)."""
-        if self.n == self.keys.shape[2]:
-            return self.keys, self.values
-        return self.keys[..., : self.n, :], self.values[..., : self.n, :]
+    def valid(self):
+        """(keys, values) of the n valid slots as attention reads them (:meth:`.storage.Rows.for_attention`: the
+        buffers themselves when full and stored in the model's dtype; quantized rows as mlx-lm's quantized
+        attention takes them)."""
+        kd, vd = self.dtypes
+        k, v = first_rows(self._keys, self.n), first_rows(self.values, self.n)
+        return self.rows.for_attention(k, kd), self.rows.for_attention(v, vd)
 
     def append(self, keys: mx.array, values: mx.array, offset: int, steady: int) -> None:
         """Write S new tokens (positions ``offset .. offset+S-1``, score 0) after the n valid slots.
@@ -295,12 +328,14 @@ class SlotStore:
         """
         B, H, S, D = keys.shape
         need = self.n + S
-        cap = 0 if self.keys is None else self.keys.shape[2]
+        if self.keys is None or self.dtypes is None:
+            self.dtypes = (keys.dtype, values.dtype)
+        cap = self.capacity
         if need > cap:
             new_cap = min(-(-need // self.step) * self.step, steady) if need <= steady else need
             grow = new_cap - self.n
-            k_new = mx.zeros((B, H, grow, D), keys.dtype)
-            v_new = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            k_new = self.rows.encode(mx.zeros((B, H, grow, D), keys.dtype))
+            v_new = self.rows.encode(mx.zeros((B, H, grow, values.shape[3]), values.dtype))
             p_new = mx.zeros((B, H, grow), mx.int32)
             if self.keys is None:
                 self.keys, self.values, self.positions = k_new, v_new, p_new
@@ -311,15 +346,18 @@ class SlotStore:
                     self.key_norms = mx.concatenate(
                         [self.key_norms[..., :n], mx.zeros((B, H, grow), mx.float32)], axis=2
                     )
-                self._keys = mx.concatenate([self.keys[..., :n, :], k_new], axis=2)
-                self.values = mx.concatenate([self.values[..., :n, :], v_new], axis=2)
+                self._keys = concat_rows(first_rows(self._keys, n), k_new)
+                self.values = concat_rows(first_rows(self.values, n), v_new)
                 self.positions = mx.concatenate([self.positions[..., :n], p_new], axis=2)
         n = self.n
         at = mx.array([0, 0, n, 0])
+        k_rows = self.rows.encode(keys)
         if self.key_norms is not None:
-            self.key_norms = mx.slice_update(self.key_norms, key_norm(keys), at[:3], axes=(0, 1, 2))
-        self._keys = mx.slice_update(self.keys, keys, at, axes=(0, 1, 2, 3))
-        self.values = mx.slice_update(self.values, values, at, axes=(0, 1, 2, 3))
+            self.key_norms = mx.slice_update(
+                self.key_norms, key_norm(self.rows.decode(k_rows, keys.dtype)), at[:3], axes=(0, 1, 2)
+            )
+        self._keys = update_rows(self._keys, k_rows, n)
+        self.values = update_rows(self.values, self.rows.encode(values), n)
         new_pos = mx.broadcast_to(mx.arange(offset, offset + S, dtype=mx.int32), (B, H, S))
         self.positions = mx.slice_update(self.positions, new_pos, at[:3], axes=(0, 1, 2))
         self.scores = mx.concatenate([self.scores[..., :n], mx.zeros((B, H, S), mx.float32)], axis=2)
@@ -345,12 +383,13 @@ class SlotStore:
             head = [update.targets] if deltas else []
             arrays = head + [getattr(self, f) for f in fields] + [getattr(update, f) for f in deltas]
             try:
-                out = _compiled_write(fields, deltas)(token.keys, token.values, offset, losers, *arrays)
+                write = _compiled_write(fields, deltas, self.rows, self.dtypes)
+                out = write(token.keys, token.values, offset, losers, *arrays)
             except Exception:  # not traceable here (nothing written yet): the same ops, eager
                 out = None
             if out is not None:
                 for f, x in zip(fields, out):
-                    setattr(self, f, x)
+                    setattr(self, f, tuple(x) if isinstance(x, list) else x)
                 return
         if update is not None:
             self.add(update)
@@ -358,11 +397,12 @@ class SlotStore:
 
     def _put(self, slots: mx.array, keys: mx.array, values: mx.array, offset: mx.array) -> None:
         """The new token [B, H, 1, D(v)] (position ``offset``, an int32 array; score 0) into ``slots`` [B, H, 1]."""
-        idx = slots[..., None]  # [B, H, 1, 1]
+        k_rows = self.rows.encode(keys)
         if self.key_norms is not None:
-            self.key_norms = mx.put_along_axis(self.key_norms, slots, key_norm(keys), axis=2)
-        self._keys = mx.put_along_axis(self._keys, idx, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, idx, values, axis=2)
+            norms = key_norm(self.rows.decode(k_rows, keys.dtype))
+            self.key_norms = mx.put_along_axis(self.key_norms, slots, norms, axis=2)
+        self._keys = put_rows(self._keys, slots, k_rows)
+        self.values = put_rows(self.values, slots, self.rows.encode(values))
         self.positions = mx.put_along_axis(self.positions, slots, offset, axis=2)
         self.scores = mx.put_along_axis(self.scores, slots, mx.array(0.0, dtype=mx.float32), axis=2)
         if self.log_weights is not None:
@@ -374,10 +414,12 @@ class SlotStore:
         pos = self.positions[..., :n]
         gone = mx.put_along_axis(mx.zeros(pos.shape, mx.bool_), losers, mx.array(True), axis=2)
         order = mx.argsort(mx.where(gone, _INT_MAX, pos), axis=-1)[..., :keep_n]
-        take = lambda x: mx.take_along_axis(x[..., :n, :], order[..., None], axis=2)  # noqa: E731
         if self.key_norms is not None:
             self.key_norms = mx.take_along_axis(self.key_norms[..., :n], order, axis=-1)
-        self._keys, self.values = take(self.keys), take(self.values)
+        self._keys, self.values = (
+            take_rows(first_rows(self._keys, n), order),
+            take_rows(first_rows(self.values, n), order),
+        )
         self.positions = mx.take_along_axis(pos, order, axis=-1)
         self.scores = mx.take_along_axis(self.scores, order, axis=-1)
         if self.log_weights is not None:
@@ -403,14 +445,18 @@ class SlotStore:
         (:mod:`.step`; the guards are then the identity); later decode updates come here unchecked, and these
         guards are what protects the cache from a broken one.
         """
-        B, H = self.keys.shape[:2]
+        B, H = self.shape()[:2]
         bi, hi = mx.arange(B)[:, None, None], mx.arange(H)[None, :, None]
         t = u.targets.astype(mx.int32)
         inside = (t >= 0) & (t < self.scores.shape[-1])  # outside the n valid slots: adds nothing (no bounds check)
         t = mx.where(inside, t, 0)
+        kd, vd = self.dtypes
+        old_v = None if u.d_values is None else self.rows.decode(take_rows(self.values, t), vd)
+        old_k = None if u.d_keys is None else self.rows.decode(take_rows(self._keys, t), kd)
+        old_s = None if u.d_scores is None else mx.take_along_axis(self.scores, t, axis=2)
         d_values, d_keys, d_scores = (
-            None if d is None else _inside(_kept(d, buf, t), inside)
-            for d, buf in ((u.d_values, self.values), (u.d_keys, self._keys), (u.d_scores, self.scores))
+            None if d is None else _inside(_kept(d, old), inside)
+            for d, old in ((u.d_values, old_v), (u.d_keys, old_k), (u.d_scores, old_s))
         )
         d_lw = getattr(u, "d_log_weights", None)
         if d_lw is not None:
@@ -426,11 +472,11 @@ class SlotStore:
             None if d is None else mx.where(changes, d, _nothing(d)) for d in (d_values, d_keys, d_scores)
         )
         if d_values is not None:
-            self.values, _ = _merged(self.values, t, d_values)
+            self.values, _ = _merged(self.rows, self.values, vd, t, old_v, d_values)
         if d_keys is not None:
             # the merged rows and their norms come from the old rows (one target per row at decode: the new keys
             # have one consumer, the next write, and MLX can update the buffer in place)
-            self._keys, rows = _merged(self._keys, t, d_keys)
+            self._keys, rows = _merged(self.rows, self._keys, kd, t, old_k, d_keys)
             if self.key_norms is not None:  # the changed rows only (duplicate targets write the same norm)
                 norms = mx.where(changes, key_norm(rows), mx.take_along_axis(self.key_norms, t, axis=2))
                 self.key_norms = mx.put_along_axis(self.key_norms, t, norms, axis=2)
@@ -446,9 +492,10 @@ class SlotStore:
         n = self.n
         order = mx.argsort(self.positions[..., :n], axis=-1)
         take = lambda x: mx.take_along_axis(x, order[..., None], axis=2)  # noqa: E731
+        keys, values = self.decoded(n)
         return (
-            take(self.keys[..., :n, :]),
-            take(self.values[..., :n, :]),
+            take(keys),
+            take(values),
             mx.take_along_axis(self.positions[..., :n], order, axis=-1),
             mx.take_along_axis(self.scores, order, axis=-1),
         )
@@ -456,8 +503,7 @@ class SlotStore:
     def bytes_per_token(self) -> int:
         if self.keys is None:
             return 0
-        B, H, _, D = self.keys.shape
-        return B * H * (D * self.keys.itemsize + self.values.shape[-1] * self.values.itemsize)
+        return (nbytes(self._keys) + nbytes(self.values)) // max(1, self.capacity)
 
     @property
     def nbytes(self) -> int:
@@ -465,4 +511,4 @@ class SlotStore:
             return 0
         lw = 0 if self.log_weights is None else self.log_weights.nbytes
         kn = 0 if self.key_norms is None else self.key_norms.nbytes
-        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + self.scores.nbytes + lw + kn
+        return nbytes(self._keys) + nbytes(self.values) + self.positions.nbytes + self.scores.nbytes + lw + kn

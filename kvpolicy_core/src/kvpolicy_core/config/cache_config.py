@@ -65,6 +65,14 @@ class KVCacheConfig(BaseModel):
         "given, the caches are built with the largest budget that fits on the model (its layer shapes, dtype and "
         "allocation), in place of `budget`.",
     )
+    kv_bits: Optional[Literal[2, 3, 4, 5, 6, 8]] = Field(
+        None,
+        description="Store the kept keys and values quantized to this many bits (mx.quantize per token row, as "
+        "mlx-lm's QuantizedKVCache: 4 or 8 are the usual choices), under any method; None: the model's dtype.",
+    )
+    kv_group_size: Literal[32, 64, 128] = Field(
+        64, description="Elements per quantization group of a row (with kv_bits); must divide the head dim."
+    )
     policy: SerializeAsAny[PolicyConfig]
 
     def __init__(self, /, **data: Any) -> None:
@@ -83,7 +91,7 @@ class KVCacheConfig(BaseModel):
     def _bytes(cls, value: Any) -> Any:
         return parse_bytes(value)
 
-    @field_validator("seed", "head_dim", mode="before")
+    @field_validator("seed", "head_dim", "kv_bits", "kv_group_size", mode="before")
     @classmethod
     def _no_bools(cls, value: Any) -> Any:
         if isinstance(value, bool):  # pydantic would take True as 1
@@ -125,7 +133,7 @@ class KVCacheConfig(BaseModel):
     def to_string(self) -> str:
         """The config-string form of this config (only the fields needed to give it back)."""
         items = _needed_fields(self.policy)
-        for key in ("head_dim", "seed", "layers", "kv_memory"):
+        for key in ("head_dim", "seed", "layers", "kv_memory", "kv_bits", "kv_group_size"):
             if getattr(self, key) != type(self).model_fields[key].default:
                 items[key] = getattr(self, key)
         body = ",".join(f"{k}={_fmt(v)}" for k, v in items.items())

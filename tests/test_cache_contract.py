@@ -332,15 +332,17 @@ def test_trim_rejects_a_negative_count_and_leaves_the_cache_usable():
 
 
 # ----------------------------------------------------------------------------- mlx-lm's generation options
-def test_kv_bits_with_policy_caches_warns_instead_of_being_ignored_silently():
+def test_kv_bits_on_a_head_dim_it_cannot_quantize_is_a_clear_error():
+    """mlx-lm's kv_bits quantizes policy caches (tests/test_quantized_storage.py); a head dim no group size divides
+    (the tiny model's 16) is refused naming kv_group_size, never quantized wrongly or ignored."""
     from mlx_lm.generate import generate_step
 
     model = tiny_llama()
     caches = KVCacheBuilder.for_model(model, "h2o:budget=8")
-    with pytest.warns(RuntimeWarning, match="kv_bits=4 is ignored"):
+    with pytest.raises(ValueError, match="kv_group_size=64 does not divide the head dim 16"):
         for _, (token, _) in zip(
             range(3),
             generate_step(mx.array([1, 2, 3, 4, 5]), model, prompt_cache=caches, kv_bits=4, quantized_kv_start=0),
         ):
             pass
-    assert all(isinstance(c, PolicyCache) for c in caches) and caches[0].offset >= 6
+    assert all(isinstance(c, PolicyCache) and c.storage.bits is None for c in caches)

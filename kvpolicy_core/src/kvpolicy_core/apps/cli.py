@@ -85,6 +85,20 @@ def _with_budget(spec: Any, budget: Optional[int]) -> Any:
     return parse_config(value, budget=budget)
 
 
+def _with_storage(spec: Any, args) -> Any:
+    """``spec`` with ``--kv-bits``/``--kv-group-size`` (its kept rows stored quantized) where it is a policy;
+    other caches (``full``, ``rotating``) are left as they are."""
+    from ..eval.perplexity import parse_spec
+
+    bits = getattr(args, "kv_bits", None)
+    kind, value = parse_spec(spec)
+    if bits is None or kind != "policy":
+        return spec
+    from ..config.parse import parse_config
+
+    return parse_config(value, kv_bits=bits, kv_group_size=args.kv_group_size)
+
+
 def _with_memory(spec: Any, kv_memory: Optional[str]) -> Any:
     """``spec`` with ``kv_memory`` (bytes for the kept cache: the builder picks the budget) where it is a policy."""
     from ..eval.perplexity import parse_spec
@@ -245,7 +259,7 @@ def cmd_generate(args) -> int:
         return _generate_from_prompt_cache(args)
     if args.kv_memory is not None and args.budget is not None:
         raise CLIError("give --budget or --kv-memory, not both")
-    spec = _with_memory(_with_budget(_spec_from_args(args), args.budget), args.kv_memory)
+    spec = _with_storage(_with_memory(_with_budget(_spec_from_args(args), args.budget), args.kv_memory), args)
     prompt = _read_prompt(args)
     model, tokenizer, _ = _load_model(args.model, args.dtype, args.parallel)
     caches = make_caches(model, spec)
@@ -435,6 +449,18 @@ def format_table(results: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def storage_args(p) -> None:
+    """``--kv-bits`` and ``--kv-group-size``: the policy caches store their kept rows quantized."""
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=[2, 3, 4, 5, 6, 8],
+        help="store the kept keys and values quantized to this many bits (as mlx-lm's QuantizedKVCache), under the "
+        "method's eviction",
+    )
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64, help="with --kv-bits (default 64)")
+
+
 def cmd_eval(args) -> int:
     from ..eval.perplexity import perplexity, spec_label
     from ..model.corpus import load_corpus
@@ -455,7 +481,7 @@ def cmd_eval(args) -> int:
     runs: List[Any] = []
     for spec in specs:
         for b in budgets:
-            item = _with_budget(spec, b)
+            item = _with_storage(_with_budget(spec, b), args)
             if spec_label(item) not in [spec_label(r) for r in runs]:
                 runs.append(item)
     if args.task != "perplexity":
@@ -679,6 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="bytes the kept cache may take (512MB, 2GB, 1.5GiB): the largest budget that fits on the model",
     )
+    storage_args(g)
     g.add_argument("--max-tokens", type=int, default=100)
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     g.add_argument("--json", action="store_true", help="print the summary as JSON (stderr)")
@@ -713,6 +740,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--config", help="JSON or TOML file with one more config")
     e.add_argument("--budget", type=int, action="append", help="budget(s) applied to every bounded method")
+    storage_args(e)
     e.add_argument("--tokens", type=int, default=512, help="tokens of text to evaluate (default 512)")
     e.add_argument("--chunk", type=int, default=1, help="tokens fed per step (1: the StreamingLLM recipe)")
     e.add_argument("--file", action="append", help="text file(s) to evaluate (default: pydoc topics)")

@@ -349,6 +349,12 @@ def _server_classes():
                 self.model.set_dtype(mx.float32)
             elif self.dtype != "auto":
                 self.model.set_dtype(getattr(mx, self.dtype))
+            if self.cli_args.kv_bits is not None:  # the policy caches store their rows quantized: mlx-lm then batches
+                self.kv_config = self.kv_config.replace(
+                    kv_bits=int(self.cli_args.kv_bits), kv_group_size=int(self.cli_args.kv_group_size)
+                )
+                self.cli_args.kv_bits = None
+                self.stats.config = self.kv_config
             if self.kv_memory is not None:  # the server's limit shared by the requests in flight (request_memory)
                 self.kv_config = self.kv_config.replace(kv_memory=request_memory(self.model, self.kv_config, self))
                 self.stats.config = self.kv_config
@@ -359,7 +365,7 @@ def _server_classes():
             self.stats.budget = round(sum(budgets) / len(budgets)) if budgets else None  # per layer, on average
             self.vocab_size = _vocab_size(self.model, self.tokenizer)
             self.stats.model_path = str(model_path)
-            # mlx-lm batches only without --kv-bits (ResponseGenerator._is_batchable)
+            # mlx-lm batches only without its own --kv-bits (ResponseGenerator._is_batchable); ours is in the caches
             self.stats.batching = self.is_batchable and self.cli_args.kv_bits is None
 
         def loaded_for(self, model, adapter, draft):

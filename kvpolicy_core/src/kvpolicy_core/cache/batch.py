@@ -37,6 +37,7 @@ import threading
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
 from ..errors import KVPolicyError
 from ..parts.attention_scorer import causal_allowed
@@ -83,16 +84,29 @@ class BatchPolicyCache:
         for i, r in enumerate(rows):
             if self.row_class is None or not isinstance(r, self.row_class):
                 raise KVPolicyError(f"BatchPolicyCache row {i}: expected a PolicyCache, got {type(r).__name__}")
-            if r.keys is not None and r.keys.shape[0] != 1:
+            if r.keys is not None and r._slots.shape()[0] != 1:
                 raise KVPolicyError(
                     f"BatchPolicyCache row {i}: a row holds one sequence, but this cache holds "
-                    f"a batch of {r.keys.shape[0]}"
+                    f"a batch of {r._slots.shape()[0]}"
+                )
+            if r.storage.describe() != rows[0].storage.describe():
+                raise KVPolicyError(
+                    f"BatchPolicyCache row {i}: its rows are stored as {r.storage.describe() or 'the model dtype'}, "
+                    f"row 0's as {rows[0].storage.describe() or 'the model dtype'}: one batch stores its rows alike"
                 )
         self._rows: List[Row] = list(rows)
         self._stacked: Optional[StackedRows] = None  # the rows stacked for decode steps (batch_rows.py)
         self._skip = [0] * len(self.rows)  # left padding still to drop from the next input, per row
         self._real: Optional[List[int]] = None  # real tokens left in right-padded input, per row
         self._step: List[Tuple[int, int, int]] = []  # per row this call: (lo, S_b, L_b)
+
+    def __getattr__(self, name: str):
+        """``bits`` and ``group_size`` exist only when the rows are stored quantized: mlx-lm's attention takes its
+        quantized path for a cache that has them."""
+        rows = self.__dict__.get("_rows")
+        if name in ("bits", "group_size") and rows and rows[0].storage.bits is not None:
+            return getattr(rows[0].storage, name)
+        raise AttributeError(name)
 
     @property
     def rows(self) -> List[Row]:
@@ -195,16 +209,15 @@ class BatchPolicyCache:
         self._step = plan
         L = max(p[2] for p in plan)
         if all(o is not None and p[2] == L for o, p in zip(outs, plan)):
-            return mx.concatenate([o[0] for o in outs]), mx.concatenate([o[1] for o in outs])
+            return tuple(tree_map(lambda *x: mx.concatenate(x), *[o[j] for o in outs]) for j in (0, 1))
+        like = next(o for o in outs if o is not None)  # a row's output: arrays, or quantized triples
 
-        def padded(i, o, shape_like):
-            if o is None:
-                return mx.zeros((1, H, L, shape_like.shape[-1]), shape_like.dtype)
-            return mx.pad(o, [(0, 0), (0, 0), (L - o.shape[2], 0), (0, 0)])
+        def padded(o, j):
+            if o is None:  # zero rows shaped like another row's (attention masks them out)
+                return tree_map(lambda x: mx.zeros((1, H, L, x.shape[-1]), x.dtype), like[j])
+            return tree_map(lambda x: mx.pad(x, [(0, 0), (0, 0), (L - x.shape[2], 0), (0, 0)]), o[j])
 
-        ks = [padded(i, None if o is None else o[0], keys) for i, o in enumerate(outs)]
-        vs = [padded(i, None if o is None else o[1], values) for i, o in enumerate(outs)]
-        return mx.concatenate(ks), mx.concatenate(vs)
+        return tuple(tree_map(lambda *x: mx.concatenate(x), *[padded(o, j) for o in outs]) for j in (0, 1))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **_):
         """The mask for N new tokens (before the update): [B, 1, N, Lmax] bool, or None.

@@ -43,7 +43,7 @@ def can_stack(rows: Sequence) -> bool:
     if not r0.policy_step.needs.batch_rows or r0.policy_step.counts_more:  # stacked steps evict one slot per row
         return False
     n = r0.n
-    if r0.keys is None or n != r0.budget + 1:
+    if r0.keys is None or n != r0.budget + 1 or r0.storage.describe():  # rows stored in the model's dtype only
         return False
     for r in rows:
         if (

@@ -97,12 +97,12 @@ class PolicyCache(CacheDiagnostics):
         #: the policy keeps per-slot attention log-weights (added to the logits by the hook)
         self.uses_log_weights = needs.log_weights
         cfg = self.policy.config
-        rows = storage_for(getattr(cfg, "kv_bits", None), getattr(cfg, "kv_group_size", None))
+        rows = storage_for(cfg.kv_bits, cfg.kv_group_size, cfg.kv_dtype and getattr(mx, cfg.kv_dtype))
         self._slots = SlotStore(
             self.step, track_log_weights=self.uses_log_weights, track_key_norms=needs.key_norms, rows=rows
         )
-        if rows.bits is not None:  # mlx-lm's attention takes the quantized path for a cache with these
-            self.bits, self.group_size = rows.bits, rows.group_size
+        if rows.bits is not None:  # mlx-lm's attention takes its quantized path for a cache that has ``bits``
+            self.bits, self.group_size = rows.bits, rows.group_size  # (instance attributes: only such a cache has them)
         self._counters = {k: mx.array(0, dtype=mx.int32) for k in self._step.counter_names()}
         self.offset = 0  # tokens seen = absolute position of the next token
         self._attended, self._last_S, self._updates = True, 0, 0
@@ -279,6 +279,11 @@ class PolicyCache(CacheDiagnostics):
                 raise
 
     @property
+    def storage(self):
+        """How this cache stores its rows (:mod:`.storage`)."""
+        return self._slots.rows
+
+    @property
     def log_weights(self) -> Optional[mx.array]:
         """Per-slot attention log-weights [B, H, n] float32 (slot order), or None when not used."""
         return self._slots.log_weights
@@ -377,7 +382,7 @@ class PolicyCache(CacheDiagnostics):
             mask,
             compiled=self.n == self._slots.capacity,
             grouped=self.offset > self.n,
-            quantized=getattr(self, "bits", None) and (self.group_size, self.bits),
+            quantized=self.storage.bits and (self.group_size, self.bits),
         )
         run = dict(self._run)  # adopted only if the scorer succeeds (as in before_attention)
         self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)

@@ -41,6 +41,11 @@ def check_restored(slots, offset: int, budget: int, *, settled: bool, where: str
         if given or n:
             raise KVPolicyError(f"{where}: keys are missing but {', '.join(given) or 'tokens'} are given")
         return
+    quantized = isinstance(k, tuple) or isinstance(v, tuple)
+    if quantized:
+        k, v = _quantized_rows(k, v, where)
+        k_leaves, v_leaves = k, v
+        k, v = k[0], v[0]  # the rows' shapes [B, H, cap, *] for the checks below
     for name, x in (("keys", k), ("values", v), ("positions", p), ("scores", s)) + (
         (("log_weights", lw),) if lw is not None else ()
     ):
@@ -55,7 +60,7 @@ def check_restored(slots, offset: int, budget: int, *, settled: bool, where: str
         raise KVPolicyError(
             f"{where}: values {tuple(v.shape)} do not match keys {tuple(k.shape)} in batch, heads or length"
         )
-    for name, x in (("keys", k), ("values", v)):
+    for name, x in () if quantized else (("keys", k), ("values", v)):
         if not mx.issubdtype(x.dtype, mx.floating):
             raise KVPolicyError(f"{where}: {name} must have a floating dtype (got {_dtype(x)})")
     if tuple(p.shape) != (B, H, cap) or p.dtype != mx.int32:
@@ -89,7 +94,12 @@ def check_restored(slots, offset: int, budget: int, *, settled: bool, where: str
         mx.any(pos > min(offset - 1, _INT32_MAX)),
         mx.any(ordered[..., 1:] == ordered[..., :-1]) if n > 1 else mx.array(False),
     ]
-    flags += [mx.any(~mx.isfinite(k[..., :n, :])), mx.any(~mx.isfinite(v[..., :n, :]))]
+    if quantized:  # the rows' scales and biases (the integers are finite by type)
+        flags += [
+            mx.any(mx.stack([mx.any(~mx.isfinite(x[..., :n, :])) for x in rows[1:]])) for rows in (k_leaves, v_leaves)
+        ]
+    else:
+        flags += [mx.any(~mx.isfinite(k[..., :n, :])), mx.any(~mx.isfinite(v[..., :n, :]))]
     if lw is not None:
         flags.append(mx.any(~(mx.abs(lw) <= LOG_WEIGHT_BOUND)))
     below, beyond, repeated, bad_keys, bad_values, *bad_lw = mx.stack(flags).tolist()
@@ -107,3 +117,26 @@ def check_restored(slots, offset: int, budget: int, *, settled: bool, where: str
         )
     if bad_lw and bad_lw[0]:
         raise KVPolicyError(f"{where}: log_weights must be finite with |log-weight| <= {LOG_WEIGHT_BOUND}")
+
+
+def _quantized_rows(k, v, where: str):
+    """Quantized keys and values (``mx.quantize`` triples of arrays [B, H, cap, *]: uint32 words, floating scales
+    and biases of one shape), or a :class:`KVPolicyError` naming what is wrong."""
+    for name, rows in ("keys", k), ("values", v):
+        if not (isinstance(rows, tuple) and len(rows) == 3 and all(isinstance(x, mx.array) for x in rows)):
+            raise KVPolicyError(
+                f"{where}: quantized {name} must be three mlx arrays (words, scales, biases) "
+                f"(got {type(rows).__name__})"
+            )
+        w, scales, biases = rows
+        if w.dtype != mx.uint32 or w.ndim != 4:
+            raise KVPolicyError(f"{where}: quantized {name}' words must be uint32 [B, H, L, *] (got {_dtype(w)})")
+        for part, x in ("scales", scales), ("biases", biases):
+            if x.ndim != 4 or tuple(x.shape) != tuple(scales.shape) or not mx.issubdtype(x.dtype, mx.floating):
+                raise KVPolicyError(
+                    f"{where}: quantized {name}' {part} must be floating [B, H, L, groups] like the scales "
+                    f"(got {_dtype(x)} {list(x.shape)})"
+                )
+            if tuple(x.shape[:3]) != tuple(w.shape[:3]):
+                raise KVPolicyError(f"{where}: quantized {name}' {part} {list(x.shape)} do not match the words")
+    return k, v

@@ -199,7 +199,7 @@ class SlotStore:
     def keys(self, value: Optional[mx.array]) -> None:
         """Keys assigned from outside the store's edits: their norms are recomputed when next needed, and the
         next input is checked field by field against the new buffers."""
-        self._keys, self.key_norms, self._accepted = value, None, None
+        self._keys, self.key_norms, self._accepted, self._dtype_names = value, None, None, None
 
     def _norms(self) -> Optional[mx.array]:
         """``key_norms`` [B, H, cap] when tracked (computed from the keys if unknown), else None."""
@@ -328,8 +328,7 @@ class SlotStore:
         """
         B, H, S, D = keys.shape
         need = self.n + S
-        if self.keys is None or self.dtypes is None:
-            self.dtypes = (keys.dtype, values.dtype)
+        dtypes = (keys.dtype, values.dtype) if self.keys is None or self.dtypes is None else self.dtypes
         cap = self.capacity
         if need > cap:
             new_cap = min(-(-need // self.step) * self.step, steady) if need <= steady else need
@@ -349,6 +348,7 @@ class SlotStore:
                 self._keys = concat_rows(first_rows(self._keys, n), k_new)
                 self.values = concat_rows(first_rows(self.values, n), v_new)
                 self.positions = mx.concatenate([self.positions[..., :n], p_new], axis=2)
+        self.dtypes = dtypes
         n = self.n
         at = mx.array([0, 0, n, 0])
         k_rows = self.rows.encode(keys)

@@ -30,6 +30,7 @@ from .layer_group import check_group_meta, check_run_stats, restored_group
 from .restore_checks import check_restored
 from .row_state import RowState
 from .slots import Snapshot
+from .storage import QuantizedRows, first_rows, length
 
 
 def counters_from_meta(stats) -> Dict[str, mx.array]:
@@ -108,8 +109,8 @@ def state_of(cache) -> tuple:
         return None, None, None, None, meta_json(cache)
     n = cache.n
     state = (
-        cache.keys[..., :n, :],
-        cache.values[..., :n, :],
+        first_rows(cache.keys, n),
+        first_rows(cache.values, n),
         cache.positions[..., :n],
         cache.scores,
         meta_json(cache),
@@ -132,7 +133,7 @@ def loaded_slots(keys, values, positions, scores, log_weights=None, *, track_log
     zero (checked afterwards by :func:`.restore_checks.check_restored`)."""
     if log_weights is None and track_log_weights and scores is not None:
         log_weights = mx.zeros(scores.shape, mx.float32)
-    return Snapshot(keys, values, positions, scores, 0 if keys is None else keys.shape[2], log_weights)
+    return Snapshot(keys, values, positions, scores, 0 if keys is None else length(keys), log_weights)
 
 
 def load_state(cache, v, *, settled: bool = True, model=None) -> None:
@@ -154,13 +155,23 @@ def load_state(cache, v, *, settled: bool = True, model=None) -> None:
     if log_weights is not None and not cache.uses_log_weights:
         raise KVPolicyError("state carries attention log-weights, but this cache's policy does not use them")
     check_same_policy(cache, meta)
+    check_storage(cache, meta)
     saved, hook, hook_missing = cache.row_state(), cache.attention_hook, cache.hook_missing
     try:
         if v[0] is None:
             slots = loaded_slots(None, None, None, None)
         else:
             keys, values, positions, scores = v[:4]
-            if not isinstance(keys, mx.array) or keys.ndim != 4:
+            keys, values = (tuple(x) if isinstance(x, (tuple, list)) else x for x in (keys, values))
+            if cache.storage.bits is not None:
+                check_restored(
+                    loaded_slots(keys, values, positions, scores),
+                    meta["offset"],
+                    cache.budget,
+                    settled=False,
+                    where=where(cache),
+                )
+            elif not isinstance(keys, mx.array) or keys.ndim != 4:
                 raise KVPolicyError(
                     f"PolicyCache state: keys must be an mlx array [B, H, n, D] (got {_describe(keys)})"
                 )
@@ -230,6 +241,33 @@ def check_same_policy(cache, meta: dict) -> None:
         )
 
 
+def check_storage(cache, meta: dict) -> None:
+    """A state of quantized rows restores into a cache that stores them so (an empty one of full-precision rows is
+    switched to them, as mlx-lm's ``to_quantized`` does), and one of full-precision rows only into such a cache."""
+    storage = meta.get("storage") or {}
+    if not isinstance(storage, dict):
+        raise KVPolicyError(f"{where(cache)}: meta storage must be an object (got {storage!r})")
+    bits, group_size = storage.get("bits"), storage.get("group_size")
+    if bits is None:
+        if cache.storage.bits is not None:
+            raise KVPolicyError(
+                f"{where(cache)}: the state holds full-precision rows but this cache stores "
+                f"kv_bits={cache.storage.bits}"
+            )
+        return
+    try:
+        QuantizedRows(bits, group_size)
+    except (TypeError, ValueError) as exc:
+        raise KVPolicyError(f"{where(cache)}: meta storage: {exc}") from None
+    if cache.storage.bits is None and cache.keys is None:
+        cache.to_quantized(group_size=group_size, bits=bits)
+    if (cache.storage.bits, cache.storage.group_size) != (bits, group_size):
+        raise KVPolicyError(
+            f"{where(cache)}: the state holds rows quantized to kv_bits={bits}, kv_group_size={group_size}, but this "
+            f"cache stores {'full-precision rows' if cache.storage.bits is None else f'kv_bits={cache.storage.bits}'}"
+        )
+
+
 def restore_hook(cache, meta: dict, model=None) -> None:
     """Make ``cache`` hold the attention hook the saved cache held: installed on ``model``'s modules (checked against
     the recorded ones) or on the modules the meta names; without either, a cache that needs the hook and has seen
@@ -285,6 +323,9 @@ def meta_json(cache) -> str:
         meta["head_shard"] = list(cache.head_shard)
     if cache.group is not None:  # a data-driven allocation: the loaders link the caches of one group again
         meta["group"] = cache.group.meta()
+    storage = cache.storage.describe()
+    if storage:  # only for rows stored otherwise than in the model's dtype: a full-precision cache's JSON is unchanged
+        meta["storage"] = storage
     return json.dumps(meta)
 
 

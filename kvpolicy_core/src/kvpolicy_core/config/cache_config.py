@@ -73,6 +73,11 @@ class KVCacheConfig(BaseModel):
     kv_group_size: Literal[32, 64, 128] = Field(
         64, description="Elements per quantization group of a row (with kv_bits); must divide the head dim."
     )
+    kv_dtype: Optional[Literal["float16", "bfloat16", "float32"]] = Field(
+        None,
+        description="Store the kept keys and values in this floating dtype (e.g. float16 under a float32 model: "
+        "half the bytes), decoded to the model's dtype for attention; None: the model's dtype. Not with kv_bits.",
+    )
     policy: SerializeAsAny[PolicyConfig]
 
     def __init__(self, /, **data: Any) -> None:
@@ -85,6 +90,8 @@ class KVCacheConfig(BaseModel):
         except ValidationError as exc:
             raise ConfigError(format_errors(exc, "")) from None
         _check_token_counts(self.method, self.policy)
+        if self.kv_bits is not None and self.kv_dtype is not None:
+            raise ConfigError("kv_dtype: rows are stored either quantized (kv_bits) or in a floating dtype, not both")
 
     @field_validator("kv_memory", mode="before")
     @classmethod
@@ -133,7 +140,7 @@ class KVCacheConfig(BaseModel):
     def to_string(self) -> str:
         """The config-string form of this config (only the fields needed to give it back)."""
         items = _needed_fields(self.policy)
-        for key in ("head_dim", "seed", "layers", "kv_memory", "kv_bits", "kv_group_size"):
+        for key in COMMON_FIELDS[1:]:
             if getattr(self, key) != type(self).model_fields[key].default:
                 items[key] = getattr(self, key)
         body = ",".join(f"{k}={_fmt(v)}" for k, v in items.items())

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..errors import ConfigError
 
 #: Fields of :class:`~kvpolicy_core.config.cache_config.KVCacheConfig` itself, shared by every method.
-COMMON_FIELDS = ("method", "head_dim", "seed", "layers", "kv_memory", "kv_bits", "kv_group_size")
+COMMON_FIELDS = ("method", "head_dim", "seed", "layers", "kv_memory", "kv_bits", "kv_group_size", "kv_dtype")
 
 
 class PolicyConfig(BaseModel):

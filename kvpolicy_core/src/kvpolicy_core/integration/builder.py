@@ -118,12 +118,28 @@ def model_kv_layout(model) -> Tuple[List[Optional[Tuple[int, int, int]]], int]:
     return shapes, itemsize
 
 
+def check_quantizable(model, config: KVCacheConfig) -> None:
+    """Refuse ``kv_bits`` (ConfigError naming ``kv_group_size``) when a layer's head dim cannot be quantized so."""
+    dims = sorted({d for s in model_kv_shapes(model) if s is not None for d in s[1:]})
+    bad = [d for d in dims if d % config.kv_group_size or (d * config.kv_bits) % 32]
+    if bad:
+        fits = [g for g in (32, 64, 128) if all(d % g == 0 for d in dims)]
+        advice = f"use kv_group_size={fits[-1]}" if fits else "no group size of 32, 64 or 128 divides them"
+        raise ConfigError(
+            f"kv_group_size: {config.kv_group_size} does not divide the model's head dim {bad[0]} (kv_bits="
+            f"{config.kv_bits} quantizes groups of a row); {advice}"
+        )
+
+
 def memory_budget(model, config: KVCacheConfig, windows, replaced, layer_offset: int = 0):
     """The :class:`~.memory_budget.MemoryBudget` that fits ``config.kv_memory`` on ``model``'s replaced layers."""
     from .memory_budget import budget_for_memory, bytes_per_token
 
     shapes, itemsize = model_kv_layout(model)
-    costs = [c for c, r in zip(bytes_per_token(shapes, itemsize), replaced) if r]
+    if config.kv_dtype is not None:
+        itemsize = getattr(mx, config.kv_dtype).size
+    costs = bytes_per_token(shapes, itemsize, config.kv_bits, config.kv_group_size)
+    costs = [c for c, r in zip(costs, replaced) if r]
     infos = [i for i, r in zip(layer_infos(model, windows, layer_offset), replaced) if r]
     return budget_for_memory(config, infos, costs, config.kv_memory)
 
@@ -158,6 +174,8 @@ class KVCacheBuilder:
             raise ConfigError(f"head_dim: the config says {config.head_dim} but the model's head_dim is {hd}")
         natives = native_caches(model)
         check_supported(model, natives, layers)
+        if config.kv_bits is not None:
+            check_quantizable(model, config)
         layout = shard_layout(model)
         windows = [n.max_size if type(n) is RotatingKVCache else None for n in natives]
         replaced = [not (type(n) is RotatingKVCache and config.layers == "unbounded") for n in natives]

@@ -2,11 +2,13 @@
 
 A layer ``l`` stores, per kept token and sequence, its keys and values and the slot's position and score::
 
-    c_l = H_l * ((D_k + D_v) * itemsize + 8)        (int32 position + float32 score per KV head)
+    c_l = H_l * (r(D_k) + r(D_v) + 8)        (int32 position + float32 score per KV head)
 
-with ``H_l`` the layer's KV heads, ``D_k``/``D_v`` its key and value head dims and ``itemsize`` the bytes of the
-model's KV dtype. Under the config's allocation a mean budget ``b`` gives layer ``l`` its budget ``b_l(b)``; the
-chosen budget is the largest ``b`` whose kept bytes fit::
+with ``H_l`` the layer's KV heads, ``D_k``/``D_v`` its key and value head dims and ``r(D)`` the bytes of a stored row
+of ``D`` elements: ``D * itemsize`` in the model's KV dtype (or ``kv_dtype``'s), and with ``kv_bits = q`` and
+``kv_group_size = g`` (``mx.quantize`` rows) ``D * q / 8 + 2 * (D / g) * itemsize`` (the packed integers and one
+scale and bias per group). Under the config's allocation a mean budget ``b`` gives layer ``l`` its budget
+``b_l(b)``; the chosen budget is the largest ``b`` whose kept bytes fit::
 
     bytes(b) = sum_l b_l(b) * c_l  <=  kv_memory        (per sequence; batch rows each hold their own)
 
@@ -33,9 +35,17 @@ class MemoryBudget(NamedTuple):
     bytes_per_token: int  #: ``sum_l c_l``: one token kept in every layer
 
 
-def bytes_per_token(shapes: List[Optional[Tuple[int, int, int]]], itemsize: int) -> List[int]:
+def row_bytes(d: int, itemsize: int, bits: Optional[int] = None, group_size: int = 64) -> int:
+    """``r(D)`` (see the module): bytes of one stored row of ``d`` elements."""
+    return d * itemsize if bits is None else d * bits // 8 + 2 * (d // group_size) * itemsize
+
+
+def bytes_per_token(
+    shapes: List[Optional[Tuple[int, int, int]]], itemsize: int, bits: Optional[int] = None, group_size: int = 64
+) -> List[int]:
     """``c_l`` of each layer (see the module) from its (KV heads, key dim, value dim); 0 for a layer without keys."""
-    return [0 if s is None else s[0] * ((s[1] + s[2]) * itemsize + 8) for s in shapes]
+    r = lambda d: row_bytes(d, itemsize, bits, group_size)  # noqa: E731
+    return [0 if s is None else s[0] * (r(s[1]) + r(s[2]) + 8) for s in shapes]
 
 
 def budget_for_memory(config: KVCacheConfig, infos: List[LayerInfo], costs: List[int], kv_memory: int) -> MemoryBudget:

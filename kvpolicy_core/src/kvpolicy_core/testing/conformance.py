@@ -236,7 +236,6 @@ class PolicyConformance:
 
     def test_mlx_lm_contract_on_a_tiny_model(self):
         from mlx_lm.generate import generate_step
-        from mlx_lm.models.cache import KVCache
 
         _, budget, _ = self.config()
         model = tiny_llama(seed=1)
@@ -246,7 +245,7 @@ class PolicyConformance:
             B = 4 * budget + 64  # every layer's budget (whatever the allocation) above the length
             big = KVCacheBuilder.for_model(model, parse_config(self.method, budget=B), budgets=[B] * len(model.layers))
             logits = []
-            for caches in (big, [KVCache() for _ in model.layers]):
+            for caches in (big, [reference_cache(parse_config(self.method)) for _ in model.layers]):
                 out = [model(tokens[:, :10], cache=caches)] + [
                     model(tokens[:, t : t + 1], cache=caches) for t in range(10, 16)
                 ]
@@ -281,6 +280,27 @@ class PolicyConformance:
                 assert needle in str(exc), (bad, str(exc))
             else:  # pragma: no cover - a failing plugin
                 raise AssertionError(f"{bad!r} was accepted")
+
+
+def reference_cache(config):
+    """mlx-lm's cache that stores rows as ``config`` does: ``QuantizedKVCache`` for ``kv_bits``, a ``KVCache`` whose
+    rows are rounded through ``kv_dtype``, else a plain ``KVCache``. A policy cache whose budget exceeds the
+    sequence attends exactly as it does."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if config.kv_bits is not None:
+        return QuantizedKVCache(config.kv_group_size, config.kv_bits)
+    if config.kv_dtype is None:
+        return KVCache()
+    dtype = getattr(mx, config.kv_dtype)
+
+    class RoundedKVCache(KVCache):
+        def update_and_fetch(self, keys, values):
+            return super().update_and_fetch(
+                keys.astype(dtype).astype(keys.dtype), values.astype(dtype).astype(values.dtype)
+            )
+
+    return RoundedKVCache()
 
 
 def _bounded(method: str, budgets) -> None:

@@ -1,0 +1,175 @@
+"""Storage as a seam: quantized rows (``kv_bits``) and floating rows in another dtype (``kv_dtype``) under every
+policy, bit for bit where a reduction says so (mlx-lm's ``QuantizedKVCache``; ``cam:merge=drop`` = ``h2o``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache, save_prompt_cache
+
+from kvpolicy_core.cache.batch import BatchPolicyCache
+from kvpolicy_core.cache.policy_cache import PolicyCache
+from kvpolicy_core.errors import ConfigError, KVPolicyError
+from kvpolicy_core.integration.builder import KVCacheBuilder
+from kvpolicy_core.testing.conformance import run_conformance
+from kvpolicy_core.testing.equivalence import assert_equivalent
+from kvpolicy_core.testing.tiny_models import VOCAB, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model64():
+    """A tiny llama whose head dim (64) can be quantized in groups of 32 or 64; 2 query heads per KV head."""
+    return tiny_model("llama", head_dim=64, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+def run(model, caches, tokens, prompt=20):
+    out = [model(tokens[:, :prompt], cache=caches)]
+    for t in range(prompt, tokens.shape[1]):
+        out.append(model(tokens[:, t : t + 1], cache=caches))
+    return mx.concatenate(out, axis=1)
+
+
+TOKENS = mx.random.randint(0, VOCAB, (1, 34), key=mx.random.key(3))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 64), (4, 32)])
+@pytest.mark.parametrize("method", ["h2o", "cam", "snapkv", "streamingllm", "tova"])
+def test_a_budget_above_the_sequence_is_mlx_lms_quantized_cache(model64, method, bits, group):
+    """Nothing evicted: the logits are QuantizedKVCache(bits, group)'s, bit for bit (the same rows, attention on
+    mlx-lm's quantized path, the observed weights from that same pass)."""
+    ref = run(model64, [QuantizedKVCache(group, bits) for _ in model64.layers], TOKENS)
+    caches = KVCacheBuilder.for_model(model64, f"{method}:budget=100,kv_bits={bits},kv_group_size={group}")
+    got = run(model64, caches, TOKENS)
+    assert mx.array_equal(ref, got)
+    assert all(c.bits == bits and c.group_size == group for c in caches)
+
+
+def test_cam_with_drop_is_h2o_with_quantized_rows(model64):
+    """The equivalence kit (one sequence, then batched rows) with 4-bit rows: evictions, merges off, bit for bit."""
+    assert_equivalent("cam:budget=12,merge=drop,kv_bits=4", "h2o:budget=12,kv_bits=4", model=model64)
+
+
+def test_quantized_rows_stay_close_to_full_precision_and_take_fewer_bytes(model64):
+    """The same policy stores ~1/6 of the bytes at 4 bits; its logits move by the quantization error only."""
+    full = KVCacheBuilder.for_model(model64, "cam:budget=12")
+    q8 = KVCacheBuilder.for_model(model64, "cam:budget=12,kv_bits=8")
+    q4 = KVCacheBuilder.for_model(model64, "cam:budget=12,kv_bits=4")
+    a, b, c = (run(model64, x, TOKENS) for x in (full, q8, q4))
+    assert mx.abs(a - b).max().item() < mx.abs(a - c).max().item() < 1.0
+    assert all(x.tokens_kept == y.tokens_kept for x, y in zip(full, q4))
+    assert q4[0].nbytes < 0.4 * full[0].nbytes and q4[0].nbytes < q8[0].nbytes < full[0].nbytes
+
+
+def test_generate_steps_kv_bits_quantizes_policy_caches(model64):
+    """mlx-lm's own ``kv_bits`` (generate_step calls ``to_quantized``) stores the rows quantized under the policy,
+    as the config field does: the same greedy tokens."""
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.array([5, 9, 2, 7, 1, 3, 8, 4, 6, 2, 9, 11, 13])
+
+    def tokens(caches, **kw):
+        return [t for (t, _), _ in zip(generate_step(prompt, model64, prompt_cache=caches, **kw), range(12))]
+
+    by_mlx_lm = KVCacheBuilder.for_model(model64, "h2o:budget=10,when=stream")
+    by_config = KVCacheBuilder.for_model(model64, "h2o:budget=10,when=stream,kv_bits=4")
+    assert tokens(by_mlx_lm, kv_bits=4, kv_group_size=64, quantized_kv_start=0) == tokens(by_config)
+    assert all(isinstance(c, PolicyCache) and c.bits == 4 for c in by_mlx_lm)
+    with pytest.raises(ValueError, match="kv_bits=4, kv_group_size=64; mlx-lm asks for kv_bits=8"):
+        by_config[0].to_quantized(group_size=64, bits=8)
+
+
+def test_a_quantized_cache_saves_and_resumes_bit_for_bit(model64, tmp_path):
+    """mlx-lm's save_prompt_cache/load_prompt_cache: the meta records the storage; the resumed caches continue as
+    the saved ones (quantized rows as they were, no re-quantization)."""
+    caches = KVCacheBuilder.for_model(model64, "cam:budget=12,kv_bits=4")
+    run(model64, caches, TOKENS[:, :26])
+    path = str(tmp_path / "q.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    assert all(c.bits == 4 and c.group_size == 64 for c in loaded)
+    step = TOKENS[:, 26:27]
+    assert mx.array_equal(model64(step, cache=caches), model64(step, cache=loaded))
+    for a, b in zip(caches, loaded):
+        assert all(mx.array_equal(x, y) for x, y in zip(a.keys, b.keys))
+
+
+def test_a_state_of_other_rows_is_refused(model64):
+    q = KVCacheBuilder.for_model(model64, "h2o:budget=12,kv_bits=4")
+    f = KVCacheBuilder.for_model(model64, "h2o:budget=12")
+    run(model64, q, TOKENS[:, :22])
+    run(model64, f, TOKENS[:, :22])
+    with pytest.raises(KVPolicyError, match="config differ"):  # kv_bits is part of the config
+        q[0].state = f[0].state
+    by_mlx_lm = KVCacheBuilder.for_model(model64, "h2o:budget=12")[0].to_quantized(group_size=64, bits=4)
+    with pytest.raises(KVPolicyError, match="full-precision rows but this cache stores kv_bits=4"):
+        by_mlx_lm.state = f[0].state
+    state = list(q[0].state)
+    state[0] = (state[0][0].astype(mx.int32), *state[0][1:])
+    with pytest.raises(KVPolicyError, match="uint32"):
+        PolicyCache.from_state(tuple(state))
+
+
+def test_batched_rows_with_quantized_storage_decode_each_as_alone(model64):
+    """A batch (mlx-lm's server) of quantized rows: each row's logits are those it gets alone."""
+    spec = "h2o:budget=10,kv_bits=4"
+    toks = mx.random.randint(0, VOCAB, (2, 24), key=mx.random.key(5))
+    alone, rows = [], []
+    for r in range(2):
+        caches = KVCacheBuilder.for_model(model64, spec)
+        model64(toks[r : r + 1, : 18 - r], cache=caches)
+        rows.append(caches)
+        solo = KVCacheBuilder.for_model(model64, spec)
+        model64(toks[r : r + 1, : 18 - r], cache=solo)
+        alone.append(solo)
+    batch = [BatchPolicyCache.merge([rows[0][i], rows[1][i]]) for i in range(len(model64.layers))]
+    assert batch[0].bits == 4
+    step = toks[:, 20:21]
+    got = model64(step, cache=batch)
+    for r in range(2):
+        assert mx.allclose(got[r : r + 1], model64(step[r : r + 1], cache=alone[r]), atol=1e-4)
+
+
+def test_bad_storage_settings_are_clear_errors(model64):
+    with pytest.raises(ConfigError, match="kv_bits"):
+        KVCacheBuilder.for_model(model64, "h2o:kv_bits=7")
+    with pytest.raises(ConfigError, match="kv_group_size"):
+        KVCacheBuilder.for_model(model64, "h2o:kv_bits=4,kv_group_size=48")
+    with pytest.raises(ConfigError, match="kv_group_size: 128 does not divide the model's head dim 64"):
+        KVCacheBuilder.for_model(model64, "h2o:kv_bits=4,kv_group_size=128")
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        KVCacheBuilder.for_model(model64, "h2o:kv_bits=4,kv_dtype=float16")
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        KVCacheBuilder.for_model(model64, "h2o:kv_dtype=int8")
+    cache = PolicyCache("h2o:budget=8,kv_bits=4")  # head dim 16 reaches the cache directly: refused, nothing kept
+    with pytest.raises(ValueError, match="kv_group_size=64 does not divide the head dim 16"):
+        cache.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
+    assert cache.keys is None and cache.offset == 0
+
+
+def test_memory_budgets_count_the_stored_bytes(model64):
+    """kv_memory turns bytes into tokens with the storage's row size: 4-bit rows give ~6x the tokens here."""
+    full, q4, f16 = (
+        KVCacheBuilder.for_model(model64, f"h2o:kv_memory=100kB{extra}")[0].budget
+        for extra in ("", ",kv_bits=4", ",kv_dtype=float16")
+    )
+    assert f16 > 1.8 * full and q4 > 5 * full
+
+
+# ------------------------------------------------------------------ the seam shown by a second floating storage
+@pytest.mark.parametrize("method", ["h2o:budget=16", "cam:budget=16,merge_after=1"])
+def test_float16_rows_under_a_float32_model_pass_the_conformance_kit(method):
+    """Rows stored in float16 under a float32 model (decoded back for attention): every conformance check."""
+    assert run_conformance(f"{method},kv_dtype=float16")
+
+
+def test_float16_rows_pass_the_equivalence_kit():
+    assert_equivalent("cam:budget=12,merge=drop,kv_dtype=float16", "h2o:budget=12,kv_dtype=float16")
+
+
+def test_float16_rows_hold_what_float32_rows_hold_rounded():
+    caches = [PolicyCache(f"h2o:budget=8{x}") for x in ("", ",kv_dtype=float16")]
+    k, v = mx.random.normal((1, 2, 12, 16), key=mx.random.key(0)), mx.random.normal((1, 2, 12, 16))
+    outs = [c.update_and_fetch(k, v) for c in caches]
+    assert outs[1][0].dtype == mx.float32 and caches[1].keys.dtype == mx.float16
+    assert mx.array_equal(outs[1][0], k.astype(mx.float16).astype(mx.float32))
+    assert caches[1].nbytes < caches[0].nbytes

@@ -97,7 +97,7 @@ def _merged(rows: Rows, buffer, dtype, t: mx.array, old: mx.array, delta: mx.arr
 
 
 #: the store fields a decode write reads and writes, in the order its compiled call takes them
-_DECODE_FIELDS = ("_keys", "values", "positions", "scores", "log_weights", "key_norms")
+_DECODE_FIELDS = ("_keys", "_values", "positions", "scores", "log_weights", "key_norms")
 _BUFFERS = _DECODE_FIELDS[:4]
 _UPDATE_FIELDS = ("d_keys", "d_values", "d_scores", "d_log_weights")
 _writes: dict = {}  # compiled decode writes without a choice, per (store fields, update fields)
@@ -141,7 +141,7 @@ class SlotStore:
         self.track_log_weights, self.track_key_norms = track_log_weights, track_key_norms
         self.rows = DenseRows() if rows is None else rows  #: how keys and values are stored (:mod:`.storage`)
         self._dtype_names = None  # (keys, values) dtype names of the model's rows (names: MLX dtypes do not copy)
-        self.keys = self.values = self.positions = self.scores = self.log_weights = None
+        self.keys = self._values = self.positions = self.scores = self.log_weights = None
         self.n = 0
 
     #: (keys.shape, values.shape, keys.dtype, values.dtype) of the last input that passed check_input against
@@ -163,12 +163,22 @@ class SlotStore:
         """(keys, values) dtypes of the model's rows (what decoding gives back), from the first rows stored; None
         before, or after a load of floating rows in another dtype than the model's (the next input's are taken)."""
         if self._dtype_names is None:
-            return None if self._keys is None else self.rows.model_dtypes(self._keys, self.values)
+            return None if self._keys is None else self.rows.model_dtypes(self._keys, self._values)
         return tuple(getattr(mx, n) for n in self._dtype_names)
 
     @dtypes.setter
     def dtypes(self, value) -> None:
         self._dtype_names = None if value is None else tuple(str(d).removeprefix("mlx.core.") for d in value)
+
+    @property
+    def values(self):
+        """The stored values (as :attr:`keys`), or None."""
+        return self._values
+
+    @values.setter
+    def values(self, value) -> None:
+        """Values assigned from outside the store's edits: the next input is checked field by field against them."""
+        self._values, self._accepted, self._dtype_names = value, None, None
 
     @property
     def capacity(self) -> int:
@@ -183,8 +193,8 @@ class SlotStore:
     def dims(self) -> Tuple[int, int]:
         """(D, Dv), the head dims of the model's keys and values (the keys must be set)."""
         if self.rows.bits is None:
-            return self._keys.shape[3], self.values.shape[3]
-        return self._keys[1].shape[3] * self.rows.group_size, self.values[1].shape[3] * self.rows.group_size
+            return self._keys.shape[3], self._values.shape[3]
+        return self._keys[1].shape[3] * self.rows.group_size, self._values[1].shape[3] * self.rows.group_size
 
     def decoded(self, n: Optional[int] = None) -> Tuple[mx.array, mx.array]:
         """(keys [B, H, n, D], values [B, H, n, Dv]) of the first ``n`` slots (all when None) in the model's dtypes."""
@@ -192,7 +202,7 @@ class SlotStore:
         kd, vd = self.dtypes
         return (
             self.rows.decode(first_rows(self._keys, n), kd),
-            self.rows.decode(first_rows(self.values, n), vd),
+            self.rows.decode(first_rows(self._values, n), vd),
         )
 
     @keys.setter
@@ -217,11 +227,11 @@ class SlotStore:
         return norms if norms.shape[-1] == keys.shape[2] else norms[..., : keys.shape[2]]
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self._keys, self.values, self.positions, self.scores, self.n, self.log_weights)
+        return Snapshot(self._keys, self._values, self.positions, self.scores, self.n, self.log_weights)
 
     def restore(self, snap: Snapshot) -> None:
         """Restore a :meth:`snapshot`, field for field."""
-        self.keys, self.values, self.positions, self.scores, self.n, self.log_weights = snap
+        self.keys, self._values, self.positions, self.scores, self.n, self.log_weights = snap
 
     def load(self, keys, values, positions, scores, log_weights=None) -> None:
         """Take the ``n = keys.shape[2]`` slots of a restored state (checked afterwards by
@@ -317,7 +327,7 @@ class SlotStore:
         buffers themselves when full and stored in the model's dtype; quantized rows as mlx-lm's quantized
         attention takes them)."""
         kd, vd = self.dtypes
-        k, v = first_rows(self._keys, self.n), first_rows(self.values, self.n)
+        k, v = first_rows(self._keys, self.n), first_rows(self._values, self.n)
         return self.rows.for_attention(k, kd), self.rows.for_attention(v, vd)
 
     def append(self, keys: mx.array, values: mx.array, offset: int, steady: int) -> None:
@@ -337,7 +347,7 @@ class SlotStore:
             v_new = self.rows.encode(mx.zeros((B, H, grow, values.shape[3]), values.dtype))
             p_new = mx.zeros((B, H, grow), mx.int32)
             if self.keys is None:
-                self.keys, self.values, self.positions = k_new, v_new, p_new
+                self.keys, self._values, self.positions = k_new, v_new, p_new
                 self.scores = mx.zeros((B, H, 0), mx.float32)
             else:
                 n = self.n
@@ -346,7 +356,7 @@ class SlotStore:
                         [self.key_norms[..., :n], mx.zeros((B, H, grow), mx.float32)], axis=2
                     )
                 self._keys = concat_rows(first_rows(self._keys, n), k_new)
-                self.values = concat_rows(first_rows(self.values, n), v_new)
+                self._values = concat_rows(first_rows(self._values, n), v_new)
                 self.positions = mx.concatenate([self.positions[..., :n], p_new], axis=2)
         self.dtypes = dtypes
         n = self.n
@@ -357,7 +367,7 @@ class SlotStore:
                 self.key_norms, key_norm(self.rows.decode(k_rows, keys.dtype)), at[:3], axes=(0, 1, 2)
             )
         self._keys = update_rows(self._keys, k_rows, n)
-        self.values = update_rows(self.values, self.rows.encode(values), n)
+        self._values = update_rows(self._values, self.rows.encode(values), n)
         new_pos = mx.broadcast_to(mx.arange(offset, offset + S, dtype=mx.int32), (B, H, S))
         self.positions = mx.slice_update(self.positions, new_pos, at[:3], axes=(0, 1, 2))
         self.scores = mx.concatenate([self.scores[..., :n], mx.zeros((B, H, S), mx.float32)], axis=2)
@@ -402,7 +412,7 @@ class SlotStore:
             norms = key_norm(self.rows.decode(k_rows, keys.dtype))
             self.key_norms = mx.put_along_axis(self.key_norms, slots, norms, axis=2)
         self._keys = put_rows(self._keys, slots, k_rows)
-        self.values = put_rows(self.values, slots, self.rows.encode(values))
+        self._values = put_rows(self._values, slots, self.rows.encode(values))
         self.positions = mx.put_along_axis(self.positions, slots, offset, axis=2)
         self.scores = mx.put_along_axis(self.scores, slots, mx.array(0.0, dtype=mx.float32), axis=2)
         if self.log_weights is not None:
@@ -416,9 +426,9 @@ class SlotStore:
         order = mx.argsort(mx.where(gone, _INT_MAX, pos), axis=-1)[..., :keep_n]
         if self.key_norms is not None:
             self.key_norms = mx.take_along_axis(self.key_norms[..., :n], order, axis=-1)
-        self._keys, self.values = (
+        self._keys, self._values = (
             take_rows(first_rows(self._keys, n), order),
-            take_rows(first_rows(self.values, n), order),
+            take_rows(first_rows(self._values, n), order),
         )
         self.positions = mx.take_along_axis(pos, order, axis=-1)
         self.scores = mx.take_along_axis(self.scores, order, axis=-1)
@@ -451,7 +461,7 @@ class SlotStore:
         inside = (t >= 0) & (t < self.scores.shape[-1])  # outside the n valid slots: adds nothing (no bounds check)
         t = mx.where(inside, t, 0)
         kd, vd = self.dtypes
-        old_v = None if u.d_values is None else self.rows.decode(take_rows(self.values, t), vd)
+        old_v = None if u.d_values is None else self.rows.decode(take_rows(self._values, t), vd)
         old_k = None if u.d_keys is None else self.rows.decode(take_rows(self._keys, t), kd)
         old_s = None if u.d_scores is None else mx.take_along_axis(self.scores, t, axis=2)
         d_values, d_keys, d_scores = (
@@ -472,7 +482,7 @@ class SlotStore:
             None if d is None else mx.where(changes, d, _nothing(d)) for d in (d_values, d_keys, d_scores)
         )
         if d_values is not None:
-            self.values, _ = _merged(self.rows, self.values, vd, t, old_v, d_values)
+            self._values, _ = _merged(self.rows, self._values, vd, t, old_v, d_values)
         if d_keys is not None:
             # the merged rows and their norms come from the old rows (one target per row at decode: the new keys
             # have one consumer, the next write, and MLX can update the buffer in place)
@@ -503,7 +513,7 @@ class SlotStore:
     def bytes_per_token(self) -> int:
         if self.keys is None:
             return 0
-        return (nbytes(self._keys) + nbytes(self.values)) // max(1, self.capacity)
+        return (nbytes(self._keys) + nbytes(self._values)) // max(1, self.capacity)
 
     @property
     def nbytes(self) -> int:
@@ -511,4 +521,4 @@ class SlotStore:
             return 0
         lw = 0 if self.log_weights is None else self.log_weights.nbytes
         kn = 0 if self.key_norms is None else self.key_norms.nbytes
-        return nbytes(self._keys) + nbytes(self.values) + self.positions.nbytes + self.scores.nbytes + lw + kn
+        return nbytes(self._keys) + nbytes(self._values) + self.positions.nbytes + self.scores.nbytes + lw + kn

@@ -173,3 +173,17 @@ def test_float16_rows_hold_what_float32_rows_hold_rounded():
     assert outs[1][0].dtype == mx.float32 and caches[1].keys.dtype == mx.float16
     assert mx.array_equal(outs[1][0], k.astype(mx.float16).astype(mx.float32))
     assert caches[1].nbytes < caches[0].nbytes
+
+
+def test_kvpolicy_cache_files_keep_quantized_rows_and_resume(model64, tmp_path):
+    """save_caches/load_caches (kvpolicy's checksummed files, prompt files): the quantized parts are stored as they
+    are, the storage recorded in each layer's meta; the loaded caches continue bit for bit."""
+    from kvpolicy_core.integration.persistence import load_caches, save_caches
+
+    caches = KVCacheBuilder.for_model(model64, "h2o:budget=12,kv_bits=8,kv_group_size=32")
+    run(model64, caches, TOKENS[:, :27])
+    path = save_caches(tmp_path / "q.safetensors", caches)
+    loaded = load_caches(path, model=model64)
+    assert all(c.bits == 8 and c.group_size == 32 for c in loaded)
+    step = TOKENS[:, 27:28]
+    assert mx.array_equal(model64(step, cache=caches), model64(step, cache=loaded))

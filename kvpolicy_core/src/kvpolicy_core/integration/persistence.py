@@ -31,9 +31,13 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..cache.policy_cache import PolicyCache
 from ..cache.state import from_meta, load_state, meta_json, open_run
+from ..cache.storage import first_rows, length
 from ..errors import KVPolicyError, ModelError
 from ..runtime.distributed import check_shard, missing_rank_file, rank_path, resolve_shard
 from ..runtime.files import check_output_target, check_writable
+
+#: the parts of a quantized row as stored in a cache file (``mx.quantize``'s words, scales, biases)
+QUANT_PARTS = ("words", "scales", "biases")
 
 FORMAT = "kvpolicy-caches/2"  # /2: the checksum covers the header too (/1 files still load)
 _FORMATS = ("kvpolicy-caches/1", FORMAT)
@@ -76,14 +80,13 @@ def save_caches(
             entry = {"class": "PolicyCache", "meta": meta_json(c), "n": c.n}
             if c.keys is not None:
                 n = c.n
-                arrays.update(
-                    {
-                        f"{i}.keys": c.keys[..., :n, :],
-                        f"{i}.values": c.values[..., :n, :],
-                        f"{i}.positions": c.positions[..., :n],
-                        f"{i}.scores": c.scores,
-                    }
-                )
+                for name in ("keys", "values"):  # quantized rows (a tuple): one array per part, as stored
+                    rows = first_rows(getattr(c, name), n)
+                    if isinstance(rows, tuple):
+                        arrays.update({f"{i}.{name}.{part}": x for part, x in zip(QUANT_PARTS, rows)})
+                    else:
+                        arrays[f"{i}.{name}"] = rows
+                arrays.update({f"{i}.positions": c.positions[..., :n], f"{i}.scores": c.scores})
                 if c.log_weights is not None:
                     arrays[f"{i}.log_weights"] = c.log_weights
             if c.row_state().run_open:  # a run of prompt chunks in progress: its scorer state (arrays) continues too
@@ -302,12 +305,18 @@ def _load_layer(arrays: Dict[str, mx.array], i: int, entry: Dict[str, Any], mode
         run = entry.get("run", [])
         if not isinstance(run, list) or any(get(f"run.{k}") is None for k in run):
             raise KVPolicyError(f"its run of prompt chunks names arrays the file lacks ({run!r})")
-        state = (get("keys"), get("values"), get("positions"), get("scores"), meta)
+        keys, values = (
+            tuple(get(f"{name}.{part}") for part in QUANT_PARTS) if get(f"{name}.words") is not None else get(name)
+            for name in ("keys", "values")
+        )
+        if any(isinstance(x, tuple) and any(p is None for p in x) for x in (keys, values)):
+            raise KVPolicyError(f"its quantized rows lack a part ({', '.join(QUANT_PARTS)})")
+        state = (keys, values, get("positions"), get("scores"), meta)
         state += (get("log_weights"), {k: get(f"run.{k}") for k in run})
         if state[0] is None and any(x is not None for x in state[1:4]):
             raise KVPolicyError("it has values, positions or scores but no keys")
-        if state[0] is not None and entry.get("n") != state[0].shape[2]:
-            raise KVPolicyError(f"n = {entry.get('n')!r} but {state[0].shape[2]} keys are stored")
+        if state[0] is not None and entry.get("n") != length(state[0]):
+            raise KVPolicyError(f"n = {entry.get('n')!r} but {length(state[0])} keys are stored")
         load_state(cache, state, settled=False, model=model)
         return cache
     if kind not in ("KVCache", "RotatingKVCache"):
@@ -346,14 +355,17 @@ def _load_layer(arrays: Dict[str, mx.array], i: int, entry: Dict[str, Any], mode
 
 def _check_shapes(path: Path, caches: List[Any], shapes) -> None:
     """All layers hold one batch; with the model's (kv heads, key dim, value dim) per layer, each layer has them."""
-    batch = {c.keys.shape[0] for c in caches if getattr(c, "keys", None) is not None}
+    shape = lambda c: (
+        c._slots.shape() if isinstance(c, PolicyCache) else (*c.keys.shape[:2], c.keys.shape[3], c.values.shape[3])
+    )  # noqa: E731
+    batch = {shape(c)[0] for c in caches if getattr(c, "keys", None) is not None}
     if len(batch) > 1:
         raise CacheFileError(f"{path}: layers hold different batch sizes ({sorted(batch)}); one file holds one batch")
     for i, (c, want) in enumerate(zip(caches, shapes or [])):
         k = getattr(c, "keys", None)
         if want is None or k is None:
             continue
-        got = (k.shape[1], k.shape[3], c.values.shape[3])
+        got = shape(c)[1:]
         if got != want:
             raise CacheFileError(
                 f"{path}: layer {i} holds (kv heads, key dim, value dim) {got}, but the model's "

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from _common import mx, parser, result_name, write_json
 from mlx_lm.generate import generate_step, generation_stream
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from kvpolicy_core import PolicyCache
 from kvpolicy_core.integration.builder import KVCacheBuilder, native_caches
@@ -169,6 +169,8 @@ def make(model, spec: str):
         return native_caches(model)
     if spec.startswith("rotating:budget="):
         return [RotatingKVCache(max_size=int(spec.split("=")[1]), keep=4) for _ in model.layers]
+    if spec.startswith("quantized:bits="):  # mlx-lm's QuantizedKVCache (every token, quantized rows)
+        return [QuantizedKVCache(group_size=64, bits=int(spec.split("=")[1])) for _ in model.layers]
     return KVCacheBuilder.for_model(model, spec)
 
 
@@ -335,9 +337,13 @@ def at_context(model, spec: str, N: int):
     H, D = a.num_key_value_heads, getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
     caches = make(model, spec)
     for i, c in enumerate(caches):
-        n = N if isinstance(c, KVCache) else min(N, c.max_size if isinstance(c, RotatingKVCache) else c.budget)
+        full = isinstance(c, (KVCache, QuantizedKVCache))
+        n = N if full else min(N, c.max_size if isinstance(c, RotatingKVCache) else c.budget)
         k1, k2 = mx.random.split(mx.random.key(1000 + i))
         K, V = mx.random.normal((1, H, n, D), key=k1), mx.random.normal((1, H, n, D), key=k2)
+        bits = getattr(c, "bits", None)
+        if bits is not None:  # quantized rows, as the cache stores them
+            K, V = (tuple(mx.quantize(x, group_size=c.group_size, bits=bits)) for x in (K, V))
         if isinstance(c, PolicyCache):
             c.offset = N
             pos = mx.broadcast_to(mx.arange(N - n, N, dtype=mx.int32), (1, H, n))

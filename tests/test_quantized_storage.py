@@ -187,3 +187,18 @@ def test_kvpolicy_cache_files_keep_quantized_rows_and_resume(model64, tmp_path):
     assert all(c.bits == 8 and c.group_size == 32 for c in loaded)
     step = TOKENS[:, 27:28]
     assert mx.array_equal(model64(step, cache=caches), model64(step, cache=loaded))
+
+
+def test_compress_once_keeps_its_cut_in_quantized_rows(model64):
+    """Compress once with kv_bits: the kept rows are the full-precision cut's rows, quantized (the same positions;
+    the keys those rows dequantize to), and decoding goes on from them."""
+    from kvpolicy_core.integration.compress_once import compress_context
+
+    ids = [int(t) for t in mx.random.randint(0, VOCAB, (40,), key=mx.random.key(8))]
+    full = compress_context(model64, ids, "h2o:budget=12", scorer="kvzip", chunk=16).caches
+    quant = compress_context(model64, ids, "h2o:budget=12,kv_bits=8", scorer="kvzip", chunk=16).caches
+    for f, q in zip(full, quant):
+        assert q.bits == 8 and mx.array_equal(f.positions, q.positions)
+        keys = mx.dequantize(*q.keys, group_size=64, bits=8)
+        assert mx.array_equal(keys, mx.dequantize(*mx.quantize(f.keys, group_size=64, bits=8), group_size=64, bits=8))
+    assert model64(mx.array([[3]]), cache=quant).shape[1] == 1

@@ -249,9 +249,10 @@ def load_kept(cache: PolicyCache, context: Context, positions: np.ndarray, score
     at = mx.array(positions - context.start)[..., None]
     meta = json.loads(cache.meta_state[0])
     meta["offset"] = int(context.length)
+    rows = cache.storage  # the kept rows stored as the cache stores them (quantized with kv_bits)
     cache.state = (
-        mx.take_along_axis(context.keys, at, axis=2),
-        mx.take_along_axis(context.values, at, axis=2),
+        rows.encode(mx.take_along_axis(context.keys, at, axis=2)),
+        rows.encode(mx.take_along_axis(context.values, at, axis=2)),
         idx,
         mx.array(np.take_along_axis(scores, positions, axis=-1).astype(np.float32)),
         json.dumps(meta),

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from helpers import SHIPPED_METHODS
 from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
 from kvpolicy_core.cache.batch import BatchPolicyCache
 from kvpolicy_core.cache.policy_cache import PolicyCache
 from kvpolicy_core.errors import ConfigError, KVPolicyError
 from kvpolicy_core.integration.builder import KVCacheBuilder
-from kvpolicy_core.testing.conformance import run_conformance
+from kvpolicy_core.testing.conformance import run_conformance, with_fields
 from kvpolicy_core.testing.equivalence import assert_equivalent
 from kvpolicy_core.testing.tiny_models import VOCAB, tiny_model
 
@@ -202,3 +203,30 @@ def test_compress_once_keeps_its_cut_in_quantized_rows(model64):
         keys = mx.dequantize(*q.keys, group_size=64, bits=8)
         assert mx.array_equal(keys, mx.dequantize(*mx.quantize(f.keys, group_size=64, bits=8), group_size=64, bits=8))
     assert model64(mx.array([[3]]), cache=quant).shape[1] == 1
+
+
+@pytest.fixture(scope="module")
+def sliding64():
+    """A tiny Gemma 3 (sliding-window and global layers, 4 query heads on 1 KV head) of head dim 64."""
+    return tiny_model(
+        "gemma3_text",
+        head_dim=64,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        query_pre_attn_scalar=64,
+    )
+
+
+@pytest.mark.parametrize("method", SHIPPED_METHODS)
+def test_every_method_runs_on_quantized_rows_of_a_sliding_window_model(sliding64, method):
+    """Windowed layers' masks are per KV head (grouped query heads): the quantized attention takes them so; 8-bit
+    rows give the full-precision logits up to the quantization error."""
+    toks = mx.random.randint(0, VOCAB, (1, 40), key=mx.random.key(0))
+    for budget in (64, 12):  # nothing evicted but by the windows; then evictions (the choices may differ)
+        spec = with_fields(method, f"budget={budget}")
+        full = run(sliding64, KVCacheBuilder.for_model(sliding64, spec), toks)
+        caches = KVCacheBuilder.for_model(sliding64, with_fields(spec, "kv_bits=8"))
+        got = run(sliding64, caches, toks)
+        assert all(c.bits == 8 for c in caches if isinstance(c, PolicyCache)) and mx.isfinite(got).all()
+        assert budget < 40 or mx.abs(got - full).max().item() < 0.3  # mlx-lm QuantizedKVCache(8) vs KVCache: 0.22

@@ -52,7 +52,6 @@ def attention_with_weights(
     mask,
     compiled: bool = False,
     grouped: bool = False,
-    quantized=None,
 ) -> Tuple[mx.array, mx.array]:
     """The attention output [B, Hq, S, Dv] and its weights [B, H, G, S, L] (queries' dtype)::
 
@@ -76,8 +75,6 @@ def attention_with_weights(
     (:meth:`~kvpolicy_core.cache.policy_cache.PolicyCache.attend`), so that until then its logits are mlx-lm's
     own bit for bit.
     """
-    if quantized:
-        return quantized_attention_with_weights(queries, keys, values, scale, mask, *quantized)
     grouped = grouped and queries.shape[2] == 1
     if compiled and queries.shape[2] == 1 and (mask is None or isinstance(mask, mx.array)):
         if mask is None:

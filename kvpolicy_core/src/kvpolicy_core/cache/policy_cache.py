@@ -42,7 +42,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from ..attention.bias import with_log_weights
-from ..attention.weights import attend_once, attention_with_weights
+from ..attention.weights import attend_once, attention_with_weights, quantized_attention_with_weights
 from ..attention.window import outside_window, window_mask
 from ..config.policy import Policy, build_policy
 from ..errors import KVPolicyError, ModelError
@@ -370,6 +370,15 @@ class PolicyCache(CacheDiagnostics):
         """
         S = queries.shape[2]
         rows = getattr(self.policy.scorer, "rows_observed", None)
+        if self.storage.bits is not None:  # quantized rows: mlx-lm's quantized attention, its masks grouped per KV head
+            once = self._weights_once and (rows is None or rows(S) >= S)
+            mask = self._attention_mask(queries, mask) if once else self.before_attention(queries, scale, mask)
+            out, weights = quantized_attention_with_weights(
+                queries, keys, values, scale, mask, self.group_size, self.bits
+            )
+            if once:
+                self._observe(queries, weights)
+            return self.after_attention(out, values)
         if not (self._weights_once and attend_once(S) and (rows is None or rows(S) >= S)):
             out = fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
             return self.after_attention(out, values)
@@ -382,14 +391,17 @@ class PolicyCache(CacheDiagnostics):
             mask,
             compiled=self.n == self._slots.capacity,
             grouped=self.offset > self.n,
-            quantized=self.storage.bits and (self.group_size, self.bits),
         )
+        self._observe(queries, weights)
+        return self.after_attention(out, values)
+
+    def _observe(self, queries: mx.array, weights: mx.array) -> None:
+        """The scorer takes this step's attention ``weights`` [B, H, G, S, L] (``on_attention_weights``)."""
         run = dict(self._run)  # adopted only if the scorer succeeds (as in before_attention)
         self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)
         self._run = run
         self._bound_graph()
         self._attended = True
-        return self.after_attention(out, values)
 
     def after_attention(self, out: mx.array, values: mx.array) -> mx.array:
         """``out`` [B, Hq, S, Dv], this step's attention output (the hook's); a prompt chunk's is measured for a

@@ -230,3 +230,12 @@ def test_every_method_runs_on_quantized_rows_of_a_sliding_window_model(sliding64
         got = run(sliding64, caches, toks)
         assert all(c.bits == 8 for c in caches if isinstance(c, PolicyCache)) and mx.isfinite(got).all()
         assert budget < 40 or mx.abs(got - full).max().item() < 0.3  # mlx-lm QuantizedKVCache(8) vs KVCache: 0.22
+
+
+def test_a_recorded_full_precision_prefill_never_stands_in_for_stored_rows():
+    """The retrieval runner replays a recorded one-chunk prefill into fresh caches; quantized or float16 rows change
+    every later layer's input, so such caches are always prefilled for real."""
+    from kvpolicy_core.eval.tasks.needle import replayable
+
+    assert replayable("cam:budget=8") and replayable("full")
+    assert not replayable("cam:budget=8,kv_bits=4") and not replayable("h2o:budget=8,kv_dtype=float16")

@@ -226,8 +226,12 @@ def record_prefill(model, prompt: Sequence[int]) -> List[tuple]:
 
 def replayable(spec: Any) -> bool:
     """Whether a recorded prefill can stand in for ``spec``'s: full and policy caches attend to the whole
-    chunk; mlx-lm's ``RotatingKVCache`` masks a chunk with its own window, so it is always run for real."""
-    return parse_spec(spec)[0] != "rotating"
+    chunk; mlx-lm's ``RotatingKVCache`` masks a chunk with its own window, and a cache storing its rows otherwise
+    than in the model's dtype (``kv_bits``, ``kv_dtype``) attends to the stored rows, changing every later layer's
+    input, so both are always run for real."""
+    kind, value = parse_spec(spec)
+    config = getattr(value, "config", value) if kind in ("policy", "compress-once") else None
+    return kind != "rotating" and getattr(config, "kv_bits", None) is None and getattr(config, "kv_dtype", None) is None
 
 
 def _fused_attention(queries, keys, values, cache, scale, mask):

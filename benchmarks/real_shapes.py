@@ -47,7 +47,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import mx, parser, result_name, write_json
+from _common import mx, parser, result_name, with_budget, write_json
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
@@ -627,7 +627,12 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4, help="layers built (the config's real count is far more)")
     p.add_argument("--prompts", default="2048", help="comma-separated prompt lengths")
     p.add_argument("--ratios", default="2,4,8,16", help="comma-separated compression ratios: budget = prompt / ratio")
-    p.add_argument("--methods", default="rotating,h2o,cam", help="methods run at each budget, besides full")
+    p.add_argument(
+        "--methods",
+        default="rotating,h2o,cam",
+        help="methods run at each budget, besides full (';'-separated when one has fields, e.g. "
+        "'cam;cam:kv_bits=4;quantized:bits=4': mlx-lm's QuantizedKVCache holding every token)",
+    )
     p.add_argument("--chunk", type=int, default=2048, help="prefill_step_size")
     p.add_argument("--decode", type=int, default=16, help="decode tokens timed per method")
     p.add_argument("--block", type=int, default=4, help="tokens per method per interleaved decode turn")
@@ -676,7 +681,8 @@ def main(argv=None):
         specs = ["full"]
         for q in ratios:
             budget = int(P / q)
-            specs += [f"{m}:budget={budget}" for m in args.methods.split(",")]
+            methods = args.methods.split(";" if ";" in args.methods else ",")  # ';' when a method has fields
+            specs += [m if m.startswith("quantized:") else with_budget(m, budget) for m in methods]
         print(f"prompt {P}: {', '.join(specs)}", flush=True)
         if args.layer_prefill:
             costs = layer_prefill(model, specs, P, args.chunk, args.rounds)

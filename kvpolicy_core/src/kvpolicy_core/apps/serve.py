@@ -137,6 +137,8 @@ def request_memory(model, config, provider) -> int:
 
     A method that holds whole prompts (``when="prompt_end"`` without ``hold``) has no such bound and is refused;
     so is a limit whose share cannot hold the method's least cache (the builder names ``kv_memory``)."""
+    import mlx.core as mx
+
     from ..errors import ConfigError
     from ..integration.builder import model_kv_layout
     from ..integration.memory_budget import bytes_per_token
@@ -150,7 +152,9 @@ def request_memory(model, config, provider) -> int:
     R = args.decode_concurrency + args.prompt_concurrency
     k = policy.hold if policy.when == "prompt_end" else 1.0
     shapes, itemsize = model_kv_layout(model)
-    c = sum(bytes_per_token(shapes, itemsize))
+    if config.kv_dtype is not None:
+        itemsize = getattr(mx, config.kv_dtype).size
+    c = sum(bytes_per_token(shapes, itemsize, config.kv_bits, config.kv_group_size))  # the stored rows' bytes
     share = provider.kv_memory / R
     kept = int(min(share / k, share - args.prefill_step_size * c))
     if kept <= 0:

@@ -150,7 +150,8 @@ def perplexity(
         "tokens_per_s": (T - 1) / seconds,
         "kv_bytes_kept": kept,
         "kv_bytes_full": full,
-        "peak_memory": int(mx.get_peak_memory()),
+        "peak_memory": int(mx.get_peak_memory()),  # MLX's allocator, model included, this run's
+        "active_memory": int(mx.get_active_memory()),  # resident after the run: the model and the caches held
         "nan": bool(np.isnan(nll).any()),
         **({} if merged is None else {"merges_per_eviction": merged}),
     }

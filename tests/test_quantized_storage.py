@@ -256,3 +256,17 @@ def test_the_servers_memory_share_counts_quantized_rows(model64):
     }
     per_token = {None: 2 * 2 * (2 * 64 * 4 + 8), 4: 2 * 2 * (2 * (32 + 2 * 4) + 8)}  # layers x heads x row bytes
     assert kept[None] == 1_000_000 - 64 * per_token[None] and kept[4] == 1_000_000 - 64 * per_token[4]
+
+
+def test_the_cli_kv_bits_applies_to_every_policy_and_leaves_other_caches():
+    """``--kv-bits`` (generate, eval, serve) sets each policy's storage; ``full`` and ``rotating`` are mlx-lm's own."""
+    from types import SimpleNamespace
+
+    from kvpolicy_core.apps.cli import _with_budget, _with_storage
+
+    args = SimpleNamespace(kv_bits=4, kv_group_size=32)
+    assert _with_budget(_with_storage("cam:merge=mean", args), 64).to_string() == (
+        "cam:budget=64,merge=mean,kv_bits=4,kv_group_size=32"
+    )
+    assert _with_storage("full", args) == "full" and _with_storage("rotating:budget=8", args) == "rotating:budget=8"
+    assert _with_storage("cam", SimpleNamespace(kv_bits=None, kv_group_size=64)) == "cam"

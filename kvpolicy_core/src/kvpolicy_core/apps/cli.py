@@ -471,6 +471,7 @@ def cmd_eval(args) -> int:
     specs.extend(args.method or [])
     if not specs:
         specs = list(DEFAULT_COMPARISON)
+    specs = [_with_storage(s, args) for s in specs]  # --kv-bits: every policy stores its rows quantized
     if args.task == "ruler":  # the long-context suite: budgets follow each length (--ratio)
         from ..eval.tasks.ruler_cli import cli_run as ruler_run
         from ..runtime.progress import quiet
@@ -481,7 +482,7 @@ def cmd_eval(args) -> int:
     runs: List[Any] = []
     for spec in specs:
         for b in budgets:
-            item = _with_storage(_with_budget(spec, b), args)
+            item = _with_budget(spec, b)
             if spec_label(item) not in [spec_label(r) for r in runs]:
                 runs.append(item)
     if args.task != "perplexity":

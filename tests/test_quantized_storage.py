@@ -270,3 +270,36 @@ def test_the_cli_kv_bits_applies_to_every_policy_and_leaves_other_caches():
     )
     assert _with_storage("full", args) == "full" and _with_storage("rotating:budget=8", args) == "rotating:budget=8"
     assert _with_storage("cam", SimpleNamespace(kv_bits=None, kv_group_size=64)) == "cam"
+
+
+REGISTERED = [
+    "cam",
+    "chunkkv",
+    "h2o",
+    "pyramidkv",
+    "random",
+    "snapkv",
+    "squeeze",
+    "streamingllm",
+    "streamingmerge",
+    "tova",
+]
+
+
+@pytest.mark.parametrize("method", REGISTERED)
+def test_every_registered_method_evicts_quantized_rows_alone_and_batched(model64, method):
+    """Every installed method (the example plugins' too) on 4-bit rows: a prompt, decode steps with evictions, then
+    two such rows batched (mlx-lm's server) decoding together; finite logits, rows kept quantized, budgets held."""
+    spec = f"{method}:budget=10,kv_bits=4"
+    toks = mx.random.randint(0, VOCAB, (2, 30), key=mx.random.key(2))
+    rows = []
+    for r in range(2):
+        caches = KVCacheBuilder.for_model(model64, spec)
+        out = run(model64, caches, toks[r : r + 1, : 26 - r], prompt=18 - r)
+        assert mx.isfinite(out).all()
+        rows.append(caches)
+    batch = [BatchPolicyCache.merge([rows[0][i], rows[1][i]]) for i in range(len(model64.layers))]
+    for t in range(3):
+        assert mx.isfinite(model64(toks[:, 26 + t : 27 + t], cache=batch)).all()
+    for c in (batch[0].extract(0), batch[0].extract(1)):
+        assert c.bits == 4 and isinstance(c.keys, tuple) and c.n <= c.budget + 1

@@ -28,6 +28,7 @@ import weakref
 from typing import Dict, List, Sequence
 
 from ..errors import ModelError
+from .weights import quantized_attention_with_weights
 
 _lock = threading.RLock()  # re-entrant: a handle may be collected while the lock is held
 _patched: Dict[str, tuple] = {}  # module name -> (original fn, refcount)
@@ -44,7 +45,12 @@ def _wrap(original):
             if kind == "single" and sinks is None and len(args) <= 1:
                 return cache.attend(queries, keys, values, scale, mask, original)
             mask = cache.before_attention(queries, scale, mask)
-            out = original(queries, keys, values, cache, scale, mask, *args, **kwargs)
+            if getattr(cache, "bits", None) is not None and sinks is None:  # quantized rows, masks per KV head
+                out = quantized_attention_with_weights(
+                    queries, keys, values, scale, mask, cache.group_size, cache.bits
+                )[0]
+            else:
+                out = original(queries, keys, values, cache, scale, mask, *args, **kwargs)
             return cache.after_attention(out, values)  # a data-driven allocation measures the output
         return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
 

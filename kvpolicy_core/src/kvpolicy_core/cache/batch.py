@@ -312,7 +312,8 @@ class BatchPolicyCache:
             return out  # decode steps: only prompt chunks are measured
         for b, (r, (lo, n, _)) in enumerate(zip(self._rows, self._step)):
             if n > 1 and r.group is not None:  # row b's new tokens are the last n of its slots (left-padded to Lmax)
-                r.after_attention(out[b : b + 1, :, lo : lo + n], values[b : b + 1, :, values.shape[2] - n :])
+                own = tree_map(lambda x: x[b : b + 1, :, x.shape[2] - n :], values)
+                r.after_attention(out[b : b + 1, :, lo : lo + n], own)
         return out
 
     # ------------------------------------------------------------------ bookkeeping

@@ -40,6 +40,7 @@ import copy
 from typing import Optional, Tuple
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
 from ..attention.bias import with_log_weights
 from ..attention.weights import attend_once, attention_with_weights, quantized_attention_with_weights
@@ -409,7 +410,9 @@ class PolicyCache(CacheDiagnostics):
         the chunk's own)."""
         S = out.shape[2]
         if self.group is not None and S > 1:
-            self._run = record(self._run, out, values[:, :, -S:])
+            new = tree_map(lambda x: x[:, :, -S:], values)  # quantized rows (a tuple) are decoded
+            new = self.storage.decode(new, out.dtype) if isinstance(new, tuple) else new
+            self._run = record(self._run, out, new)
             self.group.stale()
         return out
 

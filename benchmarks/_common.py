@@ -20,23 +20,23 @@ A new benchmark script::
 ``<out>/<name>.json`` atomically with ``command`` and ``versions`` (mlx, mlx-lm, kvpolicy, Python,
 BLAS) added. :class:`Stopwatch` times one step on the wall and CPU clocks; :func:`timed` is the
 median of repeated calls of one function. Tiny random-weight models come from
-:mod:`kvpolicy_core.testing.tiny_models`. The BLAS-free pieces live in ``_harness.py`` (re-exported here).
+:mod:`kvpolicy_core.testing.tiny_models`. The BLAS-free pieces live in ``_harness.py`` (re-exported here; it
+never imports this module).
 """
 
 from __future__ import annotations
 
-import platform
 import sys
 from pathlib import Path
 
-from kvpolicy_core.runtime.blas import blas_info, load_optimized_blas
+from kvpolicy_core.runtime.blas import load_optimized_blas
 
 BLAS = load_optimized_blas(quiet=True)
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx  # noqa: E402,F401  (after the BLAS; scripts import mx from here)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import (  # noqa: E402,F401  (the harness, re-exported)
+from _harness import (  # noqa: E402,F401  (the harness, re-exported; _harness never imports this module)
     RESULTS,
     Stopwatch,
     interleave,
@@ -47,21 +47,7 @@ from _harness import (  # noqa: E402,F401  (the harness, re-exported)
     summarize,
     timed,
     timed_step,
+    versions,
     with_budget,
     write_json,
 )
-
-
-def versions() -> dict:
-    import mlx_lm
-
-    import kvpolicy_core
-
-    return {
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "kvpolicy_core": kvpolicy_core.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "blas": {k: blas_info().get(k) for k in ("path", "source", "config", "coretype_forced", "threads")},
-    }

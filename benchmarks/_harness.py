@@ -1,13 +1,16 @@
 """The BLAS-free part of the benchmark harness (arguments, result names, timing, interleaving, JSON).
 
 Scripts import these names from ``_common`` (which loads the BLAS and mlx first); only a script that must
-not load the BLAS in its own process (blas_speedup.py) imports this module directly.
+not load the BLAS in its own process (blas_speedup.py) imports this module directly. This module imports
+nothing of the harness: ``_common`` imports it, never the other way round. It imports mlx only when
+:func:`versions` runs (when results are written), loading the BLAS just before as ``_common`` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import sys
 import time
@@ -141,8 +144,6 @@ def write_json(name: str, payload: dict, out_dir=RESULTS) -> Path:
     out_dir = Path(out_dir if out_dir is not None else RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    from _common import versions  # mlx and the BLAS: imported when the results are written
-
     from kvpolicy_core.eval.tasks.cli_options import atomic_write_text  # no mlx, no BLAS
 
     payload = {"command": " ".join(["python"] + sys.argv), "versions": versions(), **payload}
@@ -151,6 +152,29 @@ def write_json(name: str, payload: dict, out_dir=RESULTS) -> Path:
     # write (a full disk) leaves the previous results whole and no temporary file behind
     atomic_write_text(path, text, "--out")
     return path
+
+
+def versions() -> dict:
+    """The versions a result was measured with (mlx, mlx-lm, kvpolicy, Python, the machine) and the BLAS.
+
+    Imports mlx here, at the first call (a script that imported ``_common`` has it already): the BLAS is loaded
+    first (a no-op once loaded or once mlx is imported), as importing ``_common`` would have done."""
+    from kvpolicy_core.runtime.blas import blas_info, load_optimized_blas
+
+    load_optimized_blas(quiet=True)
+    import mlx.core as mx
+    import mlx_lm
+
+    import kvpolicy_core
+
+    return {
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "kvpolicy_core": kvpolicy_core.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "blas": {k: blas_info().get(k) for k in ("path", "source", "config", "coretype_forced", "threads")},
+    }
 
 
 def plot_time_memory(runs, path: Path, title: str) -> None:

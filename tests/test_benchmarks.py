@@ -4,6 +4,7 @@ Benchmarks are programs, not timed tests: these only check that each one runs an
 results, not what the numbers are.
 """
 
+import ast
 import json
 import subprocess
 import sys
@@ -223,6 +224,14 @@ def test_paired_py_matches_rows_of_one_model_and_mode_only(tmp_path):
     assert ratios == sorted(round(float(np.exp(x)), 4) for x in (0.1, -2.0, 2.0))  # each paired within itself
     dup = run(small, small)
     assert dup.returncode != 0 and "two 'h2o' rows" in dup.stderr
+
+
+def test_the_harness_does_not_import_common():
+    """_common (the BLAS, then mlx) imports _harness; _harness never imports _common (no import circle)."""
+    tree = ast.parse((BENCH / "_harness.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert "_common" not in names
 
 
 def test_harness_interleaves_kinds_round_by_round_and_names_results(tmp_path):

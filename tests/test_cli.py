@@ -34,6 +34,50 @@ def test_methods_lists_packages_parts_and_fields(capsys):
     )
 
 
+def _section(out: str, method: str) -> str:
+    """The lines of one method in `kvpolicy methods`: from its header to the next unindented line."""
+    lines = out.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.split()[:1] == [method] and not x.startswith(" "))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def test_methods_lists_the_common_fields_once_and_each_method_only_its_own(capsys):
+    code, out, _ = run(capsys, "methods")
+    assert code == 0 and out.count("common to every method") == 2  # KVCacheConfig's block, PolicyConfig's block
+    for common in ("budget = 512", "n_sink = 4", "seed = 0", "kv_group_size = 64"):
+        assert out.count(common) == 1, common  # once, above the methods
+    cam = _section(out, "cam")
+    assert "merge = 'mass'" in cam and "obs_window = None" in cam
+    assert not any(f"    {f} " in cam for f in ("budget", "n_sink", "recent", "seed", "when", "allocation"))
+    assert "common defaults changed: signal='observed', when='prompt_end'" in cam
+    assert "rope_freqs" not in out and "rope_traditional" not in out  # the builder fills them from the model
+    assert "common fields not used by this method: signal" in _section(out, "random")
+
+
+def test_methods_json_is_complete_and_split_the_same_way(capsys):
+    from kvpolicy_core.config.parse import parse_config
+    from kvpolicy_core.config.policy_config import COMMON_FIELDS, PolicyConfig
+
+    code, out, _ = run(capsys, "methods", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    common = doc["common_fields"]
+    assert list(common["KVCacheConfig"]) == list(COMMON_FIELDS) and common["KVCacheConfig"]["method"]["required"]
+    assert list(common["PolicyConfig"]) == list(PolicyConfig.model_fields)
+    assert common["PolicyConfig"]["budget"]["default"] == 512
+    for m in doc["methods"]:  # common defaults, the method's changes and its own fields give every default
+        defaults = {k: v["default"] for k, v in common["PolicyConfig"].items()}
+        defaults.update(m["common_defaults_changed"])
+        defaults.update({k: v["default"] for k, v in m["fields"].items()})
+        want = json.loads(json.dumps(parse_config(m["method"]).policy.model_dump(), default=str))
+        assert defaults == want, m["method"]
+        assert not set(m["fields"]) & set(PolicyConfig.model_fields)
+    cam = {m["method"]: m for m in doc["methods"]}["cam"]
+    assert cam["fields"]["rope_freqs"]["filled_by_builder"] and not cam["fields"]["merge"]["filled_by_builder"]
+    assert cam["common_defaults_changed"] == {"signal": "observed", "when": "prompt_end"}
+
+
 def test_generate_from_argument_file_and_stdin(capsys, tiny_model_dir, tmp_path, monkeypatch):
     code, out, err = run(
         capsys,

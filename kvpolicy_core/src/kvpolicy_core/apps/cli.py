@@ -158,25 +158,44 @@ def _human(n: float) -> str:
 
 
 # ----------------------------------------------------------------------------- commands
+def _field_row(field, default) -> dict:
+    from ..config.policy_config import filled_by_builder
+
+    if field.is_required():
+        return {"default": None, "required": True, "description": field.description or "", "filled_by_builder": False}
+    return {"default": default, "description": field.description or "", "filled_by_builder": filled_by_builder(field)}
+
+
+def _field_line(name: str, f: dict) -> str:
+    default = "" if f.get("required") else f" = {f['default']!r}"
+    return f"    {name}{default}  {f['description']}"
+
+
 def cmd_methods(args) -> int:
+    """The common fields once (KVCacheConfig's and PolicyConfig's, with PolicyConfig's own defaults), then each
+    method with its parts and only its own fields; under a method, the common fields whose default it changes and
+    those its parts never read. Fields the builder fills from the model (``rope_freqs``) are in ``--json`` only."""
+    from ..config.cache_config import KVCacheConfig
     from ..config.policy_config import COMMON_FIELDS, PolicyConfig
     from ..plugin.discovery import get_registry
 
     reg = get_registry()
+    base = PolicyConfig.model_fields
+    kv_fields = KVCacheConfig.model_fields
+    common = {
+        "KVCacheConfig": {n: _field_row(kv_fields[n], kv_fields[n].get_default()) for n in COMMON_FIELDS},
+        "PolicyConfig": {n: _field_row(field, field.get_default()) for n, field in base.items()},
+    }
     rows = []
     for name, entry in sorted(reg.methods().items()):
         spec = entry.obj
         config = spec.config_class()
-        fields = {}
+        own, changed = {}, {}
         for fname, field in spec.config_class.model_fields.items():
-            shared = fname in PolicyConfig.model_fields
-            fields[fname] = {
-                "default": getattr(config, fname),
-                "description": field.description or "",
-                "scope": "shared" if shared else "method",
-                "default_changed": shared and PolicyConfig.model_fields[fname].default != field.default,
-                "used": fname not in spec.ignores,
-            }
+            if fname not in base:
+                own[fname] = _field_row(field, getattr(config, fname))
+            elif getattr(config, fname) != base[fname].get_default():
+                changed[fname] = getattr(config, fname)
         rows.append(
             {
                 "method": name,
@@ -184,34 +203,38 @@ def cmd_methods(args) -> int:
                 "version": entry.version,
                 "parts": spec.part_names(config),
                 "description": spec.description,
-                "fields": fields,
+                "fields": own,
+                "common_defaults_changed": changed,
+                "common_not_used": [f for f in base if f in spec.ignores],
             }
         )
     if args.json:
-        print(
-            json.dumps(
-                {"methods": rows, "common_fields": list(COMMON_FIELDS), "failures": reg.failures}, indent=2, default=str
-            )
-        )
+        out = {"common_fields": common, "methods": rows, "failures": reg.failures}
+        print(json.dumps(out, indent=2, default=str))
         return 0
-    print(f"every method: {', '.join(COMMON_FIELDS)} (KVCacheConfig); budget, n_sink, recent, signal (PolicyConfig)")
+    print("common to every method (KVCacheConfig):")
+    for fname, f in common["KVCacheConfig"].items():
+        print(_field_line(fname, f))
+    print("common to every method (PolicyConfig; a method may change a default, shown under it):")
+    for fname, f in common["PolicyConfig"].items():
+        if not f["filled_by_builder"]:
+            print(_field_line(fname, f))
     for r in rows:
         parts = ", ".join(f"{k}={v}" for k, v in r["parts"].items())
         print(f"{r['method']}  ({r['package']} {r['version'] or ''})".rstrip())
         if r["description"]:
             print(f"  {r['description']}")
         print(f"  parts: {parts}")
-        for scope, title in (("shared", "shared fields"), ("method", "method fields")):
-            items = [(f, v) for f, v in r["fields"].items() if v["scope"] == scope]
-            if items:
-                print(f"  {title}:")
-            for fname, f in items:
-                note = (
-                    "  [not used by this method]"
-                    if not f["used"]
-                    else ("  [default changed by this method]" if f["default_changed"] else "")
-                )
-                print(f"    {fname} = {f['default']!r}  {f['description']}{note}")
+        if r["common_defaults_changed"]:
+            changed = ", ".join(f"{k}={v!r}" for k, v in r["common_defaults_changed"].items())
+            print(f"  common defaults changed: {changed}")
+        if r["common_not_used"]:
+            print(f"  common fields not used by this method: {', '.join(r['common_not_used'])}")
+        items = [(f, v) for f, v in r["fields"].items() if not v["filled_by_builder"]]
+        if items:
+            print("  fields:")
+        for fname, f in items:
+            print(_field_line(fname, f))
     for failure in reg.failures:
         print(f"warning: {failure}", file=sys.stderr)
     print("baselines (kvpolicy eval/generate): full, rotating:budget=N (mlx-lm RotatingKVCache, keep=4)")

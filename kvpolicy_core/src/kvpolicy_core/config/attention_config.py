@@ -40,7 +40,7 @@ from typing import Literal, Optional, Tuple
 
 from pydantic import Field, field_validator, model_validator
 
-from .policy_config import PolicyConfig
+from .policy_config import FILLED_BY_BUILDER, PolicyConfig
 
 #: The ``score`` values: the scorer families of the attention-scored methods.
 SCORES = ("attention", "keydiff", "expected_attention")
@@ -133,10 +133,12 @@ class AttentionPolicyConfig(PolicyConfig):
         None,
         description="score=expected_attention: the layer's RoPE angle per position of each rotated pair "
         "(filled per layer by KVCacheBuilder.for_model; None: queries not rotated).",
+        json_schema_extra=FILLED_BY_BUILDER,
     )
     rope_traditional: bool = Field(
         False,
         description="score=expected_attention: the RoPE pair layout (true: interleaved pairs; filled by the builder).",
+        json_schema_extra=FILLED_BY_BUILDER,
     )
 
     @field_validator("rope_freqs")

@@ -18,6 +18,16 @@ from ..errors import ConfigError
 #: Fields of :class:`~kvpolicy_core.config.cache_config.KVCacheConfig` itself, shared by every method.
 COMMON_FIELDS = ("method", "head_dim", "seed", "layers", "kv_memory", "kv_bits", "kv_group_size", "kv_dtype")
 
+#: ``Field(..., json_schema_extra=FILLED_BY_BUILDER)`` marks a config field that the builder fills per layer from
+#: the model (``rope_freqs``): a user does not set it, so ``kvpolicy methods`` lists it only in ``--json``.
+FILLED_BY_BUILDER = {"filled_by": "builder"}
+
+
+def filled_by_builder(field) -> bool:
+    """Whether a pydantic field (``Model.model_fields[name]``) is marked :data:`FILLED_BY_BUILDER`."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("filled_by") == "builder"
+
 
 class PolicyConfig(BaseModel):
     """Fields shared by every budgeted eviction method.

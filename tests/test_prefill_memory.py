@@ -68,3 +68,27 @@ def test_a_prefill_chunk_whose_output_is_never_read_does_not_compute_its_attenti
     mx.eval([c.state for c in caches])
     all_rows = 4 * S * S * 4  # float32 weights of every query row of 4 query heads
     assert mx.get_peak_memory() - base < all_rows / 4
+
+
+@pytest.mark.parametrize("method", ["h2o", "cam"])
+def test_a_held_prompt_fed_by_a_loop_that_reads_only_the_logits_keeps_no_graph_of_earlier_chunks(method):
+    """A loop of its own (not ``generate_step``) that evaluates only each chunk's logits: the held prompt's scores
+    and the observation window's rows feed no output until the cut, so left lazy each chunk's graph would keep its
+    attention rows (and what they were computed from) alive. Memory then grows by the chunk's keys and values and
+    the window's rows over the new keys, nothing more."""
+    model = tiny_llama(layers=2)
+    caches = KVCacheBuilder.for_model(model, f"{method}:budget={BUDGET},obs_window=8")
+    prompt = mx.random.randint(0, 97, (1, CHUNK * CHUNKS), key=mx.random.key(5))
+    seen = []
+    for i in range(CHUNKS):
+        mx.eval(model(prompt[:, i * CHUNK : (i + 1) * CHUNK], cache=caches))
+        gc.collect()
+        mx.synchronize()
+        seen.append(mx.get_active_memory())
+    a = model.args
+    H, D = a.num_key_value_heads, a.hidden_size // a.num_attention_heads
+    layers = len(model.layers)
+    held = 2 * layers * H * D * CHUNK * 4  # a chunk's keys and values, float32
+    state = layers * H * (8 + 4) * CHUNK * 4  # the window's 8 rows, scores, positions, norms over the chunk's keys
+    growth = (seen[-1] - seen[1]) / (CHUNKS - 2)
+    assert growth < 1.5 * (held + state), f"{method}: {growth:.0f} B per chunk, held K/V and state {held + state} B"

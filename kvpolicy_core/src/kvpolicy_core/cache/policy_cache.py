@@ -548,14 +548,18 @@ class PolicyCache(CacheDiagnostics):
     def _bound_graph(self) -> None:
         """Keep the lazy graph of scores and counters bounded over long runs.
 
-        Over budget, the next eviction (hence the model's output) depends on the scores, so they
-        are evaluated with the output; below it, asynchronously. Counters: every 256 updates.
+        Over budget at decode, the next eviction (hence the model's output) depends on the scores, so they
+        are evaluated with the output; below it, and through a prompt chunk (a held prompt's scores and the run's
+        state feed no output until the cut: left lazy, each chunk's graph would keep its attention rows alive,
+        growing by ``layers * W * L`` floats a chunk), asynchronously. Counters: every 256 updates.
         Key norms (kept for CaM's cosine search): after every chunk, asynchronously; ``state``, which
         mlx-lm evaluates after each prefill chunk, does not hold them, and their lazy graph would keep
         every earlier chunk's keys alive (memory growing by a chunk's keys per chunk of a long prompt).
         """
         self._updates += 1
-        if self.n <= self.budget:
+        if self._last_S > 1:
+            mx.async_eval([self.scores, self._run])
+        elif self.n <= self.budget:
             mx.async_eval(self.scores)
         if self._last_S > 1 and self._slots.key_norms is not None:
             mx.async_eval(self._slots.key_norms)

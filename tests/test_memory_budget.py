@@ -83,3 +83,41 @@ def test_generate_with_kv_memory_says_the_budget_it_chose_and_keeps_within_it(ca
     assert 0 < summary["kv_bytes_kept"] <= 20_000 and summary["active_memory_bytes"] > 0
     assert main(["generate", "x", "--model", str(tiny_model_dir), "--kv-memory", "20kB", "--budget", "8"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_kv_memory_is_measured_by_the_allocator_and_quantized_rows_buy_more_tokens(bits):
+    """What MLX's allocator holds after a generation, above the model, is the limit (not only the bytes the caches
+    account for: within the allocator's rounding of each buffer), and quantized rows fit more tokens in the same
+    limit (8 bits: ~3x the float32 tokens, 4 bits: ~5x, at head dim 64 and group size 32)."""
+    import gc
+
+    from kvpolicy_core.testing.tiny_models import tiny_model
+
+    model = tiny_model("llama", head_dim=64, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    mx.eval(model.parameters())
+    spec = "h2o:kv_memory=512kB" + ("" if bits is None else f",kv_bits={bits},kv_group_size=32")
+    config = parse_config(spec)
+    try:
+        gc.collect()
+        mx.synchronize()
+        base = mx.get_active_memory()
+        caches = KVCacheBuilder.for_model(model, config)
+        budget = caches[0].budget
+        prompt = mx.random.randint(0, 97, (2 * budget,), key=mx.random.key(0))
+        for _ in zip(generate_step(prompt, model, prompt_cache=caches, prefill_step_size=256), range(4)):
+            pass
+        for c in caches:
+            c.settle()
+        mx.eval([c.state for c in caches])
+        gc.collect()
+        mx.synchronize()
+        held = mx.get_active_memory() - base
+        assert caches[0].tokens_kept == budget
+        # the allocator rounds each buffer up (pages): a few kB over the kept bytes on caches this small
+        assert held <= 1.05 * config.kv_memory, f"{spec}: MLX holds {held} B above the model, limit {config.kv_memory}"
+        assert held >= 0.9 * config.kv_memory
+        fp = KVCacheBuilder.for_model(model, parse_config("h2o:kv_memory=512kB"))[0].budget
+        assert budget >= {None: 1, 8: 3, 4: 5}[bits] * fp
+    finally:
+        detach(model)

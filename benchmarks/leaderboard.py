@@ -4,7 +4,7 @@
     python benchmarks/leaderboard.py --size headline --tag headline_gemma3         # every method, Gemma 3
     python benchmarks/leaderboard.py --size headline --model smollm2 --tag headline_smollm2
     python benchmarks/leaderboard.py --report benchmarks/results/leaderboard_headline_*.json   # docs + plots
-    python benchmarks/leaderboard.py --smoke                                       # tiny random model (tests)
+    python benchmarks/leaderboard.py --smoke                    # tiny random model (tests), into a temp folder
 
 Methods: ``full`` (mlx-lm's ``KVCache``), ``rotating`` (mlx-lm's ``RotatingKVCache(budget, keep=4)``:
 StreamingLLM as mlx-lm ships it) and every method kvpolicy's registry lists
@@ -37,14 +37,18 @@ texts (one length) as the rows of one batch, the logits read after the last step
 state (the output projection read once, not once a token; NLLs within 1e-4 of ``perplexity``'s).
 
 A method's **score** at a ratio is the mean of its suite scores over the protocols (each the mean over the
-unflagged tasks of RULER's score, 0-100); the JSON ranks the methods at 8x (score, then perplexity) and states
-each one against ``h2o`` there (score difference; perplexity ratio pooled over the texts with a paired block
-bootstrap interval, :func:`kvpolicy_core.eval.perplexity.pooled_ratio`).
+unflagged tasks of RULER's score, 0-100), with its 95% interval (Wilson's, at the effective number of questions:
+:func:`score_interval`); perplexity changes carry the paired block bootstrap interval against the full cache.
+The JSON ranks the methods at 8x (score, then perplexity) and states each one against ``h2o`` there (score
+difference and the questions paired with h2o's, with an exact sign test; perplexity ratio pooled over the texts
+with a paired block bootstrap interval, :func:`kvpolicy_core.eval.perplexity.pooled_ratio`).
 
-Writes ``leaderboard[_<tag>][_smoke].json`` under ``--out`` (the harness's atomic writer; rewritten after every
-step, so a long run can be read while it runs), and per model a markdown table (``..._<model>.md``) and a plot
-in the style of NVIDIA kvpress's leaderboard (``..._<model>.png``: score against compression ratio, one line
-per method, the full cache as a horizontal line). ``--report FILE...`` runs nothing: it merges result files
+Writes ``leaderboard[_<tag>][_smoke].json`` under ``--out`` (default benchmarks/results; ``--smoke``: a new
+temporary folder, printed, so that no smoke file lands among the results; the harness's atomic writer;
+rewritten after every step, so a long run can be read while it runs), and per model a markdown table
+(``..._<model>.md``) and a plot in the style of NVIDIA kvpress's leaderboard (``..._<model>.png``: score
+against compression ratio per protocol, one line per method, error bars at 95%, the full cache as a horizontal
+line). ``--report FILE...`` runs nothing (no model is loaded): it merges result files
 (a model's runs may be split with ``--tag``) and rewrites the tables of ``--docs`` (docs/leaderboard.md) and the
 plots (``--plots``, benchmarks/results).
 
@@ -62,13 +66,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from _common import parser, result_name, with_budget, write_json
+from _common import RESULTS, parser, result_name, with_budget, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "leaderboard.md"
@@ -186,8 +192,6 @@ def load(model: str, smoke: bool):
     import mlx_lm
 
     if smoke:
-        import tempfile
-
         from kvpolicy_core.testing.tiny_models import write_model_dir
 
         path = write_model_dir(Path(tempfile.mkdtemp(prefix="leaderboard-tiny-")), "llama", layers=2)
@@ -317,7 +321,12 @@ def task_questions(tasks, preset: str, model_name: str) -> dict:
 
 # ----------------------------------------------------------------------------- running
 def main(argv=None):
-    p = parser(__doc__, smoke_help="a tiny random-weight model, a few methods, tiny lengths: seconds")
+    p = parser(
+        __doc__,
+        out=None,
+        smoke_help="a tiny random-weight model, a few methods, tiny lengths: seconds (written to a "
+        "temporary folder unless --out is given)",
+    )
     p.add_argument("--size", choices=["quick", "headline"], help="a preset of the options below (explicit win)")
     p.add_argument("--model", default="gemma3", help="gemma3 (default), smollm2, or an mlx-lm model directory")
     p.add_argument("--methods", help="all, or a comma list of full, rotating and installed methods")
@@ -354,6 +363,8 @@ def main(argv=None):
     p.add_argument("--docs", help="markdown page whose tables --report rewrites (default docs/leaderboard.md)")
     p.add_argument("--plots", help="folder of --report's plots (default: benchmarks/results)")
     args = p.parse_args(argv)
+    if args.out is None:  # a smoke run's files are not results: kept out of benchmarks/results
+        args.out = tempfile.mkdtemp(prefix="leaderboard-smoke-") if args.smoke and not args.report else str(RESULTS)
     try:
         if args.report:
             report(args.report, Path(args.docs or DOCS), Path(args.plots or args.out))
@@ -468,7 +479,7 @@ def run(args):
         state["seconds"] = round(time.perf_counter() - start, 1)
         board = build_board(state["ppl_rows"], state["suite_rows"], plan["min_full"])
         state["board"] = board
-        state["rank_vs_h2o"] = rank_vs_h2o(board, state["ppl_rows"])
+        state["rank_vs_h2o"] = rank_vs_h2o(board, state["ppl_rows"], suite_rows=state["suite_rows"])
         write_json(name, state, out)
 
     if plan["tasks"]:  # the suite first: the score; perplexity breaks its ties
@@ -784,6 +795,57 @@ def one_chunk_context(model, tok, ctx, spec, items, step: int) -> list:
 
 
 # ----------------------------------------------------------------------------- the board
+Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
+
+
+def wilson(p: float, n: float, z: float = Z95):
+    """The Wilson score interval (low, high) of a proportion ``p`` seen over ``n`` trials; ``n`` may be an
+    effective (non-integer) number of trials. None when ``n`` is 0."""
+    if n <= 0:
+        return None
+    d = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(max(0.0, p * (1 - p)) / n + z * z / (4 * n * n)) / d
+    low = 0.0 if p <= 0 else max(0.0, centre - half)  # exact at the ends (no rounding residue)
+    return low, 1.0 if p >= 1 else min(1.0, centre + half)
+
+
+def score_interval(items) -> dict:
+    """A weighted score's 95% interval: ``items`` = [(score 0-1, weight)], one per question answered. The score
+    is the weighted mean (a task's questions share the task's weight, as RULER's mean over tasks does), the
+    interval Wilson's at Kish's effective number of questions ``1 / sum(w^2)`` (weights summing to 1): 3
+    questions weighted 1/2, 1/4, 1/4 (niah_single's one, niah_multikey's two) count as 2.7. Percent."""
+    total = sum(w for _, w in items)
+    if not items or total <= 0:
+        return {}
+    p = sum(s * w for s, w in items) / total
+    n_eff = total * total / sum(w * w for _, w in items)
+    low, high = wilson(p, n_eff)
+    return {"n": len(items), "n_eff": round(n_eff, 2), "low": round(100 * low, 1), "high": round(100 * high, 1)}
+
+
+def sign_test(b: int, c: int) -> float:
+    """Exact two-sided sign test (McNemar's exact test) of ``b`` against ``c`` discordant pairs."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def ppl_interval(pairs):
+    """The perplexity ratio of ``pairs`` = [(nll, nll_reference)] pooled over texts with its paired block
+    bootstrap 95% interval (:func:`kvpolicy_core.eval.perplexity.pooled_ratio`); None where there are too few
+    tokens for one (fewer than two 32-token blocks per text)."""
+    from kvpolicy_core.eval.perplexity import pooled_ratio
+
+    try:
+        pr = pooled_ratio(pairs)
+    except ValueError:
+        return None
+    return {k: round(pr[k], 4) for k in ("ratio", "low", "high")}
+
+
 def build_board(ppl_rows, suite_rows, min_full: float = 60.0) -> dict:
     """Per method (``full`` included) per ratio: perplexity change per text (and their mean), the suite score per
     protocol (mean over unflagged tasks of RULER's score; none where some unflagged task was not run, as in a run
@@ -800,41 +862,76 @@ def build_board(ppl_rows, suite_rows, min_full: float = 60.0) -> dict:
             full_task.setdefault(r["task"], []).append(r["score"])
     full_by_task = {t: 100 * sum(v) / len(v) for t, v in full_task.items()}
     flagged = sorted(t for t, s in full_by_task.items() if s < min_full)
+    full_nll = {r["text"]: r["nll"] for r in ppl_rows if r["method"] == "full" and r.get("nll")}
     cells = {}
+    new_cell = lambda: {"ppl": {}, "ppl_abs": {}, "ppl_ci": {}, "suite": {}, "tasks": {}, "items": {}}  # noqa: E731
     for r in ppl_rows:
-        c = cells.setdefault((r["method"], r["ratio"]), {"ppl": {}, "ppl_abs": {}, "suite": {}, "tasks": {}})
+        c = cells.setdefault((r["method"], r["ratio"]), new_cell())
         c["ppl"][r["text"]] = (
             round(100 * (r["perplexity"] / full_ppl[r["text"]] - 1), 2) if r["text"] in full_ppl else None
         )
         c["ppl_abs"][r["text"]] = round(r["perplexity"], 4)
+        if r["method"] != "full" and r.get("nll") and r["text"] in full_nll:
+            c.setdefault("nll_pairs", []).append((r["nll"], full_nll[r["text"]]))
+            ci = ppl_interval([(r["nll"], full_nll[r["text"]])])
+            if ci:
+                c["ppl_ci"][r["text"]] = [round(100 * (ci["low"] - 1), 1), round(100 * (ci["high"] - 1), 1)]
     per = {}
     for r in suite_rows:
         per.setdefault((r["name"], r["ratio"], r["protocol"], r["task"]), []).append(r["score"])
     for (name, ratio, protocol, task), v in per.items():
-        c = cells.setdefault((name, ratio), {"ppl": {}, "ppl_abs": {}, "suite": {}, "tasks": {}})
+        c = cells.setdefault((name, ratio), new_cell())
         c["tasks"].setdefault(protocol, {})[task] = round(100 * sum(v) / len(v), 1)
+        c["items"].setdefault(protocol, {})[task] = v
     needed = [t for t in full_by_task if t not in flagged]  # a score needs every task the full cache can do
-    rows = []
+    rows, items = [], {}  # items: (method, ratio) -> {protocol: [(score, weight)]}, for the intervals
     for (name, ratio), c in cells.items():
         for protocol, by_task in c["tasks"].items():
             ok = [s for t, s in by_task.items() if t not in flagged]
             whole = all(t in by_task for t in needed)  # a run cut short mid-ratio: no score from some tasks
             c["suite"][protocol] = round(sum(ok) / len(ok), 1) if ok and whole else None
+            if c["suite"][protocol] is not None:
+                answers = {t: v for t, v in c["items"][protocol].items() if t not in flagged}
+                items.setdefault((name, ratio), {})[protocol] = [
+                    (x, 1 / (len(answers) * len(v))) for v in answers.values() for x in v
+                ]
         scores = [c["suite"].get(p) for p in protocols if c["suite"].get(p) is not None]
         deltas = [c["ppl"][t] for t in texts if c["ppl"].get(t) is not None]
+        score = round(sum(scores) / len(scores), 1) if scores and len(scores) == len(protocols) else None
+        mine = items.get((name, ratio), {})
         rows.append(
             {
                 "method": name,
                 "ratio": ratio,
                 "ppl_delta_pct": c["ppl"],
+                "ppl_delta_ci": c["ppl_ci"],
                 "ppl": c["ppl_abs"],
                 "ppl_delta_mean_pct": round(sum(deltas) / len(deltas), 2) if deltas else None,
+                "ppl_ratio_pooled": ppl_interval(c["nll_pairs"]) if c.get("nll_pairs") else None,
                 "suite": c["suite"],
+                "suite_ci": {p: score_interval(v) for p, v in mine.items()},
                 "suite_tasks": c["tasks"],
-                "score": round(sum(scores) / len(scores), 1) if scores and len(scores) == len(protocols) else None,
+                "score": score,
+                "score_ci": score_interval([(x, w / len(mine)) for v in mine.values() for x, w in v])
+                if score is not None
+                else {},
             }
         )
     rows.sort(key=lambda r: (sort_key(r["method"]), r["ratio"]))
+    pooled = {}  # per method over every ratio it has a score at: the score's mean and its interval
+    all_ratios = sorted({r["ratio"] for r in rows if r["method"] != "full"})
+    for m in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
+        got = {x: items[(m, x)] for x in all_ratios if (m, x) in items and len(items[(m, x)]) == len(protocols)}
+        if not got or len(got) < len(all_ratios):
+            continue
+        k = len(got)
+        e = {"ratios": sorted(got), "suite": {}}
+        for p in protocols:
+            its = [(x, w / k) for v in got.values() for x, w in v[p]]
+            e["suite"][p] = {"score": round(100 * sum(x * w for x, w in its), 1), **score_interval(its)}
+        its = [(x, w / (k * len(protocols))) for v in got.values() for q in v.values() for x, w in q]
+        e.update(score=round(100 * sum(x * w for x, w in its), 1), **score_interval(its))
+        pooled[m] = e
     models = {r["model"] for r in suite_rows}
     return {
         "texts": texts,
@@ -844,6 +941,7 @@ def build_board(ppl_rows, suite_rows, min_full: float = 60.0) -> dict:
         "full_by_task": {t: round(s, 1) for t, s in full_by_task.items()},
         "ratios": sorted({r["ratio"] for r in rows if r["method"] != "full"}),
         "suite_model": sorted(models),
+        "pooled": pooled,
         "questions": {
             t: sum(1 for r in suite_rows if r["task"] == t and r["name"] == "full" and r["protocol"] == protocols[0])
             for t in tasks
@@ -865,10 +963,13 @@ def sort_key(name: str):
     return (ORDER.index(base) if base in ORDER else len(ORDER), name)
 
 
-def rank_vs_h2o(board: dict, ppl_rows, at: float = 8.0) -> dict:
+def rank_vs_h2o(board: dict, ppl_rows, at: float = 8.0, suite_rows=None) -> dict:
     """Each method against ``h2o`` at ``at``x (else the ratio nearest it): the rank of every method there (score
     descending, then the mean perplexity change ascending), the score difference and the perplexity ratio to
-    h2o pooled over the texts (paired block bootstrap, 95%), and a verdict per measure."""
+    h2o pooled over the texts (paired block bootstrap, 95%), and a verdict per measure. With ``suite_rows``, the
+    suite's questions paired with h2o's (same context, protocol and question): how many only h2o answers, how
+    many only the method, and the exact sign test's p of that split (``suite_vs_h2o_p``; below 0.05 needs at
+    least 6 questions answered by one and missed by the other, none the other way)."""
     from kvpolicy_core.eval.perplexity import pooled_ratio
 
     ratios = board["ratios"]
@@ -888,6 +989,10 @@ def rank_vs_h2o(board: dict, ppl_rows, at: float = 8.0) -> dict:
     h2o = next((r for r in rows if r["method"] == "h2o"), None)
     nll = {(r["method"], r["text"]): r["nll"] for r in label_texts(ppl_rows) if r["ratio"] == ratio}
     out = {"ratio": ratio, "order": [r["method"] for r in ordered], "methods": {}}
+    answered = {}  # method -> {(context, protocol, question): score}, the unflagged tasks at ``ratio``
+    for r in suite_rows or []:
+        if r["ratio"] == ratio and r["task"] not in board["flagged"]:
+            answered.setdefault(r["name"], {})[(r["id"], r["protocol"], r["question"])] = r["score"]
 
     def key(r):
         return (
@@ -904,6 +1009,13 @@ def rank_vs_h2o(board: dict, ppl_rows, at: float = 8.0) -> dict:
                 d = r["score"] - h2o["score"]
                 e["score_minus_h2o"] = round(d, 1)
                 e["suite_vs_h2o"] = "above" if d > 0 else "below" if d < 0 else "tie"
+            mine, theirs = answered.get(r["method"], {}), answered.get("h2o", {})
+            common = [k for k in mine if k in theirs]
+            if common:
+                only_h2o = sum(theirs[k] > mine[k] for k in common)
+                only_me = sum(mine[k] > theirs[k] for k in common)
+                e["suite_paired_vs_h2o"] = {"questions": len(common), "only_h2o": only_h2o, "only_method": only_me}
+                e["suite_vs_h2o_p"] = round(sign_test(only_h2o, only_me), 4)
             pairs = [
                 (nll[(r["method"], t)], nll[("h2o", t)])
                 for t in board["texts"]
@@ -956,45 +1068,108 @@ def side_by_side(board: dict, plan=None) -> str:
     return "\n".join(lines)
 
 
+def _num(v) -> str:
+    """A score as the tables print it: 75, 87.5, 0."""
+    return f"{v:.1f}".rstrip("0").rstrip(".")
+
+
+def _with_ci(v, ci) -> str:
+    """``75 [36, 95]``: a score and its 95% interval (nothing where there is no score)."""
+    if v is None:
+        return ""
+    if not ci or "low" not in ci:
+        return _num(v)
+    return f"{_num(v)} [{ci['low']:.0f}, {ci['high']:.0f}]"
+
+
+def _ppl_with_ci(v, ci) -> str:
+    """``+90.2% [+62, +122]``: a perplexity change against the full cache and its paired 95% interval."""
+    if v is None:
+        return ""
+    if not ci:
+        return f"{v:+.1f}%"
+    f = "{:+.1f}" if max(abs(ci[0]), abs(ci[1])) < 10 else "{:+.0f}"
+    return f"{v:+.1f}% [{f.format(ci[0])}, {f.format(ci[1])}]"
+
+
+def _questions(rows) -> str:
+    got = sorted({r["score_ci"].get("n") for r in rows if r.get("score_ci")} - {None})
+    return "/".join(str(n) for n in got)
+
+
 def markdown(board: dict, ranks: dict, files, seconds=None) -> str:
-    """The docs' tables of one model: the leaderboard (score per method per ratio, rank at 8x) and the detail
-    (perplexity change per text, suite score per protocol), the full cache as its own row."""
+    """The docs' tables of one model: the leaderboard (score per method per ratio with its 95% interval, the
+    number of questions behind it, the mean over the ratios, the rank at 8x), the same per protocol over the
+    ratios, the detail (perplexity change per text with its paired interval, suite score per protocol) and
+    each method against h2o at 8x (questions paired, perplexity ratio), the full cache as its own row."""
     texts, protocols, ratios = board["texts"], board["protocols"], board["ratios"]
     by = {(r["method"], r["ratio"]): r for r in board["rows"]}
     methods = list(dict.fromkeys(r["method"] for r in board["rows"]))
     full = by.get(("full", 1.0))
+    pooled = board.get("pooled") or {}
+    span = f"{fmt_ratio(ratios[0])}-{fmt_ratio(ratios[-1])}" if len(ratios) > 1 else ""
     lines = []
     src = ", ".join(f"`{Path(f).name}`" for f in files)
     lines.append(f"Result files: {src}" + (f" ({seconds:.0f} s)." if seconds else "."))
     lines.append("")
     if protocols:
         rk = ranks.get("ratio")
-        lines.append(
-            "| method | "
-            + " | ".join(fmt_ratio(x) for x in ratios)
-            + (f" | rank at {fmt_ratio(rk)}" if rk else "")
-            + " |"
-        )
-        lines.append("|" + " --- |" * (len(ratios) + 1 + (1 if rk else 0)))
+        head = ["method", "questions"] + [fmt_ratio(x) for x in ratios]
+        head += [f"mean {span}"] if span else []
+        head += [f"rank at {fmt_ratio(rk)}"] if rk else []
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + " --- |" * len(head))
         for m in methods:
+            mine = [r for r in board["rows"] if r["method"] == m]
             if m == "full":
-                cells = [_cell(full["score"])] + [""] * (len(ratios) - 1) if full else [""] * len(ratios)
+                cells = [_with_ci(full["score"], full["score_ci"])] + [""] * (len(ratios) - 1) if full else []
+                cells = cells or [""] * len(ratios)
             else:
-                cells = [_cell((by.get((m, x)) or {}).get("score")) for x in ratios]
+                got = [by.get((m, x)) or {} for x in ratios]
+                cells = [_with_ci(r.get("score"), r.get("score_ci")) for r in got]
+            if span:
+                p = pooled.get(m)
+                cells.append(_with_ci(p["score"], p) if p else "")
             e = (ranks.get("methods") or {}).get(m)
-            rank = str(e["rank"]) if e else ""
-            lines.append(
-                f"| {'**full cache**' if m == 'full' else m} | "
-                + " | ".join(cells)
-                + (f" | {rank}" if rk else "")
-                + " |"
-            )
+            if rk:
+                cells.append(str(e["rank"]) if e else "")
+            name = "**full cache**" if m == "full" else m
+            lines.append(f"| {name} | {_questions(mine)} | " + " | ".join(cells) + " |")
         lines.append("")
         lines.append(
             "Score: the long-context suite's mean over " + " and ".join(protocols) + " (RULER's score, 0-100, "
-            "mean over the tasks the full cache can do); the full cache's score in the first column."
+            "mean over the tasks the full cache can do); the full cache's score in the first column. "
+            "Questions: the questions behind each score (every protocol's). In brackets the 95% interval: "
+            "Wilson's score interval at the effective number of questions (a task's questions share its weight, "
+            "so the questions do not count equally"
+            + (
+                f": {full['score_ci']['n']} count as {full['score_ci']['n_eff']:g}"
+                if full and full.get("score_ci")
+                else ""
+            )
+            + "); the questions are few, so the intervals are wide, and two methods whose intervals overlap are "
+            "not separated. "
+            + (
+                f"Mean {span}: the score's mean over the ratios, its interval over all their questions (the same "
+                "questions at each ratio: the answers are not independent, so this interval is narrower than "
+                "the evidence; read it as a summary, not a test)."
+                if span
+                else ""
+            )
         )
         lines.append("")
+        if span and pooled:
+            head = ["method", "questions per protocol"] + [f"{p}, mean {span}" for p in protocols]
+            lines.append("| " + " | ".join(head) + " |")
+            lines.append("|" + " --- |" * len(head))
+            for m in methods:
+                p = pooled.get(m)
+                if not p:
+                    continue
+                n = p["suite"][protocols[0]]["n"]
+                cells = [_with_ci(p["suite"][q]["score"], p["suite"][q]) for q in protocols]
+                lines.append(f"| {m} | {n} | " + " | ".join(cells) + " |")
+            lines.append("")
     head = "| method | ratio | " + " | ".join(f"Δppl {t}" for t in texts)
     head += (" | " if texts else "") + " | ".join(protocols) + (" | score |" if protocols else " |")
     lines.append(head.replace("|  |", "|"))
@@ -1005,18 +1180,22 @@ def markdown(board: dict, ranks: dict, files, seconds=None) -> str:
             ppl = [f"ppl {_cell(r['ppl'].get(t), '{:.3f}')}" for t in texts]
             name = "**full cache**"
         else:
-            ppl = [_cell(r["ppl_delta_pct"].get(t), "{:+.1f}%") for t in texts]
+            ppl = [_ppl_with_ci(r["ppl_delta_pct"].get(t), (r.get("ppl_delta_ci") or {}).get(t)) for t in texts]
             name = r["method"]
-        suite = [_cell(r["suite"].get(p)) for p in protocols]
+        suite = [_with_ci(r["suite"].get(p), (r.get("suite_ci") or {}).get(p)) for p in protocols]
         lines.append(
             f"| {name} | {fmt_ratio(r['ratio']) if r['method'] != 'full' else '1x'} | "
-            + " | ".join(ppl + suite + ([_cell(r["score"])] if protocols else []))
+            + " | ".join(ppl + suite + ([_with_ci(r["score"], r.get("score_ci"))] if protocols else []))
             + " |"
         )
     lines.append("")
     notes = []
     if texts:
-        notes.append("Δppl: perplexity token by token against the full cache on the same tokens")
+        notes.append(
+            "Δppl: perplexity token by token against the full cache on the same tokens, in brackets its paired "
+            "95% interval (block bootstrap over 32-token blocks of the text's NLL differences, "
+            "`kvpolicy_core.eval.perplexity.pooled_ratio`)"
+        )
     if board["tasks"]:
         qs = ", ".join(f"{t} {board['questions'].get(t, 0)}" for t in board["tasks"])
         notes.append(f"suite tasks (questions per protocol with the full cache): {qs}")
@@ -1025,74 +1204,135 @@ def markdown(board: dict, ranks: dict, files, seconds=None) -> str:
             "flagged (the full cache scores below 60; other methods not run, not scored): "
             + ", ".join(f"{t} (full {s})" for t, s in board["flagged"].items())
         )
-    if ranks.get("methods"):
-        parts = []
-        for m in ranks["order"]:
-            e = ranks["methods"][m]
-            if m == "h2o" or "suite_vs_h2o" not in e and "ppl_vs_h2o" not in e:
-                continue
-            bits = []
-            if "score_minus_h2o" in e:
-                bits.append(f"score {e['score_minus_h2o']:+.1f}")
-            if "ppl_ratio_vs_h2o" in e:
-                pr = e["ppl_ratio_vs_h2o"]
-                ci = f" ({pr['low']:.3f}-{pr['high']:.3f})" if "low" in pr else ""
-                bits.append(f"ppl x{pr['ratio']:.3f}{ci}")
-            parts.append(f"{m} {', '.join(bits)}")
-        if parts:
-            notes.append(f"against h2o at {fmt_ratio(ranks['ratio'])}: " + "; ".join(parts))
     lines.append(". ".join(notes) + ("." if notes else ""))
+    rows = [(m, ranks["methods"][m]) for m in ranks.get("order", []) if m != "h2o" and m in ranks["methods"]]
+    rows = [(m, e) for m, e in rows if "suite_vs_h2o" in e or "ppl_ratio_vs_h2o" in e]
+    if rows:
+        h2o = ranks["methods"].get("h2o", {})
+        at = fmt_ratio(ranks["ratio"])
+        lines.append("")
+        h2o_score = _num(h2o["score"]) if h2o.get("score") is not None else ""
+        lines.append(f"Against `h2o` at {at} (h2o: rank {h2o.get('rank', '')}, score {h2o_score}):")
+        lines.append("")
+        lines.append(
+            "| method | rank | score − h2o's | questions only h2o / only the method answers (of) | sign test p "
+            "| ppl / h2o's [95%] |"
+        )
+        lines.append("|" + " --- |" * 6)
+        for m, e in rows:
+            pq = e.get("suite_paired_vs_h2o")
+            paired = f"{pq['only_h2o']} / {pq['only_method']} ({pq['questions']})" if pq else ""
+            pval = f"{e['suite_vs_h2o_p']:.2g}" if "suite_vs_h2o_p" in e else ""
+            pr = e.get("ppl_ratio_vs_h2o")
+            ppl = ""
+            if pr:
+                ppl = f"x{pr['ratio']:.3f}" + (f" [{pr['low']:.3f}, {pr['high']:.3f}]" if "low" in pr else "")
+            diff = f"{e['score_minus_h2o']:+.1f}" if "score_minus_h2o" in e else ""
+            lines.append(f"| {m} | {e['rank']} | {diff} | {paired} | {pval} | {ppl} |")
+        lines.append("")
+        lines.append(
+            "Questions paired: the same context, protocol and question asked of both caches; the sign test (exact, "
+            "two-sided) reads only the questions one answers and the other misses, and needs at least 6 of them, "
+            "all one way, to reach p < 0.05. Perplexity: the ratio pooled over the texts, paired block bootstrap."
+        )
     return "\n".join(lines)
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p")
+LINESTYLES = ("-", "--", ":", "-.")
+
+
 def plot(path: Path, board: dict, title: str) -> None:
-    """kvpress's leaderboard style: score against compression ratio, one line per method, the full cache as a
-    horizontal dashed line; one panel per suite protocol and one for perplexity (ratio to the full cache)."""
+    """kvpress's leaderboard style, made readable: score against compression ratio, one panel per suite
+    protocol and one for perplexity (ratio to the full cache's, pooled over the texts), stacked; one line per
+    method, each with its own marker and line style as well as colour, the points of a ratio spread sideways so
+    that their 95% error bars do not hide each other; the full cache a horizontal dashed line. The score axes
+    are linear (0-100); perplexity's is logarithmic where it spans more than 10x (it reaches hundreds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     panels = list(board["protocols"]) + (["perplexity"] if board["texts"] else [])
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.2 * max(1, len(panels)), 4.2), squeeze=False)
+    n = max(1, len(panels))
+    fig, axes = plt.subplots(n, 1, figsize=(9.5, 3.1 * n + 0.6), squeeze=False)
     methods = [m for m in dict.fromkeys(r["method"] for r in board["rows"]) if m != "full"]
     full = next((r for r in board["rows"] if r["method"] == "full"), None)
-    from matplotlib.ticker import FuncFormatter
-
-    colors = plt.get_cmap("tab10").colors
-    styles = [("o", "-"), ("s", "--"), ("^", ":")]  # past ten methods: the colors again, another marker and line
-    for ax, panel in zip(axes[0], panels):
+    ratios = board["ratios"] or [1.0]
+    slot = {x: i for i, x in enumerate(ratios)}
+    width = 0.8 / max(1, len(methods))
+    colors = list(plt.get_cmap("tab10").colors) + ["#000080", "#808000", "#00a0a0"]  # 13 before a colour repeats
+    handles = {}
+    for ax, panel in zip(axes[:, 0], panels):
         for i, m in enumerate(methods):
-            pts = sorted((r["ratio"], r) for r in board["rows"] if r["method"] == m)
-            if panel == "perplexity":
-                ys = [(x, 1 + r["ppl_delta_mean_pct"] / 100) for x, r in pts if r["ppl_delta_mean_pct"] is not None]
-            else:
-                ys = [(x, r["suite"].get(panel)) for x, r in pts if r["suite"].get(panel) is not None]
-            if ys:
-                marker, ls = styles[(i // 10) % len(styles)]
-                ax.plot([x for x, _ in ys], [y for _, y in ys], marker=marker, ls=ls, label=m, color=colors[i % 10])
+            xs, ys, lo, hi = [], [], [], []
+            for r in sorted((r for r in board["rows"] if r["method"] == m), key=lambda r: r["ratio"]):
+                if r["ratio"] not in slot:
+                    continue
+                if panel == "perplexity":
+                    pr = r.get("ppl_ratio_pooled")
+                    if pr:
+                        y, a, b = pr["ratio"], pr.get("low", pr["ratio"]), pr.get("high", pr["ratio"])
+                    elif r["ppl_delta_mean_pct"] is not None:
+                        y = a = b = 1 + r["ppl_delta_mean_pct"] / 100
+                    else:
+                        continue
+                else:
+                    v = r["suite"].get(panel)
+                    if v is None:
+                        continue
+                    ci = (r.get("suite_ci") or {}).get(panel) or {}
+                    y, a, b = v, ci.get("low", v), ci.get("high", v)
+                xs.append(slot[r["ratio"]] - 0.4 + width * (i + 0.5))
+                ys.append(y)
+                lo.append(max(0.0, y - a))
+                hi.append(max(0.0, b - y))
+            if not xs:
+                continue
+            color = colors[i % len(colors)]
+            style = dict(marker=MARKERS[i % len(MARKERS)], color=color, ms=5, label=m)
+            ax.plot(xs, ys, ls=LINESTYLES[i % len(LINESTYLES)], lw=0.9, alpha=0.55, color=color)  # the method's line
+            h = ax.errorbar(xs, ys, yerr=[lo, hi], ls="none", elinewidth=0.8, capsize=2, **style)
+            handles.setdefault(m, (h, ax.plot([], [], ls=LINESTYLES[i % len(LINESTYLES)], **style)[0]))
         if panel == "perplexity":
-            ax.axhline(1.0, color="black", ls="--", lw=1.2, label="full cache")
-            ax.set(yscale="log", ylabel="perplexity / full cache's (mean change over texts)")
-            plain = FuncFormatter(lambda y, _: f"{y:g}")
-            ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(plain)
-            ax.set_title("perplexity, token by token (" + ", ".join(board["texts"]) + ")", fontsize=9)
+            ref = ax.axhline(1.0, color="black", ls="--", lw=1.2, label="full cache")
+            low, high = ax.get_ylim()
+            if high / max(low, 1e-9) > 10:
+                ax.set_yscale("log")
+                ticks = [t for t in (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000) if low / 1.5 <= t <= high * 1.5]
+                ax.yaxis.set_major_locator(FixedLocator(ticks))
+                ax.yaxis.set_minor_locator(NullLocator())
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
+            ax.set_ylabel("perplexity / full cache's")
+            ax.set_title(
+                "perplexity token by token, pooled over " + ", ".join(board["texts"]) + " (95% paired interval)",
+                fontsize=9,
+            )
         else:
+            ref = None
             if full is not None and full["suite"].get(panel) is not None:
-                ax.axhline(full["suite"][panel], color="black", ls="--", lw=1.2, label="full cache")
-            ax.set(ylim=(-3, 103), ylabel="score (0-100)")
-            ax.set_title(f"long-context suite, {panel}", fontsize=9)
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_xticks(board["ratios"] or [1], [fmt_ratio(x) for x in board["ratios"]] or ["1x"])
-        ax.set_xlabel("compression ratio")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, ncol=2)
+                ref = ax.axhline(full["suite"][panel], color="black", ls="--", lw=1.2, label="full cache")
+            ax.set_ylim(-5, 105)
+            ax.set_yticks([0, 25, 50, 75, 100])
+            ax.set_ylabel("score (0-100)")
+            nq = {r["suite_ci"][panel]["n"] for r in board["rows"] if (r.get("suite_ci") or {}).get(panel)}
+            qs = f", {'/'.join(str(x) for x in sorted(nq))} questions a point" if nq else ""
+            ax.set_title(f"long-context suite, {panel}{qs} (95% Wilson interval)", fontsize=9)
+        if ref is not None:
+            handles.setdefault("full cache", ref)
+        ax.set_xlim(-0.5, len(ratios) - 0.5)
+        ax.set_xticks(range(len(ratios)), [fmt_ratio(x) for x in ratios])
+        for k in range(1, len(ratios)):
+            ax.axvline(k - 0.5, color="grey", lw=0.5, alpha=0.4)
+        ax.grid(axis="y", alpha=0.3)
+    axes[-1, 0].set_xlabel("compression ratio (budget = tokens / ratio)")
+    if handles:
+        shown = [h[1] if isinstance(h, tuple) else h for h in handles.values()]  # marker and line style
+        fig.legend(shown, list(handles.keys()), loc="center left", bbox_to_anchor=(0.83, 0.5), fontsize=8)
     fig.suptitle(f"kvpolicy leaderboard: {title}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0, 0.83, 1))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -1142,15 +1382,13 @@ def report(files, docs: Path, plots: Path) -> None:
     text = docs.read_text(encoding="utf-8") if docs.is_file() else "# Leaderboard\n"
     for key, m in merge(files).items():
         board = build_board(m["ppl_rows"], m["suite_rows"], m["min_full"])
-        ranks = rank_vs_h2o(board, m["ppl_rows"])
+        ranks = rank_vs_h2o(board, m["ppl_rows"], suite_rows=m["suite_rows"])
         png = plots / f"leaderboard_{key}.png"
         plot(png, board, MODEL_NAMES.get(key, key))
         print(f"{key}:\n{side_by_side(board)}\n", flush=True)
-        try:
-            rel = Path(png).resolve().relative_to(docs.resolve().parent.parent)
-            where = f"Plot: `{rel}`."
-        except ValueError:
-            where = f"Plot: `{png}`."
+        rel = Path(os.path.relpath(Path(png).resolve(), docs.resolve().parent)).as_posix()
+        name = MODEL_NAMES.get(key, key)
+        where = f"![The leaderboard of {name}: score per protocol and perplexity against compression ratio]({rel})"
         body = markdown(board, ranks, m["files"], m["seconds"]) + "\n\n" + where
         begin, end = f"<!-- leaderboard:{key} -->", f"<!-- /leaderboard:{key} -->"
         section = f"{begin}\n{body}\n{end}"

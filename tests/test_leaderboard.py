@@ -5,6 +5,7 @@ installed method's caches gives the logits of the real forward; the batched perp
 ``perplexity``). Benchmarks are programs, not timed tests: no time is checked here."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,8 @@ def test_report_rewrites_a_models_section_of_the_docs_page(smoke, tmp_path):
     assert "old" not in text and "intro" in text and text.rstrip().endswith("after")
     assert "| **full cache** | 1x |" in text and "| h2o | 8x |" in text
     assert (tmp_path / "leaderboard_tiny.png").is_file()
+    assert "](leaderboard_tiny.png)" in text  # the plot embedded, its path relative to the page
+    assert re.search(r"\| h2o \| \d+ \| \d+(\.\d)? \[\d+, \d+\] \|", text)  # questions, score [95% interval]
 
 
 def test_report_refuses_a_file_that_is_not_a_leaderboard_result(tmp_path):
@@ -185,3 +188,49 @@ def test_report_refuses_a_file_that_is_not_a_leaderboard_result(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 2 and "not a leaderboard result file" in proc.stderr
+
+
+def _lb():
+    sys.path.insert(0, str(BENCH))
+    import leaderboard
+
+    return leaderboard
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    lb = _lb()
+    low, high = lb.wilson(0.5, 10)  # 5 of 10: [23.7, 76.3]
+    assert abs(low - 0.2366) < 1e-3 and abs(high - 0.7634) < 1e-3
+    low, high = lb.wilson(1.0, 3)  # 3 of 3: the lower bound n / (n + z^2)
+    assert abs(low - 3 / (3 + lb.Z95**2)) < 1e-9 and high == 1.0
+    assert lb.wilson(0.0, 3)[0] == 0.0 and lb.wilson(0.5, 0) is None
+
+
+def test_score_interval_weights_a_tasks_questions_as_the_score_does():
+    lb = _lb()
+    # niah_single's one question (weight 1/2) right, niah_multikey's two (1/4 each) wrong: score 50
+    got = lb.score_interval([(1.0, 0.5), (0.0, 0.25), (0.0, 0.25)])
+    assert got["n"] == 3 and abs(got["n_eff"] - 1 / 0.375) < 0.01
+    low, high = lb.wilson(0.5, 1 / 0.375)
+    assert got["low"] == round(100 * low, 1) and got["high"] == round(100 * high, 1)
+    equal = lb.score_interval([(1.0, 1), (0.0, 1), (1.0, 1), (0.0, 1)])  # equal weights: plain Wilson on 2 of 4
+    assert equal["n_eff"] == 4 and equal["low"] == round(100 * lb.wilson(0.5, 4)[0], 1)
+
+
+def test_sign_test_needs_six_one_way_splits_for_five_percent():
+    lb = _lb()
+    assert lb.sign_test(0, 0) == 1.0 and lb.sign_test(3, 3) == 1.0
+    assert lb.sign_test(5, 0) == 2 / 32 and lb.sign_test(6, 0) == 2 / 64 < 0.05
+    assert abs(lb.sign_test(1, 5) - 2 * 7 / 64) < 1e-12
+
+
+def test_smoke_without_out_writes_outside_the_results(monkeypatch, tmp_path):
+    lb = _lb()
+    seen = {}
+    monkeypatch.setattr(lb, "run", lambda args: seen.setdefault("out", args.out))
+    lb.main(["--smoke"])
+    assert Path(seen["out"]).resolve() != (BENCH / "results").resolve()
+    assert (BENCH / "results").resolve() not in Path(seen["out"]).resolve().parents
+    seen.clear()
+    lb.main([])
+    assert Path(seen["out"]).resolve() == (BENCH / "results").resolve()

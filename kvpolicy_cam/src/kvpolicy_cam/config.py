@@ -8,9 +8,11 @@ from kvpolicy_core.config.attention_config import MAX_TOKENS, AttentionPolicyCon
 
 #: Merges weighted by attention mass: ungated unless ``merge_gate`` is given.
 MASS_MERGES = ("mass", "mass_blend")
-#: ``merge="mass"``'s default key-cosine threshold (tuned token by token at 8x on the default corpus).
+#: ``merge="mass"``'s default key-cosine threshold: a loser with no close survivor is dropped, not smeared into a
+#: stranger (chosen on the default corpus, docs/methods/cam.md).
 MASS_MIN_SIM = 0.85
-#: ``merge="mass"``'s default cap on a merged slot's attention weight (measured at 4x, 8x and 16x).
+#: ``merge="mass"``'s default cap on a merged slot's attention weight: without one, at small budgets a few slots
+#: absorb most of the evicted text and their blended keys and values stand for too much (docs/methods/cam.md).
 MASS_CAP = 8.0
 
 
@@ -95,7 +97,7 @@ class CamConfig(AttentionPolicyConfig):
     def _merge_defaults(cls, data):
         """Defaults that depend on the merge: the gate is off for the mass merges and on for the others;
         ``merge="mass"`` blends keys, merges only above ``MASS_MIN_SIM``, only at decode steps and into
-        slots below ``MASS_CAP`` (measured, docs/methods/cam.md)."""
+        slots below ``MASS_CAP`` (docs/methods/cam.md)."""
         if not isinstance(data, dict):
             return data
         merge = data.get("merge", cls.model_fields["merge"].default)

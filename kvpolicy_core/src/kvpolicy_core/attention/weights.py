@@ -6,8 +6,8 @@ passes over the keys; :func:`attention_with_weights` computes the weights once a
 the output and the weights. On CPU, MLX's fused attention is itself this composition (its fallback),
 and the output here is bit-identical to it for float32, float16 and bfloat16 (tests/test_attention_once.py);
 the kernel is kept when no policy needs the weights. A decode step of a cache that has evicted takes the
-``grouped`` product instead (:func:`attention_with_weights`): the same equation, about twice as fast on CPU,
-equal to the kernel up to float rounding.
+``grouped`` product instead (:func:`attention_with_weights`): the same equation as one matrix product per KV
+head instead of one per query head (faster on CPU), equal to the kernel up to float rounding.
 
 Shapes: queries [B, Hq, S, D], keys [B, H, L, D], values [B, H, L, Dv], ``G = Hq / H`` query heads per
 KV head; mask None, ``"causal"``, a bool array (True = attend) or an additive array, broadcastable to
@@ -27,10 +27,9 @@ from ..parts.attention_scorer import causal_allowed
 def attend_once(n_queries: int) -> bool:
     """Whether one composed pass (output and weights) beats the fused kernel plus the scorer's own pass.
 
-    Measured on CPU (docs/benchmarks.md, "Attention once"): always, for decode and prefill chunks alike,
-    since MLX's CPU kernel is the same composition. On a GPU the fused kernel never materialises the
-    [S, L] weights, so only decode steps (one query row) take the composed pass there (not measured:
-    no GPU in this project's benchmarks).
+    On CPU always, for decode and prefill chunks alike, since MLX's CPU kernel is the same composition
+    (docs/benchmarks.md, "Attention once"). On a GPU the fused kernel never materialises the [S, L]
+    weights, so only decode steps (one query row) take the composed pass there.
     """
     return n_queries == 1 or mx.default_device() == mx.cpu
 
@@ -62,16 +61,16 @@ def attention_with_weights(
     NaN or +inf logit makes its query row NaN, as in the model's own attention).
 
     ``compiled``: a decode step (S = 1, mask None or an array) runs as one compiled graph (the same ops:
-    bit for bit the eager ones, tests/test_attention_once.py; ~20-40 µs less per step at L = 1024, 4 KV
-    heads on CPU). MLX traces it once per shape, so only for shapes that repeat: a policy cache's full
+    bit for bit the eager ones, tests/test_attention_once.py; one call instead of one dispatch per op). MLX
+    traces it once per shape, so only for shapes that repeat: a policy cache's full
     buffer (its steady state), not a cache that still grows by one slot per step.
 
     ``grouped`` (decode steps, S = 1): a KV head's G query heads are the G rows of one product with its keys,
     ``[B, H, G, D] @ [B, H, D, L]``, and its weights one product with its values, instead of G products of one
     row each (the broadcast ``[B, H, G, 1, D] @ [B, H, 1, D, L]`` of the fused kernel). The same equation and
     the same dot products, summed by another BLAS kernel: equal to the kernel's output up to float rounding,
-    not bit for bit at every shape; ~2x faster on CPU at Llama-3.2-1B's shape (G = 4, head dim 64, L = 4096:
-    7.1 ms against the kernel's 12.7 ms per layer; docs/speed.md). A policy cache takes it once it has evicted
+    not bit for bit at every shape; faster on CPU, where G rows make one well-shaped product instead of G
+    matrix-vector products (docs/speed.md). A policy cache takes it once it has evicted
     (:meth:`~kvpolicy_core.cache.policy_cache.PolicyCache.attend`), so that until then its logits are mlx-lm's
     own bit for bit.
     """

@@ -1,17 +1,15 @@
 """The value checks of part outputs as compiled MLX graphs: one small fused graph per check.
 
-Each function returns flags for :class:`~kvpolicy_core.cache.step.PolicyStep`, which evaluates every
-flag of one eviction in a single host sync: a disposition's update at a prompt chunk's eviction and at a
-cache's first decode evictions (later ones are guarded on the device, :meth:`kvpolicy_core.cache.slots.
-SlotStore.add`, and cost no sync). A selector's choice needs no check: the engine picks it from the ranks. On CPU
-each MLX op that is not fused (a reduction, a gather) costs ~10-25 µs on this project's machines, so a
-merge update's checks are one summary code with one reduction per array and no gather (:func:`update_checks`); the
-exact per-row rule is decided on the
-host only when that code reports a non-finite delta (:func:`nonfinite_flags`). Sizes enter as input
-arrays, not Python constants: MLX compiles fused CPU kernels with the system C++ compiler once per
-distinct kernel (cached under its temporary directory), so a constant per budget would compile new
-kernels for every budget. Indices are clamped into ``[0, L)`` before any gather here, so a check never
-reads out of bounds whatever it is given.
+Each function returns flags for :class:`~kvpolicy_core.cache.step.PolicyStep`, which evaluates every flag of one
+eviction in a single host sync: a disposition's update at a prompt chunk's eviction and at a cache's first decode
+evictions (later ones are guarded on the device, :meth:`kvpolicy_core.cache.slots.SlotStore.add`, and cost no
+sync). A selector's choice needs no check: the engine picks it from the ranks. On CPU each MLX op that is not fused
+(a reduction, a gather) has a fixed dispatch cost that dwarfs its work at these sizes, so a merge update's checks
+are one summary code with one reduction per array and no gather (:func:`update_checks`); the exact per-row rule is
+decided on the host only when that code reports a non-finite delta (:func:`nonfinite_flags`). Sizes enter as input
+arrays, not Python constants: MLX compiles fused CPU kernels with the system C++ compiler once per distinct kernel
+(cached under its temporary directory), so a constant per budget would compile new kernels for every budget. Indices
+are clamped into ``[0, L)`` before any gather here, so a check never reads out of bounds whatever it is given.
 """
 
 from __future__ import annotations

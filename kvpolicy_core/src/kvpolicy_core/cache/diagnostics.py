@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-#: Counters of kvpolicy 0.1.0 that every cache answered (0 when its method has none).
+#: The counters a saved cache's meta JSON may list by position instead of by name (its list form), in that order.
 LEGACY_COUNTERS = ("gate_draws", "merges")
 
 

@@ -381,8 +381,8 @@ class SlotStore:
         the slots ``losers`` [B, H, 1]: its key, value, position ``token.offset`` and score 0 (log-weight 0, its
         key norm).
 
-        ``compiled``: the same ops as one ``mx.compile`` call (a merge's ~25 scatters and elementwise ops cost
-        ~10 µs each eager); a layout that cannot be traced runs them eager.
+        ``compiled``: the same ops as one ``mx.compile`` call (a merge's ~25 scatters and elementwise ops, each a
+        dispatch of its own when eager); a layout that cannot be traced runs them eager.
         """
         offset = token.offset if isinstance(token.offset, mx.array) else mx.array(token.offset, dtype=mx.int32)
         if compiled:

@@ -34,7 +34,7 @@ from .storage import QuantizedRows, first_rows, length
 
 
 def counters_from_meta(stats) -> Dict[str, mx.array]:
-    """The meta JSON's counters: {name: int} (0.2.0) or [gate_draws, merges] (0.1.0)."""
+    """The meta JSON's counters: {name: int}, or the list form [gate_draws, merges] (:data:`LEGACY_COUNTERS`)."""
     if isinstance(stats, list):
         stats = dict(zip(LEGACY_COUNTERS, stats))
     return {str(k): mx.array(int(v), dtype=mx.int32) for k, v in (stats or {}).items()}

@@ -166,7 +166,7 @@ class PolicyStep:
             return fn(view, *args)
         except KVPolicyError:
             raise
-        except RemovedForm as exc:  # a 0.1 form: named as such, not as a type error of the part's own code
+        except RemovedForm as exc:  # a removed form: named as such, not as a type error of the part's own code
             raise PluginError(f"layer {self.layer}: {self.policy.owners[kind]} built a removed form: {exc}") from exc
         except Exception as exc:
             hint = ""

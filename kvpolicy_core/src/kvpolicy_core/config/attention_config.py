@@ -7,10 +7,10 @@ the specification's H2O-adapted, no hook).
 ``obs_window``/``pool``: a prompt chunk is scored by the attention of its last
 ``obs_window`` queries, max-pooled over ``pool`` neighbouring positions
 (:class:`~kvpolicy_core.parts.observation_window.ObservationWindowScorer`). ``None``
-means the signal's default: ``observed`` -> 32 and 15 (measured on the retrieval task,
+means the signal's default: ``observed`` -> 32 and 15 (chosen on the retrieval task,
 docs/methods/h2o.md), ``proxy`` -> 0 (every query) and 1 (no pooling), which is exactly
-the specification's cumulative scorer, so ``signal=proxy`` is the v0.1 behaviour and
-``signal=proxy,recent=0`` the specification's reproduction.
+the specification's cumulative scorer, so ``signal=proxy,recent=0`` is the specification's
+reproduction.
 
 ``score``: what scores a token. ``"attention"`` (the default) the attention the model pays it (the fields above);
 the query-agnostic scorers need no question (docs/methods/query-agnostic.md): ``"keydiff"`` its key's
@@ -21,9 +21,9 @@ queries (:mod:`~kvpolicy_core.parts.expected_attention`; its options ``n_future`
 1 proxy for ``score="attention"``, :data:`POOL_DEFAULTS` for the others).
 
 *Bounds* (refused when the config is made, naming the field): ``pool`` <= :data:`POOL_MAX` (each neighbour is one
-op of every compiled decode step: ``pool=10001`` took ~13 s a step and ``pool=100001`` crashed the compiler);
-``n_future`` <= :data:`N_FUTURE_MAX` (the mean rotation holds ``n_future`` angles per rotated pair: 2**16 costs
-~0.2 s and 48 MiB per layer and prompt chunk at head_dim 128, ``10**9`` crashed); the counts ``obs_window`` and
+op of every compiled decode step: pools far wider make a step take seconds, then crash the compiler);
+``n_future`` <= :data:`N_FUTURE_MAX` (the mean rotation holds ``n_future`` angles per rotated pair, for every layer
+and prompt chunk: time and memory grow with it, and far larger values crash); the counts ``obs_window`` and
 ``rescore_every`` <= :data:`MAX_TOKENS` (positions and counters are int32 on the device); ``rope_freqs`` finite.
 
 ``rope_freqs``/``rope_traditional``: the layer's RoPE (the angle per position of each rotated pair, and the pair
@@ -51,11 +51,11 @@ EXPECTED_ATTENTION_DEFAULTS = {"n_future": 512, "covariance": True, "vnorm": Tru
 
 #: ``pool`` when not given, per query-agnostic score.
 POOL_DEFAULTS = {"keydiff": 1, "expected_attention": 1}
-#: The widest ``pool``: each neighbour is one maximum in every scoring (measured: 255 adds ~1 ms to a KeyDiff decode
-#: step over 512 slots; ``pool=10001`` took ~13 s a step and ``pool=100001`` crashed MLX's compiler).
+#: The widest ``pool``: each neighbour is one maximum in every scoring, so a decode step's cost grows with it (pools
+#: far wider make a step take seconds, then crash MLX's compiler).
 POOL_MAX = 255
-#: The most future positions ``n_future`` may average over: 2**16 angles per rotated pair (~0.2 s and 48 MiB per
-#: layer and prompt chunk at head_dim 128; 2**20 took 4 s and 772 MiB; 10**9 crashed).
+#: The most future positions ``n_future`` may average over: 2**16 angles per rotated pair, held for every layer and
+#: prompt chunk (time and memory grow linearly with it; far larger values exhaust memory or crash).
 N_FUTURE_MAX = 1 << 16
 #: The largest token count a config may give (budgets, windows, intervals): positions and counters are int32.
 MAX_TOKENS = 2**31 - 1
@@ -63,8 +63,8 @@ MAX_TOKENS = 2**31 - 1
 #: (obs_window, pool) used when the field is None, per signal (score="attention").
 WINDOW_DEFAULTS = {"observed": (32, 15), "proxy": (0, 1)}
 #: the observed pool of a prompt cut at its end (``when="prompt_end"``): the question attends to a statement's key
-#: words, and a pool of 15 around them ended before a 7-digit answer did (one token per digit) on both model
-#: families (Gemma 3 and SmolLM2, 4k tokens, 4x and 8x, docs/long-context.md#the-end-of-prompt-cut); 31 kept it
+#: words, and the pool must reach past them to the end of the value that follows (a 7-digit answer is 7 tokens,
+#: one per digit): the streaming pool of 15 ends before it, 31 covers it (docs/long-context.md#the-end-of-prompt-cut)
 CUT_POOL = 31
 #: the cut's pool taper (``pool_by_position``): a tie-break only. Each step of distance moves a float32 score by ~8
 #: ulps (above its rounding) and 15 steps by 1.5e-5 of it, so plateaus further apart than that keep their order and
@@ -217,7 +217,7 @@ class AttentionPolicyConfig(PolicyConfig):
     def pool_taper(self) -> float:
         """The pool's tie-break (``pool_by_position`` in :mod:`kvpolicy_core.parts.pooling`): at the end-of-prompt cut a
         statement's pooled span is one plateau, and where the budget ends inside it the tokens nearest the attended
-        one stay (Gemma 3, 4k, 8x: `h2o` kept the statement but not its last digit without it,
+        one stay (without it the budget's edge falls anywhere in the plateau and may drop a statement's last digit,
         docs/long-context.md#ties-inside-a-pooled-span); streaming pools plainly."""
         return TIE_TAPER if self.when == "prompt_end" else 0.0
 

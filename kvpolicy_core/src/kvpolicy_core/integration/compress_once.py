@@ -28,7 +28,7 @@ shot cut drops the losers (KVzip's rule) for every method; CaM merges from its n
 Cost: one prefill as mlx-lm's own (a sliding-window layer holds and attends its window only) plus the
 reconstruction, which attends the whole context in global layers and the window in the others; both by blocks of
 rows, one block per CPU core (:func:`~.reconstruction.row_streams`). ``benchmarks/compress_once_cost.py`` measures
-the total against mlx-lm's plain prefill side by side (1.4-2.0x at 4k and 8k on both models, docs). Memory: the
+the total against mlx-lm's plain prefill side by side (docs/methods/compress-once.md). Memory: the
 global layers' full context K/V are held until the cut, unlike a streaming method, which never holds more than
 budget + one chunk.
 """
@@ -152,9 +152,9 @@ def selection_keys(score: np.ndarray, n_sink: int, window, start: int = 0) -> np
     return key
 
 
-#: the cut's pool width when the method's ``pool`` is not given: 3 kept every needle at 4x and 8x on both models
-#: (``benchmarks/compress_once_cuts.py``), where the streaming scorer's 15 lost some at 8x (each kept token then
-#: brings 14 neighbours, and a small budget holds too few spans)
+#: the cut's pool width when the method's ``pool`` is not given: narrower than the streaming scorer's 15, since
+#: each kept token brings its pool's neighbours and a small budget then holds too few spans
+#: (``benchmarks/compress_once_cuts.py``)
 CUT_POOL = 3
 
 

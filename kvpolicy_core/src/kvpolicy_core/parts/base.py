@@ -65,7 +65,7 @@ class Needs:
     layer_stats: bool = False
 
 
-#: the 0.2 per-class flags -> the :class:`Needs` field each one became (a part that still sets one is refused)
+#: removed per-class flags -> the :class:`Needs` field that replaces each (a part that still sets one is refused)
 OLD_FLAGS = {
     "needs_attention": "attention",
     "uses_log_weights": "log_weights",
@@ -80,7 +80,7 @@ def needs_of(part) -> Needs:
     """The :class:`Needs` of ``part`` (its ``needs`` declaration; none: ``Needs()``).
 
     Raises :class:`~kvpolicy_core.errors.PluginError` when ``needs`` is not a :class:`Needs`, or when the part still
-    sets a 0.2 class flag (:data:`OLD_FLAGS`, e.g. ``needs_attention = True``), naming its replacement."""
+    sets a removed class flag (:data:`OLD_FLAGS`, e.g. ``needs_attention = True``), naming its replacement."""
     cls = type(part)
     needs = getattr(part, "needs", Needs())
     if not isinstance(needs, Needs):
@@ -259,7 +259,7 @@ class _MergeUpdateFields(NamedTuple):
     d_log_weights: Optional[mx.array] = None
 
 
-#: the 0.1 form of a MergeUpdate, refused naming its replacement (:class:`RemovedForm`)
+#: the removed form of a MergeUpdate (counters as ``draws``/``merges``), refused naming its replacement
 _REMOVED_FORM = (
     "MergeUpdate(targets, d_keys, d_values, d_scores, draws, merges) is the 0.1 form: draws/merges were removed in "
     "0.3; the fields are now MergeUpdate(targets, d_keys, d_values, d_scores, stats, d_log_weights): return the "
@@ -297,8 +297,8 @@ class MergeUpdate(_MergeUpdateFields):
     average of several losers into one target needs the number of losers per target:
     :func:`kvpolicy_core.parts.merge.average_into` builds that update for you.
 
-    Counters go in ``stats`` (``{"gate_draws": ..., "merges": ...}``; the 0.1 fields ``draws``/``merges`` were
-    removed in 0.3).
+    Counters go in ``stats`` (``{"gate_draws": ..., "merges": ...}``; ``draws=``/``merges=`` are refused with
+    :class:`RemovedForm`, naming ``stats``).
     """
 
     __slots__ = ()
@@ -307,7 +307,7 @@ class MergeUpdate(_MergeUpdateFields):
         cls, targets, d_keys=None, d_values=None, d_scores=None, stats=None, d_log_weights=None, **removed
     ) -> "MergeUpdate":
         if "draws" in removed or "merges" in removed or isinstance(stats, (mx.array, int, float)):
-            raise RemovedForm(_REMOVED_FORM)  # draws=/merges=, or positional 0.1 counters read as stats
+            raise RemovedForm(_REMOVED_FORM)  # draws=/merges=, or positional counters read as stats
         if removed:
             raise TypeError(f"MergeUpdate got unexpected keyword arguments {sorted(removed)}")
         return super().__new__(cls, targets, d_keys, d_values, d_scores, stats, d_log_weights)

@@ -47,8 +47,8 @@ class HybridAllocation(Allocation):
     cut (perplexity token by token), every layer keeps :class:`~.allocation.ReachAllocation`'s budget, the local
     context the sliding layers' quality needs. With ``when="stream"`` they hold from the start.
 
-    Not the default: it answers questions about facts far back in the prompt as the full cache does where ``reach``
-    cannot (Gemma 3, 8x and 16x), and loses one two-key question of twelve at 4x of a short prompt
+    Not the default: it answers questions about facts far back in the prompt where ``reach`` cannot, but takes
+    local context from the sliding layers, which a short prompt's questions can need
     (docs/long-context.md#hybrid-models-the-budget-where-attention-reaches).
     """
 

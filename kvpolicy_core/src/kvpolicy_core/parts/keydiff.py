@@ -16,8 +16,8 @@ nearest retained positions (:func:`~.pooling.pool_by_position`), so a span is ke
 
 *Non-finite keys.* A key holding a NaN or an Inf (a broken model or file) is left out of the anchor and scores
 :data:`NONFINITE_SCORE` (-2, below every cosine), pooled or not: it is evicted first (sinks and the recent window
-stay protected), deterministically, and the other slots keep their scores. Without this, the one key's NaN spread
-through the anchor to every score of its head, which the cache then read as 0: the head evicted blindly. Between
+stay protected), deterministically, and the other slots keep their scores. Without this, the one key's NaN would
+spread through the anchor to every score of its head, which the cache reads as 0: the head would evict blindly. Between
 rescorings (``rescore_every``) a new decode token enters with its row's highest score, NaN key or not, until the
 next rescoring.
 """

@@ -4,8 +4,8 @@ Every part's outputs go through the same checks (:mod:`kvpolicy_core.cache.step`
 fast the part's own code runs:
 
 - ``compile_decode``: its decode steps (one loser per row) are pure MLX functions of their inputs, so the
-  engine runs them as one ``mx.compile`` graph (:mod:`kvpolicy_core.cache.compiled`; on CPU each unfused op costs
-  ~5-10 µs). A part that keeps Python state or reads values on the host must not declare it; if tracing fails
+  engine runs them as one ``mx.compile`` graph (:mod:`kvpolicy_core.cache.compiled`: one call instead of a
+  dispatch per op). A part that keeps Python state or reads values on the host must not declare it; if tracing fails
   the engine falls back to the eager call.
 - ``key_norms``: it reads ``view.key_norms`` at every eviction, so the cache keeps them from the first token
   (other parts get them kept from their first read on).
@@ -34,7 +34,7 @@ class Traits:
 _traits: Dict[type, Traits] = {}
 #: the methods ``compile_decode`` runs compiled: a subclass that overrides one does not inherit the trait
 COMPILED_METHODS = ("rank", "dispose")
-#: the 0.2 class flags that became traits: a part that still sets one is refused, naming its replacement
+#: removed class flags -> the trait that replaces each: a part that still sets one is refused, naming its replacement
 REMOVED_FLAGS = {"compile_decode": "compile_decode", "uses_key_norms": "key_norms"}
 
 
@@ -53,8 +53,8 @@ def traits_of(part) -> Traits:
     """The traits of the nearest class in ``part``'s MRO that declared some (none: :class:`Traits()`), without
     ``compile_decode`` when a class below it overrides one of :data:`COMPILED_METHODS`.
 
-    Raises :class:`~kvpolicy_core.errors.PluginError` for a part that sets a 0.2 class flag (``compile_decode =
-    True``, ``uses_key_norms = True``), naming the replacement."""
+    Raises :class:`~kvpolicy_core.errors.PluginError` for a part that sets a removed class flag
+    (:data:`REMOVED_FLAGS`: ``compile_decode = True``, ``uses_key_norms = True``), naming the replacement."""
     for flag, field in REMOVED_FLAGS.items():
         value = getattr(type(part), flag, None)
         if value is not None and not callable(value):

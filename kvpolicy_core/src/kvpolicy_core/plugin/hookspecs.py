@@ -3,7 +3,8 @@
 Plugins implement these hooks with :data:`hookimpl` and are found through the
 ``kvpolicy`` entry-point group. Every hook is a *registration* hook: it is called
 once, when the registry is first used, with a ``register`` callback. Nothing here
-is called per token; the cache calls the registered plain objects directly.
+is called per token; the cache calls the registered plain objects directly. The
+release that introduced each hook: the versions table of docs/plugins/hooks.md.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ def register_scorers(register):
     Call ``register(name, scorer_cls)`` once per scorer. ``scorer_cls`` is called
     with keyword arguments taken from the method's config and must return an
     object implementing :class:`kvpolicy_core.parts.base.Scorer`.
-
-    Since 0.1.0.
     """
 
 
@@ -32,8 +31,6 @@ def register_selectors(register):
 
     Call ``register(name, selector_cls)``; instances implement
     :class:`kvpolicy_core.parts.base.Selector`.
-
-    Since 0.1.0.
     """
 
 
@@ -43,8 +40,6 @@ def register_dispositions(register):
 
     Call ``register(name, disposition_cls)``; instances implement
     :class:`kvpolicy_core.parts.base.Disposition`.
-
-    Since 0.1.0.
     """
 
 
@@ -55,8 +50,6 @@ def register_allocations(register):
     Call ``register(name, allocation_cls)``; instances implement
     :class:`kvpolicy_core.parts.allocation.Allocation`. A method's config picks one with
     ``allocation="<name>"``; core registers ``reach`` (the default), ``uniform`` and ``pyramid``.
-
-    Since 0.3.0.
     """
 
 
@@ -69,6 +62,4 @@ def register_methods(register):
     string ``"<name>:field=value,..."``. Method names are global: registering a
     name that another plugin already registered is reported naming both plugins and
     their distributions, and skipped (the shipped distributions keep their names).
-
-    Since 0.1.0.
     """

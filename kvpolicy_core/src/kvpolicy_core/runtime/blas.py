@@ -1,8 +1,9 @@
 """Load a fast BLAS for MLX's CPU backend on Linux, before ``mlx.core`` is imported, safely.
 
-The ``mlx[cpu]`` wheel on Linux resolves its BLAS calls against a reference (netlib) BLAS:
-fp32 matmul runs at ~6 GFLOP/s on a 2-core x86-64 machine. A library with the standard
-``cblas_sgemm`` names loaded into the global symbol namespace first makes it 10-60x faster.
+The ``mlx[cpu]`` wheel on Linux resolves its BLAS calls against a reference (netlib) BLAS,
+whose fp32 matmul is unblocked and single-threaded. A library with the standard ``cblas_sgemm``
+names loaded into the global symbol namespace first replaces it with tuned, threaded kernels
+(``kvpolicy doctor`` measures the matmul speed on this machine).
 
 A library is loaded only once it is *proven* to run on this CPU (:mod:`.blas_check`): its
 build target, read from the file without running any of it (:mod:`.blas_elf`), must fit the
@@ -10,8 +11,8 @@ CPU's flags, and then a child process must have run an sgemm with it and got the
 numbers. A candidate that fails is skipped with a one-line warning that names it and why (for
 a build target: the flags the CPU lacks); with none left MLX keeps its reference BLAS, and
 the warning says how to fix that. Probe verdicts are cached per (library path, size, mtime;
-CPU model and flags) in ``$KVPOLICY_CACHE`` (default ``~/.cache/kvpolicy``), so the probe
-costs ~0.5 s once; the build is read from the file every time (a few ms).
+CPU model and flags) in ``$KVPOLICY_CACHE`` (default ``~/.cache/kvpolicy``), so the probe's
+child process runs once per library and CPU; the build is read from the file every time (cheap).
 
 Candidates, in order: ``$KVPOLICY_BLAS`` (a path; ``off`` disables all of this); the
 system OpenBLAS (Debian/Ubuntu ``libopenblas0-pthread``, a DYNAMIC_ARCH build that
@@ -181,7 +182,7 @@ def load_optimized_blas(quiet: bool = False) -> Optional[str]:
 
     Does nothing (returns None) off Linux or when ``KVPOLICY_BLAS=off``. Never loads a
     library that failed its check. Unless ``quiet``, warns once per skipped candidate, when
-    none is left (MLX then runs fp32 matmul ~30x slower), and when ``mlx.core`` is already
+    none is left (MLX then runs fp32 matmul on the reference BLAS, far slower), and when ``mlx.core`` is already
     imported (too late to take effect). :func:`blas_info` says what happened.
     """
     global _loaded

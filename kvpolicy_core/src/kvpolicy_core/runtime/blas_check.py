@@ -57,7 +57,7 @@ TARGET_FLAGS: Dict[str, FrozenSet[str]] = {
 
 #: Run-time core types of a DYNAMIC_ARCH OpenBLAS, best first, with the flags each needs.
 #: An OpenBLAS older than the CPU falls back to a generic core (e.g. 0.3.21 picks
-#: "Prescott" on an Emerald Rapids Xeon: 7 instead of 45+ GFLOP/s); :func:`best_coretype`
+#: "Prescott", without AVX kernels, on an Emerald Rapids Xeon); :func:`best_coretype`
 #: names the best one the flags allow, for ``OPENBLAS_CORETYPE``.
 CORETYPE_LADDER: Tuple[Tuple[str, FrozenSet[str]], ...] = (
     ("SkylakeX", _AVX512),

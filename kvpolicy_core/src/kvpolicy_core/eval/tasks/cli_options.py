@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 #: The longest prompt or text a task builds or reads, in tokens (2**20: the haystacks, prompts and the full cache
-#: of a 1M-token context already take gigabytes; ``--lengths 1000000000`` grew memory by 9 GB in 90 s, unannounced).
+#: of a 1M-token context already take gigabytes; a longer length would exhaust memory silently, not fail first).
 MAX_LENGTH = 1 << 20
 #: The most seeds (contexts per task, haystack and length) a run may ask for.
 MAX_SEEDS = 1 << 16

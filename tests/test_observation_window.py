@@ -133,3 +133,43 @@ def test_default_h2o_runs_on_a_model_through_the_hook(llama_model, tokens):
     llama_model(tokens[:1, :30], cache=caches)
     llama_model(tokens[:1, 30:31], cache=caches)
     assert caches[0].tokens_kept == 16 and float(mx.sum(caches[0].scores)) > 0
+
+
+@pytest.mark.parametrize("mask", ["causal", "array"])
+def test_a_chunk_filling_the_window_keeps_its_queries_not_its_rows_and_a_short_chunk_after_it_scores_the_same(mask):
+    """A held prompt's run keeps, for a chunk longer than the window, the window's queries (W x D per query head)
+    instead of its attention rows (W x L per KV head); a later chunk shorter than the window computes those rows
+    again from them, and the scores are bit for bit those of rows kept whole (and of a cache saved and restored
+    between the two chunks)."""
+    from kvpolicy_core.parts.observation_window import WINDOW_QUERIES
+
+    K, V = random_kv(B=1, H=2, S=45, D=8, seed=31)
+    Q = mx.random.normal((1, 4, 45, 8), key=mx.random.key(32))
+    spec = "h2o:budget=16,n_sink=2,obs_window=8,pool=3,when=prompt_end"
+
+    def first_chunk(cache):
+        cache.update_and_fetch(K[:, :, :40], V[:, :, :40])
+        m = "causal" if mask == "causal" else mx.tril(mx.ones((40, 40), dtype=mx.bool_))
+        cache.before_attention(Q[:, :, :40], 0.3, m)
+        return cache
+
+    def short_chunk(cache):
+        cache.update_and_fetch(K[:, :, 40:], V[:, :, 40:])
+        cache.before_attention(Q[:, :, 40:], 0.3, "causal")
+        return np.array(cache.scores)
+
+    cache = first_chunk(PolicyCache(spec))
+    run = cache.row_state().run
+    assert "rows" not in run and set(WINDOW_QUERIES[:3]) <= set(run)
+    assert run["window_queries"].shape == (1, 4, 8, 8)
+    restored = PolicyCache.from_state(cache.state, cache.meta_state)
+    assert "window_queries" in restored.row_state().run
+    got = short_chunk(cache)
+
+    kept = PolicyCache(spec)  # the same run with the rows kept whole, as computed at the first chunk (the form before)
+    scorer = kept.policy.scorer
+    scorer._add = lambda view, weights, S, source=None: ObservationWindowScorer._add(scorer, view, weights, S)
+    first_chunk(kept)
+    assert "rows" in kept.row_state().run and "window_queries" not in kept.row_state().run
+    np.testing.assert_array_equal(got, short_chunk(kept))
+    np.testing.assert_array_equal(got, short_chunk(restored))

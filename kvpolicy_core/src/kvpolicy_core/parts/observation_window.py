@@ -21,6 +21,9 @@ from .attention_scorer import AttentionScorer, finite_weights, observed_weights,
 from .base import CacheView
 from .pooling import pool_by_position
 
+#: the run's keys that recompute a filled window's rows (:meth:`ObservationWindowScorer._earlier_rows`)
+WINDOW_QUERIES = ("window_queries", "window_scale", "window_keys", "window_mask", "window_causal")
+
 
 def window_rows(mask, S: int, W: int):
     """The mask rows of the last ``W`` of ``S`` queries (masks as mlx-lm passes them).
@@ -60,7 +63,11 @@ class ObservationWindowScorer(AttentionScorer):
     plateau's ties by distance from the token it pools from: ``TIE_TAPER`` in
     :mod:`kvpolicy_core.config.attention_config`). New tokens enter with 0 and receive their own run's mass.
     The run's state (``view.run``): ``rows`` [B, H, min(W, T), L] the window's attention
-    rows summed over G (``W = 0``: their sum, [B, H, 1, L]) and ``base`` [B, H, L] = ``s^0``.
+    rows summed over G (``W = 0``: their sum, [B, H, 1, L]) and ``base`` [B, H, L] = ``s^0``. A chunk
+    that fills the window (``S > W``, rows from this scorer's own pass) keeps instead what computes those
+    rows again bit for bit (:data:`WINDOW_QUERIES`: the window's queries [B, Hq, W, D], its mask rows, the
+    scale and ``L``), not the ``W x L`` rows: a later chunk of the run needs them only when it is shorter
+    than the window. So a held prompt keeps ``W * D`` numbers per query head, not ``W * L`` per KV head.
     A view without a run (None) scores each chunk as a run of its own. ``signal="proxy"`` uses the new keys as the
     queries (over earlier
     positions only, as the cumulative proxy does) and needs no attention hook.
@@ -102,8 +109,11 @@ class ObservationWindowScorer(AttentionScorer):
         """Unpooled accumulation (a decode step): scores [B, H, L] + weights [B, H, G, S, L] summed."""
         return scores + weights.sum(axis=(2, 3))
 
-    def _add(self, view: CacheView, weights: mx.array, S: int) -> mx.array:
-        """weights [B, H, G, R, L] of this step's window rows -> new scores [B, H, L] (see the class)."""
+    def _add(self, view: CacheView, weights: mx.array, S: int, source=None) -> mx.array:
+        """weights [B, H, G, R, L] of this step's window rows -> new scores [B, H, L] (see the class).
+
+        ``source``: (queries [B, Hq, R, D], scale, mask rows) that :func:`observed_weights` computed ``weights``
+        from, when it did: a chunk filling the window then keeps these in the run instead of the rows."""
         if S == 1:
             return self.combine(view.scores, weights)
         rows = weights.sum(axis=2)  # [B, H, R, L]
@@ -111,13 +121,38 @@ class ObservationWindowScorer(AttentionScorer):
             rows = rows.sum(axis=2, keepdims=True)
         run = view.run if view.run is not None else {}
         base = view.scores
-        if "rows" in run:  # a later chunk of the run: the slots of earlier chunks are unchanged, new ones appended
-            grow = rows.shape[-1] - run["rows"].shape[-1]
-            earlier = mx.pad(run["rows"], [(0, 0), (0, 0), (0, 0), (0, grow)])
+        if "base" in run:  # a later chunk of the run: the slots of earlier chunks are unchanged, new ones appended
+            grow = rows.shape[-1] - run["base"].shape[-1]
             base = mx.pad(run["base"], [(0, 0), (0, 0), (0, grow)])
-            rows = earlier + rows if self.window == 0 else mx.concatenate([earlier, rows], axis=2)[:, :, -self.window :]
-        run["rows"], run["base"] = rows, base
+            if self.window == 0 or rows.shape[2] < self.window:  # the earlier rows count (else all fall out)
+                earlier = mx.pad(self._earlier_rows(run, view), [(0, 0), (0, 0), (0, 0), (0, grow)])
+                rows = earlier + rows if self.window == 0 else mx.concatenate([earlier, rows], axis=2)
+                rows = rows[:, :, -self.window :] if self.window else rows
+        for key in ("rows",) + WINDOW_QUERIES:
+            run.pop(key, None)
+        if source is not None and 0 < self.window == rows.shape[2]:
+            queries, scale, mask = source
+            run["window_queries"], run["window_scale"] = queries, mx.array(scale, dtype=mx.float32)
+            run["window_keys"] = mx.array(rows.shape[-1], dtype=mx.int32)
+            if isinstance(mask, mx.array):
+                run["window_mask"] = mask
+            elif mask is not None:
+                run["window_causal"] = mx.array(True)
+        else:
+            run["rows"] = rows
+        run["base"] = base
         return base + pool_by_position(rows.sum(axis=2), view.positions, self.pool, self.taper)
+
+    @staticmethod
+    def _earlier_rows(run: dict, view: CacheView) -> mx.array:
+        """The run's window rows [B, H, R, L'] over its first L' slots: kept, or computed again from the window's
+        queries exactly as they were (the same queries, keys, scale and mask: the same numbers)."""
+        if "rows" in run:
+            return run["rows"]
+        L = int(run["window_keys"].item())
+        mask = run.get("window_mask", "causal" if "window_causal" in run else None)
+        scale = run["window_scale"].item()
+        return observed_weights(run["window_queries"], view.keys[:, :, :L], scale, mask).sum(axis=2)
 
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
         if self.signal != "proxy":
@@ -132,8 +167,8 @@ class ObservationWindowScorer(AttentionScorer):
             return view.scores
         S = queries.shape[2]
         W = self._rows(S)
-        weights = observed_weights(queries[:, :, S - W :], view.keys, scale, window_rows(mask, S, W))
-        return self._add(view, weights, S)
+        window = (queries[:, :, S - W :], scale, window_rows(mask, S, W))
+        return self._add(view, observed_weights(window[0], view.keys, *window[1:]), S, window)
 
     def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
         """:meth:`on_attention` from the model's weights [B, H, G, S, L] of the step (see the base class)."""

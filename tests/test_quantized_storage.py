@@ -303,3 +303,41 @@ def test_every_registered_method_evicts_quantized_rows_alone_and_batched(model64
         assert mx.isfinite(model64(toks[:, 26 + t : 27 + t], cache=batch)).all()
     for c in (batch[0].extract(0), batch[0].extract(1)):
         assert c.bits == 4 and isinstance(c.keys, tuple) and c.n <= c.budget + 1
+
+
+@pytest.fixture(scope="module")
+def model64_dir(tmp_path_factory):
+    """A loadable model directory whose head dim (64) quantizes in groups of 32 or 64."""
+    from kvpolicy_core.testing.tiny_models import build_model, model_config, save_model_dir
+
+    config = model_config("llama", hidden=128, layers=2, heads=2, kv_heads=1)
+    return save_model_dir(tmp_path_factory.mktemp("llama64"), build_model(config), config)
+
+
+DOC = "The code of the red door is 48213 and the blue door opens with 77. " * 3
+
+
+def test_the_cli_runs_every_command_on_quantized_rows(capsys, model64_dir, tmp_path):
+    """eval (perplexity and its merge count), cache-prompt and generate from the prompt file, with kv_bits: what a
+    user runs, end to end (each read a quantized cache's rows as one array before)."""
+    import json
+
+    from kvpolicy_core.apps.cli import main
+
+    m = str(model64_dir)
+    assert (
+        main(
+            ["eval", "--model", m, "--method", "cam", "--method", "h2o", "--budget", "16", "--tokens", "48"]
+            + ["--kv-bits", "4", "--kv-group-size", "32", "--no-progress", "--json", str(tmp_path / "e.json")]
+        )
+        == 0
+    )
+    results = json.loads((tmp_path / "e.json").read_text())["results"]
+    assert [r["spec"] for r in results] == [f"{m}:budget=16,kv_bits=4,kv_group_size=32" for m in ("cam", "h2o")]
+    assert results[0]["merges_per_eviction"] is not None and all(r["perplexity"] > 0 for r in results)
+    doc = tmp_path / "doc.safetensors"
+    spec = "cam:budget=32,kv_bits=8,kv_group_size=32"
+    assert main(["cache-prompt", DOC, "--model", m, "--method", spec, "--prompt-cache-file", str(doc), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["method"] == "cam" and summary["tokens_kept"] <= 32
+    assert main(["generate", "what opens the blue door?", "--prompt-cache", str(doc), "--max-tokens", "3"]) == 0

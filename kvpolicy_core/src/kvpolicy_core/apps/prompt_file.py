@@ -40,6 +40,13 @@ _SAMPLE = 1 << 16  # bytes of each weight file read into the fingerprint, at fou
 STREAM = "stream"
 
 
+def rows_dtype(cache) -> str:
+    """The dtype name of the keys a cache hands to attention (the model's, for quantized policy rows)."""
+    slots = getattr(cache, "_slots", None)  # a PolicyCache's store: its rows may be quantized (tuples)
+    dtype = slots.dtypes[0] if slots is not None and slots.dtypes else cache.keys.dtype
+    return str(dtype).removeprefix("mlx.core.")
+
+
 def document_ids(tokenizer, text: str) -> List[int]:
     """The document's token ids, as ``mlx_lm.cache_prompt`` makes them."""
     if tokenizer.has_chat_template:
@@ -179,9 +186,7 @@ def cache_prompt(
     _check_finite(caches, f"{path}: the document's caches")
     kept, full = kv_bytes(caches)
     sizes = [int(c.size()) for c in caches]
-    dtype = next(
-        (str(c.keys.dtype).removeprefix("mlx.core.") for c in caches if getattr(c, "keys", None) is not None), None
-    )
+    dtype = next((rows_dtype(c) for c in caches if getattr(c, "keys", None) is not None), None)
     summary = {
         "method": config.method,
         "budget": config.policy.budget,
@@ -493,10 +498,13 @@ def check_caches(path, caches: List[Any], model, info: Optional[Dict[str, Any]] 
         raise KVPolicyError(f"{path}: holds caches for {len(caches)} layers, but the model has {len(shapes)}")
     for i, (c, want) in enumerate(zip(caches, shapes)):
         k = getattr(c, "keys", None)
-        if want is not None and k is not None and (k.shape[1], k.shape[3], c.values.shape[3]) != want:
+        if k is None or want is None:
+            continue
+        slots = getattr(c, "_slots", None)  # a PolicyCache's store: its rows may be quantized (tuples)
+        have = slots.shape()[1:] if slots is not None else (k.shape[1], k.shape[3], c.values.shape[3])
+        if have != want:
             raise KVPolicyError(
-                f"{path}: layer {i} holds (kv heads, key dim, value dim) "
-                f"{(k.shape[1], k.shape[3], c.values.shape[3])}, but the model has {want}"
+                f"{path}: layer {i} holds (kv heads, key dim, value dim) {have}, but the model has {want}"
             )
     from ..attention import hook as attention
 

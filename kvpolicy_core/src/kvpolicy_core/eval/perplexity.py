@@ -164,7 +164,8 @@ def merges_per_eviction(caches: Sequence[Any]) -> Optional[float]:
     for c in caches:
         if isinstance(c, PolicyCache) and "merges" in c.stats():
             merged += int(c.merges)
-            evicted += max(c.offset - c.n, 0) * c.keys.shape[0] * c.keys.shape[1]  # a pending eviction: not yet
+            B, H = c._slots.shape()[:2]  # the rows' batch and KV heads (quantized rows are tuples)
+            evicted += max(c.offset - c.n, 0) * B * H  # a pending eviction: not yet
     return merged / evicted if evicted else None
 
 

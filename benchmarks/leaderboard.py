@@ -17,7 +17,7 @@ length for the suite), on:
   each token's NLL read before the cache is reduced) on ``--texts`` (default CPython's pydoc topics, the
   default corpus, and the docstrings of 40 standard-library modules), reported as the change against the
   full cache on the same tokens;
-- **the long-context suite** (:mod:`kvpolicy_core.eval.tasks.ruler`, docs/long-context.md): niah_single,
+- **the long-context suite** (:mod:`kvpolicy_core.eval.tasks.ruler`, docs/results/long-context.md): niah_single,
   niah_multikey (and niah_multiquery), both protocols (question-in-prompt and query-agnostic). The full cache
   runs first on each task; a task it scores below ``--min-full`` (60) on, pooled over its contexts and
   protocols, is flagged and the other methods skip it (not in any score).
@@ -49,7 +49,7 @@ rewritten after every step, so a long run can be read while it runs), and per mo
 (``..._<model>.md``) and a plot in the style of NVIDIA kvpress's leaderboard (``..._<model>.png``: score
 against compression ratio per protocol, one line per method, error bars at 95%, the full cache as a horizontal
 line). ``--report FILE...`` runs nothing (no model is loaded): it merges result files
-(a model's runs may be split with ``--tag``) and rewrites the tables of ``--docs`` (docs/leaderboard.md) and the
+(a model's runs may be split with ``--tag``) and rewrites the tables of ``--docs`` (docs/results/leaderboard.md) and the
 plots (``--plots``, benchmarks/results).
 
 Sizes: ``smoke`` (a tiny random-weight model, a few methods, tiny lengths: seconds); ``quick`` (one text, 1024
@@ -121,17 +121,17 @@ SIZES = {
 }
 SMOKE_PARAMS = {"niah_multikey": dict(keys=3, questions=2, digits=4)}
 #: seconds per unit on 2 shared x86 cores (fp32), used when no measured costs are given (from the per-context
-#: costs in docs/long-context.md, the demo's tokens/s and the quick run in docs/leaderboard.md); at the suite length
-#: ``length``: ppl_token: one token-by-token step of one spec; prefill: a query-agnostic context prefill after
-#: the shared first chunk; qa_question / qip_question: one question (question-in-prompt: with its own prefill
-#: after the shared chunk); record: the shared first chunk, once per context.
+#: costs in docs/results/long-context.md, the demo's tokens/s and the quick run, leaderboard_quick_gemma3.json);
+#: at the suite length ``length``: ppl_token: one token-by-token step of one spec; prefill: a query-agnostic
+#: context prefill after the shared first chunk; qa_question / qip_question: one question (question-in-prompt:
+#: with its own prefill after the shared chunk); record: the shared first chunk, once per context.
 COSTS = {
     "gemma3": dict(length=4096, ppl_token=0.2, prefill=25.0, qa_question=5.0, qip_question=25.0, record=20.0),
     "smollm2": dict(length=4096, ppl_token=0.25, prefill=70.0, qa_question=8.0, qip_question=70.0, record=60.0),
     "tiny": dict(length=640, ppl_token=0.002, prefill=0.05, qa_question=0.05, qip_question=0.05, record=0.05),
 }
 #: the one-chunk suite's and the batched perplexity's costs (seconds at ``length``), measured by the headline
-#: runs of docs/leaderboard.md on 2 x86 cores running ~12 processes (load average 11-15): each kind's median
+#: runs of docs/results/leaderboard.md on 2 x86 cores running ~12 processes (load average 11-15): each kind's median
 #: wall time times the CPU share its process got (0.18-0.30), i.e. the CPU seconds a row used, the stand-in for
 #: 2 idle cores; the suite's kinds then scaled (x1.2 Gemma 3, x1.64 SmolLM2) so that the estimate of each run
 #: equals the CPU seconds its process used (the medians leave out the slow rows: wrong answers run to the limit).
@@ -360,7 +360,7 @@ def main(argv=None):
     p.add_argument("--no-suite", action="store_true", help="perplexity only")
     p.add_argument("--no-ppl", action="store_true", help="the suite only")
     p.add_argument("--report", nargs="+", metavar="JSON", help="merge result files into --docs and --plots; no run")
-    p.add_argument("--docs", help="markdown page whose tables --report rewrites (default docs/leaderboard.md)")
+    p.add_argument("--docs", help="markdown page whose tables --report rewrites (default docs/results/leaderboard.md)")
     p.add_argument("--plots", help="folder of --report's plots (default: benchmarks/results)")
     args = p.parse_args(argv)
     if args.out is None:  # a smoke run's files are not results: kept out of benchmarks/results

@@ -27,7 +27,7 @@ from ..parts.attention_scorer import causal_allowed
 def attend_once(n_queries: int) -> bool:
     """Whether one composed pass (output and weights) beats the fused kernel plus the scorer's own pass.
 
-    Measured on CPU (docs/benchmarks.md, "Attention once"): always, for decode and prefill chunks alike,
+    Measured on CPU (docs/results/benchmarks-speed.md, "Attention once"): always, for decode and prefill chunks alike,
     since MLX's CPU kernel is the same composition. On a GPU the fused kernel never materialises the
     [S, L] weights, so only decode steps (one query row) take the composed pass there (not measured:
     no GPU in this project's benchmarks).
@@ -71,7 +71,7 @@ def attention_with_weights(
     row each (the broadcast ``[B, H, G, 1, D] @ [B, H, 1, D, L]`` of the fused kernel). The same equation and
     the same dot products, summed by another BLAS kernel: equal to the kernel's output up to float rounding,
     not bit for bit at every shape; ~2x faster on CPU at Llama-3.2-1B's shape (G = 4, head dim 64, L = 4096:
-    7.1 ms against the kernel's 12.7 ms per layer; docs/speed.md). A policy cache takes it once it has evicted
+    7.1 ms against the kernel's 12.7 ms per layer; docs/results/speed.md). A policy cache takes it once it has evicted
     (:meth:`~kvpolicy_core.cache.policy_cache.PolicyCache.attend`), so that until then its logits are mlx-lm's
     own bit for bit.
     """

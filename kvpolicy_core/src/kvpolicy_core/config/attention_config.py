@@ -64,7 +64,7 @@ MAX_TOKENS = 2**31 - 1
 WINDOW_DEFAULTS = {"observed": (32, 15), "proxy": (0, 1)}
 #: the observed pool of a prompt cut at its end (``when="prompt_end"``): the question attends to a statement's key
 #: words, and a pool of 15 around them ended before a 7-digit answer did (one token per digit) on both model
-#: families (Gemma 3 and SmolLM2, 4k tokens, 4x and 8x, docs/long-context.md#the-end-of-prompt-cut); 31 kept it
+#: families (Gemma 3 and SmolLM2, 4k tokens, 4x and 8x, docs/results/long-context-question-in-prompt.md); 31 kept it
 CUT_POOL = 31
 #: the cut's pool taper (``pool_by_position``): a tie-break only. Each step of distance moves a float32 score by ~8
 #: ulps (above its rounding) and 15 steps by 1.5e-5 of it, so plateaus further apart than that keep their order and
@@ -218,7 +218,7 @@ class AttentionPolicyConfig(PolicyConfig):
         """The pool's tie-break (``pool_by_position`` in :mod:`kvpolicy_core.parts.pooling`): at the end-of-prompt cut a
         statement's pooled span is one plateau, and where the budget ends inside it the tokens nearest the attended
         one stay (Gemma 3, 4k, 8x: `h2o` kept the statement but not its last digit without it,
-        docs/long-context.md#ties-inside-a-pooled-span); streaming pools plainly."""
+        docs/results/long-context-question-in-prompt.md#ties-inside-a-pooled-span); streaming pools plainly."""
         return TIE_TAPER if self.when == "prompt_end" else 0.0
 
     @property

@@ -49,8 +49,9 @@ rewritten after every step, so a long run can be read while it runs), and per mo
 (``..._<model>.md``) and a plot in the style of NVIDIA kvpress's leaderboard (``..._<model>.png``: score
 against compression ratio per protocol, one line per method, error bars at 95%, the full cache as a horizontal
 line). ``--report FILE...`` runs nothing (no model is loaded): it merges result files
-(a model's runs may be split with ``--tag``) and rewrites the tables of ``--docs`` (docs/results/leaderboard.md) and the
-plots (``--plots``, benchmarks/results).
+(a model's runs may be split with ``--tag``) and rewrites the tables of ``--docs`` and the plots (``--plots``,
+benchmarks/results). ``--docs`` is one page, or a page per model where it holds ``{model}`` (the default,
+docs/results/leaderboard-{model}.md: a page per model keeps each results page under 300 lines).
 
 Sizes: ``smoke`` (a tiny random-weight model, a few methods, tiny lengths: seconds); ``quick`` (one text, 1024
 tokens of perplexity, the 4k suite on one haystack with one context per task, ratios 4 and 8, a few
@@ -77,7 +78,8 @@ from pathlib import Path
 from _common import RESULTS, parser, result_name, with_budget, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "leaderboard.md"
+#: --report's pages, one per model (``{model}``: the result files' model key)
+DOCS = ROOT / "docs" / "results" / "leaderboard-{model}.md"
 SUITE_TASKS = ("niah_single", "niah_multikey", "niah_multiquery")
 PROTOCOL_ORDER = ("question-in-prompt", "query-agnostic")
 SHORT = {"question-in-prompt": "QiP", "query-agnostic": "QA"}
@@ -360,7 +362,11 @@ def main(argv=None):
     p.add_argument("--no-suite", action="store_true", help="perplexity only")
     p.add_argument("--no-ppl", action="store_true", help="the suite only")
     p.add_argument("--report", nargs="+", metavar="JSON", help="merge result files into --docs and --plots; no run")
-    p.add_argument("--docs", help="markdown page whose tables --report rewrites (default docs/results/leaderboard.md)")
+    p.add_argument(
+        "--docs",
+        help="markdown page whose tables --report rewrites; {model} in it: a page per model "
+        "(default docs/results/leaderboard-{model}.md)",
+    )
     p.add_argument("--plots", help="folder of --report's plots (default: benchmarks/results)")
     args = p.parse_args(argv)
     if args.out is None:  # a smoke run's files are not results: kept out of benchmarks/results
@@ -1377,10 +1383,25 @@ def merge(files) -> dict:
 
 
 def report(files, docs: Path, plots: Path) -> None:
-    """Rewrite each model's section of ``docs`` (between its markers) and its plot under ``plots``."""
+    """Rewrite each model's section of ``docs`` (between its markers) and its plot under ``plots``; where ``docs``
+    holds ``{model}``, each model's section is on a page of its own (``{model}`` replaced by its key)."""
     plots.mkdir(parents=True, exist_ok=True)
-    text = docs.read_text(encoding="utf-8") if docs.is_file() else "# Leaderboard\n"
-    for key, m in merge(files).items():
+    if "{model}" in str(docs):
+        for key, m in merge(files).items():
+            page = Path(str(docs).replace("{model}", key))
+            title = f"# Leaderboard: {MODEL_NAMES.get(key, key)}\n"
+            if (page.parent / "leaderboard.md").is_file():
+                title += "\nPart of [the leaderboard](leaderboard.md).\n"
+            _report_page({key: m}, page, plots, title)
+        return
+    _report_page(merge(files), docs, plots)
+
+
+def _report_page(models: dict, docs: Path, plots: Path, title: str | None = None) -> None:
+    """Rewrite the sections of ``models`` in the page ``docs``; a new page starts with ``title`` (a model's own
+    page: its section under the title) or with "# Leaderboard" and a heading per model."""
+    text = docs.read_text(encoding="utf-8") if docs.is_file() else (title or "# Leaderboard\n")
+    for key, m in models.items():
         board = build_board(m["ppl_rows"], m["suite_rows"], m["min_full"])
         ranks = rank_vs_h2o(board, m["ppl_rows"], suite_rows=m["suite_rows"])
         png = plots / f"leaderboard_{key}.png"
@@ -1394,6 +1415,8 @@ def report(files, docs: Path, plots: Path) -> None:
         section = f"{begin}\n{body}\n{end}"
         if begin in text and end in text:
             text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: section, text, flags=re.S)
+        elif title:
+            text = text.rstrip("\n") + f"\n\n{section}\n"
         else:
             text = text.rstrip("\n") + f"\n\n### {MODEL_NAMES.get(key, key)}\n\n{section}\n"
         print(f"wrote {png}", flush=True)

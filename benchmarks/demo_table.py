@@ -1,4 +1,4 @@
-"""The main job's table (recorded in docs/benchmarks.md, "The demo"): perplexity next to retrieval, from the two
+"""The main job's table (recorded in docs/results/benchmarks.md, "The demo"): perplexity next to retrieval, from the two
 JSON files scripts/demo.sh writes.
 
     python benchmarks/demo_table.py [benchmarks/results/demo.json] [benchmarks/results/demo_needle.json]

@@ -17,7 +17,7 @@ length for the suite), on:
   each token's NLL read before the cache is reduced) on ``--texts`` (default CPython's pydoc topics, the
   default corpus, and the docstrings of 40 standard-library modules), reported as the change against the
   full cache on the same tokens;
-- **the long-context suite** (:mod:`kvpolicy_core.eval.tasks.ruler`, docs/long-context.md): niah_single,
+- **the long-context suite** (:mod:`kvpolicy_core.eval.tasks.ruler`, docs/results/long-context.md): niah_single,
   niah_multikey (and niah_multiquery), both protocols (question-in-prompt and query-agnostic). The full cache
   runs first on each task; a task it scores below ``--min-full`` (60) on, pooled over its contexts and
   protocols, is flagged and the other methods skip it (not in any score).
@@ -49,8 +49,9 @@ rewritten after every step, so a long run can be read while it runs), and per mo
 (``..._<model>.md``) and a plot in the style of NVIDIA kvpress's leaderboard (``..._<model>.png``: score
 against compression ratio per protocol, one line per method, error bars at 95%, the full cache as a horizontal
 line). ``--report FILE...`` runs nothing (no model is loaded): it merges result files
-(a model's runs may be split with ``--tag``) and rewrites the tables of ``--docs`` (docs/leaderboard.md) and the
-plots (``--plots``, benchmarks/results).
+(a model's runs may be split with ``--tag``) and rewrites the tables of ``--docs`` and the plots (``--plots``,
+benchmarks/results). ``--docs`` is one page, or a page per model where it holds ``{model}`` (the default,
+docs/results/leaderboard-{model}.md: a page per model keeps each results page under 300 lines).
 
 Sizes: ``smoke`` (a tiny random-weight model, a few methods, tiny lengths: seconds); ``quick`` (one text, 1024
 tokens of perplexity, the 4k suite on one haystack with one context per task, ratios 4 and 8, a few
@@ -77,7 +78,8 @@ from pathlib import Path
 from _common import RESULTS, parser, result_name, with_budget, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "leaderboard.md"
+#: --report's pages, one per model (``{model}``: the result files' model key)
+DOCS = ROOT / "docs" / "results" / "leaderboard-{model}.md"
 SUITE_TASKS = ("niah_single", "niah_multikey", "niah_multiquery")
 PROTOCOL_ORDER = ("question-in-prompt", "query-agnostic")
 SHORT = {"question-in-prompt": "QiP", "query-agnostic": "QA"}
@@ -121,17 +123,17 @@ SIZES = {
 }
 SMOKE_PARAMS = {"niah_multikey": dict(keys=3, questions=2, digits=4)}
 #: seconds per unit on 2 shared x86 cores (fp32), used when no measured costs are given (from the per-context
-#: costs in docs/long-context.md, the demo's tokens/s and the quick run in docs/leaderboard.md); at the suite length
-#: ``length``: ppl_token: one token-by-token step of one spec; prefill: a query-agnostic context prefill after
-#: the shared first chunk; qa_question / qip_question: one question (question-in-prompt: with its own prefill
-#: after the shared chunk); record: the shared first chunk, once per context.
+#: costs in docs/results/long-context.md, the demo's tokens/s and the quick run, leaderboard_quick_gemma3.json);
+#: at the suite length ``length``: ppl_token: one token-by-token step of one spec; prefill: a query-agnostic
+#: context prefill after the shared first chunk; qa_question / qip_question: one question (question-in-prompt:
+#: with its own prefill after the shared chunk); record: the shared first chunk, once per context.
 COSTS = {
     "gemma3": dict(length=4096, ppl_token=0.2, prefill=25.0, qa_question=5.0, qip_question=25.0, record=20.0),
     "smollm2": dict(length=4096, ppl_token=0.25, prefill=70.0, qa_question=8.0, qip_question=70.0, record=60.0),
     "tiny": dict(length=640, ppl_token=0.002, prefill=0.05, qa_question=0.05, qip_question=0.05, record=0.05),
 }
 #: the one-chunk suite's and the batched perplexity's costs (seconds at ``length``), measured by the headline
-#: runs of docs/leaderboard.md on 2 x86 cores running ~12 processes (load average 11-15): each kind's median
+#: runs of docs/results/leaderboard.md on 2 x86 cores running ~12 processes (load average 11-15): each kind's median
 #: wall time times the CPU share its process got (0.18-0.30), i.e. the CPU seconds a row used, the stand-in for
 #: 2 idle cores; the suite's kinds then scaled (x1.2 Gemma 3, x1.64 SmolLM2) so that the estimate of each run
 #: equals the CPU seconds its process used (the medians leave out the slow rows: wrong answers run to the limit).
@@ -360,7 +362,11 @@ def main(argv=None):
     p.add_argument("--no-suite", action="store_true", help="perplexity only")
     p.add_argument("--no-ppl", action="store_true", help="the suite only")
     p.add_argument("--report", nargs="+", metavar="JSON", help="merge result files into --docs and --plots; no run")
-    p.add_argument("--docs", help="markdown page whose tables --report rewrites (default docs/leaderboard.md)")
+    p.add_argument(
+        "--docs",
+        help="markdown page whose tables --report rewrites; {model} in it: a page per model "
+        "(default docs/results/leaderboard-{model}.md)",
+    )
     p.add_argument("--plots", help="folder of --report's plots (default: benchmarks/results)")
     args = p.parse_args(argv)
     if args.out is None:  # a smoke run's files are not results: kept out of benchmarks/results
@@ -1377,10 +1383,25 @@ def merge(files) -> dict:
 
 
 def report(files, docs: Path, plots: Path) -> None:
-    """Rewrite each model's section of ``docs`` (between its markers) and its plot under ``plots``."""
+    """Rewrite each model's section of ``docs`` (between its markers) and its plot under ``plots``; where ``docs``
+    holds ``{model}``, each model's section is on a page of its own (``{model}`` replaced by its key)."""
     plots.mkdir(parents=True, exist_ok=True)
-    text = docs.read_text(encoding="utf-8") if docs.is_file() else "# Leaderboard\n"
-    for key, m in merge(files).items():
+    if "{model}" in str(docs):
+        for key, m in merge(files).items():
+            page = Path(str(docs).replace("{model}", key))
+            title = f"# Leaderboard: {MODEL_NAMES.get(key, key)}\n"
+            if (page.parent / "leaderboard.md").is_file():
+                title += "\nPart of [the leaderboard](leaderboard.md).\n"
+            _report_page({key: m}, page, plots, title)
+        return
+    _report_page(merge(files), docs, plots)
+
+
+def _report_page(models: dict, docs: Path, plots: Path, title: str | None = None) -> None:
+    """Rewrite the sections of ``models`` in the page ``docs``; a new page starts with ``title`` (a model's own
+    page: its section under the title) or with "# Leaderboard" and a heading per model."""
+    text = docs.read_text(encoding="utf-8") if docs.is_file() else (title or "# Leaderboard\n")
+    for key, m in models.items():
         board = build_board(m["ppl_rows"], m["suite_rows"], m["min_full"])
         ranks = rank_vs_h2o(board, m["ppl_rows"], suite_rows=m["suite_rows"])
         png = plots / f"leaderboard_{key}.png"
@@ -1394,6 +1415,8 @@ def report(files, docs: Path, plots: Path) -> None:
         section = f"{begin}\n{body}\n{end}"
         if begin in text and end in text:
             text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: section, text, flags=re.S)
+        elif title:
+            text = text.rstrip("\n") + f"\n\n{section}\n"
         else:
             text = text.rstrip("\n") + f"\n\n### {MODEL_NAMES.get(key, key)}\n\n{section}\n"
         print(f"wrote {png}", flush=True)

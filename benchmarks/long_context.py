@@ -8,7 +8,7 @@
     python benchmarks/long_context.py --size headline --export-jsonl benchmarks/results/long_context_4k.jsonl
     python benchmarks/long_context.py --smoke                        # tiny random model (the test suite)
 
-Sizes (measured on 2 shared x86 cores, docs/long-context.md):
+Sizes (measured on 2 shared x86 cores, docs/results/long-context.md):
 
 - ``smoke``: a tiny random-weight model; seconds. Checks that the program runs, not any number.
 - ``quick``: 4k tokens, noise haystack, niah_single + niah_multikey, full and h2o at 4x,
@@ -95,7 +95,7 @@ SMOKE_PARAMS = {
     "niah_multikey": ruler.TaskParams(keys=3, questions=3, digits=4),
     "vt": ruler.TaskParams(hops=2, digits=4, few_shot=False),
 }
-#: the prompt format each model scores best with at 4k with the full cache (calibration in docs/long-context.md)
+#: the prompt format each model scores best with at 4k with the full cache (calibration in docs/results/long-context.md)
 MODEL_CHAT = {"gemma3": "none", "smollm2": "none"}
 
 

@@ -8,7 +8,7 @@ compressed context before the next question. Scoring is RULER's ``string_match_a
 question's answers found in the output, case-insensitive.
 
 Each library runs in its own virtual environment; this file imports only what the chosen library needs
-(kvpolicy only for ``--library kvpolicy`` and ``--make-prompts``). See docs/peers.md for the installs.
+(kvpolicy only for ``--library kvpolicy`` and ``--make-prompts``). See docs/results/peers.md for the installs.
 
     # prompts (kvpolicy's environment): a single needle at depths 0.3/0.5/0.7, 4096-token sequences
     python benchmarks/peers.py --make-prompts benchmarks/results/peers_prompts_smollm2_4k.jsonl \\

@@ -552,10 +552,10 @@ def plot(blocks, path: Path, title: str) -> None:
 
 
 def markdown(payload) -> str:
-    """The markdown tables of a result file of :func:`main` (docs/speed.md): per context, each method's prefill and
-    decode tokens/s with their ratios to the full cache and to RotatingKVCache at the same budget, and the KV bytes at
-    their largest during prefill against the bound (budget + chunk) of K/V; for ``--layer-prefill``, one layer's
-    prefill seconds and speed relative to the full cache."""
+    """The markdown tables of a result file of :func:`main` (docs/results/speed.md): per context, each method's
+    prefill and decode tokens/s with their ratios to the full cache and to RotatingKVCache at the same budget, and
+    the KV bytes at their largest during prefill against the bound (budget + chunk) of K/V; for ``--layer-prefill``,
+    one layer's prefill seconds and speed relative to the full cache."""
     out = []
     for b in payload["blocks"]:
         if "layer_prefill" in b:  # --layer-prefill: one layer's prefill, seconds and speed relative to full
@@ -648,7 +648,7 @@ def main(argv=None):
         help="only the per-layer prefill diagnostic (one decoder layer over the prompt, chunk by chunk)",
     )
     p.add_argument(
-        "--markdown", default="", help="print the markdown tables of this result file (docs/speed.md) and stop"
+        "--markdown", default="", help="print the markdown tables of this result file (docs/results/speed.md) and stop"
     )
     args = p.parse_args(argv)
     if args.markdown:

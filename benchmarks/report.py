@@ -1,4 +1,4 @@
-"""Print the markdown tables of docs/benchmarks.md from the JSON under benchmarks/results/.
+"""Print the markdown tables of docs/results/benchmarks.md from the JSON under benchmarks/results/.
 
 python benchmarks/report.py > /tmp/tables.md
 """

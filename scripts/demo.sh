@@ -7,7 +7,7 @@
 # Then prints both side by side (benchmarks/demo_table.py).
 #
 # This run's results go to benchmarks/results/local/ (ignored by git): the run leaves the tree as it was, and
-# the recorded numbers (docs/benchmarks.md) stay benchmarks/results/demo.json and demo_needle.json (copy a run
+# the recorded numbers (docs/results/benchmarks.md) stay benchmarks/results/demo.json and demo_needle.json (copy a run
 # there to record it).
 # Progress bars only on a terminal: with stderr to a file or a pipe, one line per step and per method instead.
 set -euo pipefail

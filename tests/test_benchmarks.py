@@ -268,8 +268,8 @@ def test_real_shapes_modes_smoke_record_the_load(tmp_path, mode, result):
 
 
 def test_real_shapes_markdown_prints_the_table_of_a_result_file(tmp_path):
-    """The smoke run (as test_benchmark_smoke runs the others), then ``--markdown FILE``: the table of docs/speed.md
-    from its result file, one row per method and budget."""
+    """The smoke run (as test_benchmark_smoke runs the others), then ``--markdown FILE``: the table of
+    docs/results/speed.md from its result file, one row per method and budget."""
     run = [sys.executable, str(BENCH / "real_shapes.py")]
     proc = subprocess.run([*run, "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

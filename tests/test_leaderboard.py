@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
 METHODS = ["full", "rotating", "h2o", "snapkv"]  # the smoke size's
 RATIOS = [4.0, 8.0]
 
@@ -176,6 +177,31 @@ def test_report_rewrites_a_models_section_of_the_docs_page(smoke, tmp_path):
     assert (tmp_path / "leaderboard_tiny.png").is_file()
     assert "](leaderboard_tiny.png)" in text  # the plot embedded, its path relative to the page
     assert re.search(r"\| h2o \| \d+ \| \d+(\.\d)? \[\d+, \d+\] \|", text)  # questions, score [95% interval]
+
+
+@pytest.mark.slow
+def test_report_writes_a_page_per_model_where_docs_names_model(smoke, tmp_path):
+    """The default ``--docs`` (docs/results/leaderboard-{model}.md): each model's section on a page of its own,
+    a results page short enough for tests/test_docs_layout.py."""
+    out, _ = smoke
+    (tmp_path / "leaderboard.md").write_text("# Leaderboard\n")
+    run = [sys.executable, str(BENCH / "leaderboard.py"), "--report", str(out / "leaderboard_smoke.json")]
+    run += ["--docs", str(tmp_path / "leaderboard-{model}.md"), "--plots", str(tmp_path)]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (tmp_path / "leaderboard-tiny.md").read_text()
+    assert text.startswith("# Leaderboard: tiny random llama") and "](leaderboard.md)" in text
+    assert "<!-- leaderboard:tiny -->" in text and "| h2o | 8x |" in text and "### " not in text
+    assert len(text.splitlines()) <= 300
+
+
+def test_report_default_pages_are_the_results_pages_per_model():
+    lb = _lb()
+    assert lb.DOCS == ROOT / "docs" / "results" / "leaderboard-{model}.md"
+    for key in ("gemma3", "smollm2"):
+        page = Path(str(lb.DOCS).replace("{model}", key))
+        text = page.read_text()
+        assert f"<!-- leaderboard:{key} -->" in text and f"<!-- /leaderboard:{key} -->" in text
 
 
 def test_report_refuses_a_file_that_is_not_a_leaderboard_result(tmp_path):

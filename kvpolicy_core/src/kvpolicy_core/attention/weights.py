@@ -28,7 +28,7 @@ def attend_once(n_queries: int) -> bool:
     """Whether one composed pass (output and weights) beats the fused kernel plus the scorer's own pass.
 
     On CPU always, for decode and prefill chunks alike, since MLX's CPU kernel is the same composition
-    (docs/benchmarks.md, "Attention once"). On a GPU the fused kernel never materialises the [S, L]
+    (docs/results/benchmarks-speed.md, "Attention once"). On a GPU the fused kernel never materialises the [S, L]
     weights, so only decode steps (one query row) take the composed pass there.
     """
     return n_queries == 1 or mx.default_device() == mx.cpu
@@ -70,7 +70,7 @@ def attention_with_weights(
     row each (the broadcast ``[B, H, G, 1, D] @ [B, H, 1, D, L]`` of the fused kernel). The same equation and
     the same dot products, summed by another BLAS kernel: equal to the kernel's output up to float rounding,
     not bit for bit at every shape; faster on CPU, where G rows make one well-shaped product instead of G
-    matrix-vector products (docs/speed.md). A policy cache takes it once it has evicted
+    matrix-vector products (docs/results/speed.md). A policy cache takes it once it has evicted
     (:meth:`~kvpolicy_core.cache.policy_cache.PolicyCache.attend`), so that until then its logits are mlx-lm's
     own bit for bit.
     """

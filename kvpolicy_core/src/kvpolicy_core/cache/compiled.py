@@ -2,9 +2,9 @@
 traits`): a selector's ranks with the choice made from them, and a disposition's update.
 
 On CPU each MLX op has a fixed dispatch cost, and a merge step is ~40 small ops over [B, H, L] arrays;
-:func:`mx.compile` fuses them into one call (docs/benchmarks.md). Only decode steps (one loser per row) are
-compiled: their shapes stay fixed once the budget is reached, so the graph is traced once per (shape, layout) and
-reused by every layer. The offset enters the graph as the int32 array [B, 1, 1] every view gives
+:func:`mx.compile` fuses them into one call (docs/results/benchmarks-speed.md). Only decode steps (one loser
+per row) are compiled: their shapes stay fixed once the budget is reached, so the graph is traced once per
+(shape, layout) and reused by every layer. The offset enters the graph as the int32 array [B, 1, 1] every view gives
 (``CacheView.offset``; a Python int would be a constant and retrace every step), and a part must not sync with the
 host inside.
 

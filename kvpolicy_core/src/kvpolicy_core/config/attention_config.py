@@ -64,7 +64,8 @@ MAX_TOKENS = 2**31 - 1
 WINDOW_DEFAULTS = {"observed": (32, 15), "proxy": (0, 1)}
 #: the observed pool of a prompt cut at its end (``when="prompt_end"``): the question attends to a statement's key
 #: words, and the pool must reach past them to the end of the value that follows (a 7-digit answer is 7 tokens,
-#: one per digit): the streaming pool of 15 ends before it, 31 covers it (docs/long-context.md#the-end-of-prompt-cut)
+#: one per digit): the streaming pool of 15 ends before it, 31 covers it
+#: (docs/results/long-context-question-in-prompt.md)
 CUT_POOL = 31
 #: the cut's pool taper (``pool_by_position``): a tie-break only. Each step of distance moves a float32 score by ~8
 #: ulps (above its rounding) and 15 steps by 1.5e-5 of it, so plateaus further apart than that keep their order and
@@ -218,7 +219,7 @@ class AttentionPolicyConfig(PolicyConfig):
         """The pool's tie-break (``pool_by_position`` in :mod:`kvpolicy_core.parts.pooling`): at the end-of-prompt cut a
         statement's pooled span is one plateau, and where the budget ends inside it the tokens nearest the attended
         one stay (without it the budget's edge falls anywhere in the plateau and may drop a statement's last digit,
-        docs/long-context.md#ties-inside-a-pooled-span); streaming pools plainly."""
+        docs/results/long-context-question-in-prompt.md#ties-inside-a-pooled-span); streaming pools plainly."""
         return TIE_TAPER if self.when == "prompt_end" else 0.0
 
     @property

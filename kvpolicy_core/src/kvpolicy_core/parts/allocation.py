@@ -116,7 +116,7 @@ class ReachAllocation(Allocation):
     :class:`UniformAllocation` bit for bit, and on a hybrid model (Gemma 3: 5 of 6 layers slide over 512 tokens)
     the slots a window cannot use go to the global layers, which hold the long range: at ``budget=1024`` on
     Gemma 3 270M (15 sliding layers, 3 global) ``b = 512`` sliding and ``3584`` global, the same total
-    (docs/long-context.md#budgets-by-reach). A remainder of less than one token per uncapped layer
+    (docs/results/long-context-budgets-by-reach.md). A remainder of less than one token per uncapped layer
     goes one token each to the first of them, so the total is exactly ``N * budget`` unless every layer is
     capped by its window (then less: no layer could use more).
     """

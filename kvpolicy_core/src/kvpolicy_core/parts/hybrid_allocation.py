@@ -15,7 +15,7 @@ from .allocation import Allocation, LayerInfo, ReachAllocation
 from .base import Needs
 
 #: the share of the mean budget a sliding-window layer keeps (chosen on the tuning set:
-#: benchmarks/hybrid_allocation.py, docs/long-context.md#hybrid-models-the-budget-where-attention-reaches)
+#: benchmarks/hybrid_allocation.py, docs/results/long-context-budgets-by-reach.md)
 DEFAULT_SLIDE_SHARE = 0.5
 
 
@@ -49,7 +49,7 @@ class HybridAllocation(Allocation):
 
     Not the default: it answers questions about facts far back in the prompt where ``reach`` cannot, but takes
     local context from the sliding layers, which a short prompt's questions can need
-    (docs/long-context.md#hybrid-models-the-budget-where-attention-reaches).
+    (docs/results/long-context-budgets-by-reach.md#hybrid-models-the-budget-where-attention-reaches).
     """
 
     def __init__(self, share: float = DEFAULT_SLIDE_SHARE, floor: int = 1) -> None:

@@ -285,7 +285,7 @@ class TaskParams:
 
 #: ``ruler``: RULER's own complexity (4 keys, 4 values, 4 queries, 7 digits, 4 hops, 10 common words) and
 #: answer prefixes. ``calibrated``: what a 135M-270M model does with the full cache at 4k tokens (measured,
-#: docs/long-context.md): the answer prefix repeats the statement's words up to the value ("echo": a small
+#: docs/results/long-context.md): the answer prefix repeats the statement's words up to the value ("echo": a small
 #: model copies what follows a match), forward chains for vt, 3 common words; :data:`MODEL_PRESETS` has
 #: the per-model exceptions.
 PRESETS: Dict[str, Dict[str, TaskParams]] = {

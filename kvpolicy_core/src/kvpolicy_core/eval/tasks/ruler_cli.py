@@ -21,7 +21,7 @@ from .ruler import CHATS, DEFAULT_PRESET, NOISE, PRESETS, TASKS
 
 DEFAULT_RATIOS = "4,8"
 DEFAULT_LENGTH = 4096
-#: the chat format each known model answers best with at 4k (measured: docs/long-context.md)
+#: the chat format each known model answers best with at 4k (measured: docs/results/long-context.md)
 MODEL_CHAT = {"smollm2": "none"}
 
 

@@ -136,11 +136,14 @@ def test_default_h2o_runs_on_a_model_through_the_hook(llama_model, tokens):
 
 
 @pytest.mark.parametrize("mask", ["causal", "array"])
-def test_a_chunk_filling_the_window_keeps_its_queries_not_its_rows_and_a_short_chunk_after_it_scores_the_same(mask):
+def test_a_chunk_filling_the_window_keeps_its_queries_not_its_rows_and_a_short_chunk_after_it_scores_the_same(
+    mask, tmp_path
+):
     """A held prompt's run keeps, for a chunk longer than the window, the window's queries (W x D per query head)
     instead of its attention rows (W x L per KV head); a later chunk shorter than the window computes those rows
     again from them, and the scores are bit for bit those of rows kept whole (and of a cache saved and restored
     between the two chunks)."""
+    from kvpolicy_core import load_caches, save_caches
     from kvpolicy_core.parts.observation_window import WINDOW_QUERIES
 
     K, V = random_kv(B=1, H=2, S=45, D=8, seed=31)
@@ -164,6 +167,9 @@ def test_a_chunk_filling_the_window_keeps_its_queries_not_its_rows_and_a_short_c
     assert run["window_queries"].shape == (1, 4, 8, 8)
     restored = PolicyCache.from_state(cache.state, cache.meta_state)
     assert "window_queries" in restored.row_state().run
+    save_caches(tmp_path / "c.safetensors", [cache])  # and through a cache file, in the window's form
+    (loaded,) = load_caches(tmp_path / "c.safetensors")
+    assert "window_queries" in loaded.row_state().run
     got = short_chunk(cache)
 
     kept = PolicyCache(spec)  # the same run with the rows kept whole, as computed at the first chunk (the form before)
@@ -173,3 +179,4 @@ def test_a_chunk_filling_the_window_keeps_its_queries_not_its_rows_and_a_short_c
     assert "rows" in kept.row_state().run and "window_queries" not in kept.row_state().run
     np.testing.assert_array_equal(got, short_chunk(kept))
     np.testing.assert_array_equal(got, short_chunk(restored))
+    np.testing.assert_array_equal(got, short_chunk(loaded))

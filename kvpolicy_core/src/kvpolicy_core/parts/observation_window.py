@@ -132,12 +132,12 @@ class ObservationWindowScorer(AttentionScorer):
             run.pop(key, None)
         if source is not None and 0 < self.window == rows.shape[2]:
             queries, scale, mask = source
-            run["window_queries"], run["window_scale"] = queries, mx.array(scale, dtype=mx.float32)
-            run["window_keys"] = mx.array(rows.shape[-1], dtype=mx.int32)
+            run["window_queries"], run["window_scale"] = queries, mx.array([scale], dtype=mx.float32)
+            run["window_keys"] = mx.array([rows.shape[-1]], dtype=mx.int32)  # (arrays of one: a state saves them)
             if isinstance(mask, mx.array):
                 run["window_mask"] = mask
             elif mask is not None:
-                run["window_causal"] = mx.array(True)
+                run["window_causal"] = mx.array([1], dtype=mx.int32)
         else:
             run["rows"] = rows
         run["base"] = base

@@ -32,7 +32,7 @@ def storage_of(label: str) -> str:
 def method_of(label: str) -> str:
     """The eviction method of a label, storage and budget fields left out (``cam:kv_bits=4,budget=192`` -> cam)."""
     name, _, fields = label.partition(":")
-    kept = [f for f in fields.split(",") if f and not f.startswith(("kv_bits=", "budget="))]
+    kept = [f for f in fields.split(",") if f and not f.startswith(("kv_bits=", "kv_group_size=", "budget="))]
     return name + (":" + ",".join(kept) if kept else "")
 
 
@@ -55,14 +55,15 @@ def perplexity_rows(paths):
     for p in paths:
         data = json.loads(Path(p).read_text(encoding="utf-8"))
         model = Path(str(data.get("model", "model"))).name
-        results = data["results"]
-        full = next(r["ppl"] for r in results if r["method"] == "full")
+        results = data["results"]  # one per method: "spec" (its config string, budget included), "perplexity"
+        full = next(r["perplexity"] for r in results if r["spec"] == "full")
         for r in results:
-            if r["method"] == "full":
+            budget = re.search(r"budget=(\d+)", r["spec"])
+            if budget is None:  # the full cache (the denominator) or a cache without a budget
                 continue
-            ratio = r.get("ratio") or (r.get("kv_bytes_full", 0) / max(1, r.get("kv_bytes_kept", 1)))
-            key = (method_of(r["method"]), storage_of(r["method"]), round(ratio))
-            out[model][key].append(r["ppl"] / full)
+            ratio = r.get("tokens", data.get("tokens")) / int(budget.group(1))
+            key = (method_of(r["spec"]), storage_of(r["spec"]), round(ratio))
+            out[model][key].append(r["perplexity"] / full)
     return out
 
 

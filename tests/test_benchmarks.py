@@ -348,3 +348,28 @@ def test_compress_once_cuts_oracle_keeps_every_statement(tmp_path):
     assert set(by) == {"full", "layer", "model", "model+spans"}
     assert all(r["spans_kept"] == [1.0] * len(r["spans_kept"]) and r["spans_kept"] for r in by["model+spans"])
     assert all(0.0 <= x <= 1.0 for r in by["model"] for x in r["spans_kept"])
+
+
+def test_bytes_quality_reads_eval_and_retrieval_results_by_method_storage_and_ratio(tmp_path):
+    """``bytes_quality.py`` joins ``kvpolicy eval --json`` perplexity (ratio = tokens / budget, over the full cache's)
+    and hybrid_allocation retrieval rows under (method, storage, ratio)."""
+    sys.path.insert(0, str(BENCH))
+    import bytes_quality as bq
+
+    ppl = tmp_path / "ppl.json"
+    results = [
+        {"spec": "full", "tokens": 1024, "perplexity": 20.0},
+        {"spec": "cam:budget=128", "tokens": 1024, "perplexity": 22.0},
+        {"spec": "cam:budget=128,kv_bits=4,kv_group_size=64", "tokens": 1024, "perplexity": 25.0},
+    ]
+    ppl.write_text(json.dumps({"model": "/m/gemma", "tokens": 1024, "results": results}))
+    got = bq.perplexity_rows([ppl])["gemma"]
+    assert got == {("cam", "full precision", 8): [1.1], ("cam", "4-bit", 8): [1.25]}
+    ret = tmp_path / "ret.json"
+    rows = [
+        {"method_label": "cam:kv_bits=4,budget=192", "ratio": 8.0, "kind": "single", "score": 1.0, "kv_bytes_kept": 5},
+        {"method_label": "cam:kv_bits=4,budget=192", "ratio": 8.0, "kind": "twokey", "score": 0.5, "kv_bytes_kept": 5},
+    ]
+    ret.write_text(json.dumps({"config": {"model": "/m/gemma"}, "rows": rows}))
+    got = bq.retrieval_rows([ret])["gemma"][("cam", "4-bit", 8.0)]
+    assert got["single"] == [1.0] and got["twokey"] == [0.5] and got["bytes"] == [5, 5]

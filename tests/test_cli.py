@@ -48,7 +48,9 @@ def test_methods_lists_the_common_fields_once_and_each_method_only_its_own(capsy
     for common in ("budget = 512", "n_sink = 4", "seed = 0", "kv_group_size = 64"):
         assert out.count(common) == 1, common  # once, above the methods
     cam = _section(out, "cam")
-    assert "merge = 'mass'" in cam and "obs_window = None" in cam
+    assert "merge = 'mass'" in cam and "obs_window = None" not in cam  # the attention methods' fields: once
+    assert out.count("obs_window = None") == 1 and "fields (besides AttentionPolicyConfig above):" in cam
+    assert "AttentionPolicyConfig defaults changed: obs_window=32, pool=7" in _section(out, "snapkv")
     assert not any(f"    {f} " in cam for f in ("budget", "n_sink", "recent", "seed", "when", "allocation"))
     assert "common defaults changed: signal='observed', when='prompt_end'" in cam
     assert "rope_freqs" not in out and "rope_traditional" not in out  # the builder fills them from the model

@@ -219,6 +219,12 @@ def cmd_methods(args) -> int:
     for fname, f in common["PolicyConfig"].items():
         if not f["filled_by_builder"]:
             print(_field_line(fname, f))
+    shared = _shared_field_blocks(reg.methods(), base)
+    for cls_name, (users, fields) in shared.items():
+        print(f"common to {', '.join(users)} ({cls_name}; a method may change a default, shown under it):")
+        for fname, f in fields.items():
+            if not f["filled_by_builder"]:
+                print(_field_line(fname, f))
     for r in rows:
         parts = ", ".join(f"{k}={v}" for k, v in r["parts"].items())
         print(f"{r['method']}  ({r['package']} {r['version'] or ''})".rstrip())
@@ -230,15 +236,45 @@ def cmd_methods(args) -> int:
             print(f"  common defaults changed: {changed}")
         if r["common_not_used"]:
             print(f"  common fields not used by this method: {', '.join(r['common_not_used'])}")
-        items = [(f, v) for f, v in r["fields"].items() if not v["filled_by_builder"]]
+        block = next(((c, fields) for c, (users, fields) in shared.items() if r["method"] in users), None)
+        if block is not None:
+            moved = {f: v["default"] for f, v in r["fields"].items() if f in block[1] and v != block[1][f]}
+            if moved:
+                print(f"  {block[0]} defaults changed: {', '.join(f'{k}={v!r}' for k, v in moved.items())}")
+        items = [
+            (f, v)
+            for f, v in r["fields"].items()
+            if not v["filled_by_builder"] and (block is None or f not in block[1])
+        ]
         if items:
-            print("  fields:")
+            print(f"  fields{f' (besides {block[0]} above)' if block else ''}:")
         for fname, f in items:
             print(_field_line(fname, f))
     for failure in reg.failures:
         print(f"warning: {failure}", file=sys.stderr)
     print("baselines (kvpolicy eval/generate): full, rotating:budget=N (mlx-lm RotatingKVCache, keep=4)")
     return 0
+
+
+def _shared_field_blocks(methods: dict, base: dict) -> dict:
+    """{config class name: (methods, fields)} for the config classes between :class:`PolicyConfig` and a method's
+    own that two or more methods share (the attention-scored methods' ``AttentionConfig``): their fields print
+    once, with the class's own defaults."""
+    users: dict = {}
+    for name, entry in sorted(methods.items()):
+        parent = entry.obj.config_class.__mro__[1]
+        if parent.__name__ != "PolicyConfig" and hasattr(parent, "model_fields"):
+            users.setdefault(parent, []).append(name)
+    blocks = {}
+    for parent, names in users.items():
+        if len(names) > 1:
+            fields = {
+                f: _field_row(field, field.get_default())
+                for f, field in parent.model_fields.items()
+                if f not in base and not field.is_required()
+            }
+            blocks[parent.__name__] = (names, fields)
+    return blocks
 
 
 def _read_prompt(args) -> str:

@@ -156,9 +156,10 @@ def test_a_chunk_filling_the_window_keeps_its_queries_not_its_rows_and_a_short_c
         cache.before_attention(Q[:, :, :40], 0.3, m)
         return cache
 
-    def short_chunk(cache):
-        cache.update_and_fetch(K[:, :, 40:], V[:, :, 40:])
-        cache.before_attention(Q[:, :, 40:], 0.3, "causal")
+    def short_chunk(cache):  # two chunks shorter than the window: the second needs rows of both earlier chunks
+        for a, b in ((40, 42), (42, 45)):
+            cache.update_and_fetch(K[:, :, a:b], V[:, :, a:b])
+            cache.before_attention(Q[:, :, a:b], 0.3, "causal")
         return np.array(cache.scores)
 
     cache = first_chunk(PolicyCache(spec))

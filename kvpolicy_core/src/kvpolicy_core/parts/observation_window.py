@@ -130,7 +130,7 @@ class ObservationWindowScorer(AttentionScorer):
                 rows = rows[:, :, -self.window :] if self.window else rows
         for key in ("rows",) + WINDOW_QUERIES:
             run.pop(key, None)
-        if source is not None and 0 < self.window == rows.shape[2]:
+        if source is not None and 0 < self.window == source[0].shape[2]:  # this chunk's own queries fill the window
             queries, scale, mask = source
             run["window_queries"], run["window_scale"] = queries, mx.array([scale], dtype=mx.float32)
             run["window_keys"] = mx.array([rows.shape[-1]], dtype=mx.int32)  # (arrays of one: a state saves them)

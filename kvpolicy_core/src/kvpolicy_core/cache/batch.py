@@ -84,6 +84,7 @@ class BatchPolicyCache:
         for i, r in enumerate(rows):
             if self.row_class is None or not isinstance(r, self.row_class):
                 raise KVPolicyError(f"BatchPolicyCache row {i}: expected a PolicyCache, got {type(r).__name__}")
+            r.hold_as_kept()  # one storage for every row of the batch (no hold_bits while batched)
             if r.keys is not None and r._slots.shape()[0] != 1:
                 raise KVPolicyError(
                     f"BatchPolicyCache row {i}: a row holds one sequence, but this cache holds "

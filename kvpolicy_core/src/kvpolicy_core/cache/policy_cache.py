@@ -123,6 +123,9 @@ class PolicyCache(CacheDiagnostics):
         self.holds_prompt = self.policy.config.policy.when == "prompt_end"
         #: the :class:`~.layer_group.LayerGroup` linking the caches of a data-driven allocation, or None
         self.group = None
+        #: how a held prompt past the budget is stored (``hold_bits``: :meth:`_hold_rows_for`), or None
+        self.hold_rows = self._hold_rows_for(rows) if self.holds_prompt else None
+        self._kept_rows = rows  #: how the kept rows are stored (the config's storage)
 
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -131,7 +134,7 @@ class PolicyCache(CacheDiagnostics):
         self._last_S = keys.shape[2]
         self._check_observation()
         S = keys.shape[2]
-        saved = self.row_state()
+        saved, rows = self.row_state(), self.storage
         try:
             cut = self.holds_prompt and self._run_open and S == 1  # this eviction cuts a held prompt at its end
             self._cut_budget(S)
@@ -147,7 +150,10 @@ class PolicyCache(CacheDiagnostics):
             else:
                 if n_evict > 0:
                     self._slots.compact(self._evict(n_evict, cut=cut))  # an eviction ends the run
+                self._hold_storage(keys, values)
                 self._slots.append(keys, values, self.offset, self.budget + 1)
+            if S == 1 and self.storage is not self._kept_rows:  # (a restored hold whose cut wrote in place)
+                self._use_rows(self._kept_rows)
             self._run_open = S > 1  # a prompt chunk: a run (re)starts or goes on; held for its cut
             self.offset += S
             if self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
@@ -155,6 +161,7 @@ class PolicyCache(CacheDiagnostics):
                 self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
             self._attended = False
         except BaseException:
+            self._use_rows(rows, encode=False)
             self.set_row_state(saved)
             raise
         self._bound_graph()
@@ -219,28 +226,75 @@ class PolicyCache(CacheDiagnostics):
         are in): from now on this cache stores its kept rows quantized (:class:`~.storage.QuantizedRows`: the rows
         held are quantized once, new rows as they come), under the same policy. Returns the cache itself; a cache
         already quantized so is left as it is, one quantized otherwise is refused (ValueError)."""
-        sl = self._slots
-        if sl.rows.bits is not None:
-            if (sl.rows.bits, sl.rows.group_size) != (bits, group_size):
+        kept = self._kept_rows
+        if kept.bits is not None:
+            if (kept.bits, kept.group_size) != (bits, group_size):
                 raise ValueError(
-                    f"layer {self.layer}: this cache stores kv_bits={sl.rows.bits}, kv_group_size={sl.rows.group_size}"
+                    f"layer {self.layer}: this cache stores kv_bits={kept.bits}, kv_group_size={kept.group_size}"
                     f"; mlx-lm asks for kv_bits={bits}, kv_group_size={group_size}: give one of them"
                 )
             return self
         rows = QuantizedRows(bits, group_size)
-        if sl.keys is not None:
-            D, Dv = sl.dims
-            rows.check_head_dim(D, self.layer)
-            rows.check_head_dim(Dv, self.layer)
-            keys, values = sl.decoded()
+        if self.keys is not None:
+            for d in self._slots.dims:
+                rows.check_head_dim(d, self.layer)
+        self._kept_rows, self.hold_rows = rows, None  # a held prompt is stored at kv_bits too
+        self._use_rows(rows)
+        return self
+
+    def _hold_rows_for(self, rows):
+        """The storage of a held prompt past the budget: ``hold_bits`` quantized rows (group 64, or 32 where 64
+        does not divide the head dim, checked when the rows come) for full-precision kept rows; None (held as
+        kept) without ``hold_bits`` or with quantized kept rows (``kv_bits``: held so already)."""
+        bits = self.policy.config.policy.hold_bits
+        return None if bits is None or rows.bits is not None else QuantizedRows(bits, 64)
+
+    def _hold_storage(self, keys: mx.array, values: mx.array) -> None:
+        """Before S new tokens are appended: a prompt chunk (``S > 1``) that takes a held prompt past the budget
+        (``n + S > budget``) switches it to :attr:`hold_rows` until its cut (the rows held so far encoded once); a
+        decode step (``S == 1``: the cut is done) puts the kept rows back in the kept storage, decoded row for row.
+
+        A held row ``x`` reads ``dequantize(quantize(x))`` for the prompt's remaining chunks, the cut's scoring
+        and, kept, ever after (mlx-lm's ``quantized_kv_start`` does the same to every row); a prompt within the
+        budget is never re-encoded, so it is held exactly."""
+        S = keys.shape[2]
+        if S == 1:
+            self._use_rows(self._kept_rows)
+        elif self.hold_rows is not None and self.storage is not self.hold_rows and self.n + S > self.budget:
+            for d in (keys.shape[-1], values.shape[-1]):
+                if d % self.hold_rows.group_size:
+                    g = 32 if d % 32 == 0 and self.hold_rows.group_size == 64 else None
+                    self.hold_rows = None if g is None else QuantizedRows(self.hold_rows.bits, g)
+                    if self.hold_rows is None:  # this head dim cannot be quantized so: held in full precision
+                        return
+            self._use_rows(self.hold_rows)
+
+    def hold_as_kept(self) -> None:
+        """Hold a prompt as the kept rows are stored (no ``hold_bits``) from now on: a batch's rows share one
+        storage (:class:`~.batch.BatchPolicyCache`), so they hold their prompts so."""
+        self.hold_rows = None
+        self._use_rows(self._kept_rows)
+
+    def _use_rows(self, rows, encode: bool = True) -> None:
+        """Store this cache's rows as ``rows`` from now on (the rows held re-encoded, unless ``encode=False``:
+        a rollback restores buffers already so encoded); mlx-lm's attention takes its quantized path while the
+        cache has ``bits``."""
+        sl = self._slots
+        if rows is sl.rows:
+            return
+        if encode and sl.keys is not None:
+            keys, values = sl.decoded(sl.n)
             dtypes = sl.dtypes
             sl.rows = rows
             sl.keys, sl.values = rows.encode(keys), rows.encode(values)
             sl.dtypes = dtypes
         else:
             sl.rows = rows
-        self.bits, self.group_size = bits, group_size
-        return self
+        if rows.bits is None:
+            self.__dict__.pop("bits", None)
+            self.__dict__.pop("group_size", None)
+        else:
+            self.bits, self.group_size = rows.bits, rows.group_size
 
     def size(self) -> int:
         return self.tokens_kept
@@ -272,10 +326,12 @@ class PolicyCache(CacheDiagnostics):
         self._cut_budget(1)
         n_evict = self._n_evict(1)
         if n_evict > 0:
-            saved = self.row_state()
+            saved, rows = self.row_state(), self.storage
             try:
                 self._slots.compact(self._evict(n_evict, cut=self.holds_prompt and self._run_open))
+                self._use_rows(self._kept_rows)
             except BaseException:
+                self._use_rows(rows, encode=False)
                 self.set_row_state(saved)
                 raise
 
@@ -330,6 +386,9 @@ class PolicyCache(CacheDiagnostics):
     def __setstate__(self, d: dict) -> None:
         """Unpickling: the attention hook re-installs through its handle (:class:`~kvpolicy_core.attention.hook.
         AttentionHook`); the slots are checked like every restored state, and key norms recomputed."""
+        d.setdefault("hold_rows", None)  # (pickled before hold_bits)
+        if isinstance(d.get("_slots"), SlotStore):
+            d.setdefault("_kept_rows", d["_slots"].rows)
         self.__dict__.update(d)
         if not isinstance(d.get("_slots"), SlotStore) or not isinstance(d.get("offset"), int):
             raise KVPolicyError("unpickled PolicyCache: not a PolicyCache's pickled state")

@@ -259,7 +259,11 @@ def check_storage(cache, meta: dict) -> None:
         QuantizedRows(bits, group_size)
     except (TypeError, ValueError) as exc:
         raise KVPolicyError(f"{where(cache)}: meta storage: {exc}") from None
-    if cache.storage.bits is None and cache.keys is None:
+    hold = cache.hold_rows
+    if hold is not None and cache.keys is None and bits == hold.bits and meta.get("held"):
+        cache.hold_rows = QuantizedRows(bits, group_size)  # a held prompt's rows (hold_bits), saved before its cut
+        cache._use_rows(cache.hold_rows)
+    elif cache.storage.bits is None and cache.keys is None:
         cache.to_quantized(group_size=group_size, bits=bits)
     if (cache.storage.bits, cache.storage.group_size) != (bits, group_size):
         raise KVPolicyError(
@@ -326,6 +330,8 @@ def meta_json(cache) -> str:
     storage = cache.storage.describe()
     if storage:  # only for rows stored otherwise than in the model's dtype: a full-precision cache's JSON is unchanged
         meta["storage"] = storage
+        if cache.storage is cache.hold_rows:  # a held prompt's rows (hold_bits): the kept ones go back at the cut
+            meta["held"] = True
     return json.dumps(meta)
 
 

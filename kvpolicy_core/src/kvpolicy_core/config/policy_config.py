@@ -70,6 +70,13 @@ class PolicyConfig(BaseModel):
         "its budget (2: twice the budget); above it the method evicts as it streams, and the prompt's end is cut to "
         "the budget with the question in view. None: the whole prompt is held. 1 holds what when='stream' holds.",
     )
+    hold_bits: Optional[Literal[4, 8]] = Field(
+        None,
+        description="With when='prompt_end' and full-precision rows: a held prompt past the budget is stored "
+        "quantized to this many bits (mlx-lm's QuantizedKVCache rows) until its cut, where the kept rows are decoded "
+        "back to full precision; a prompt within the budget is held exactly. None: held in full precision. "
+        "With kv_bits the held rows are stored at kv_bits already.",
+    )
     allocation: str = Field(
         "reach",
         description="How the budget is shared between layers: a registered allocation ('reach': every layer "

@@ -13,6 +13,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
@@ -21,6 +22,25 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # -- arguments and result names --------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """Fills ``--out`` after parsing: the given folder, else a new temporary folder for ``--smoke`` (printed on
+    stderr; a smoke run checks that the program runs, its files are not results), else the program's default."""
+
+    def __init__(self, *a, default_out=None, **kw):
+        super().__init__(*a, **kw)
+        self.default_out = default_out
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        if getattr(ns, "out", "") is None:
+            if getattr(ns, "smoke", False) and self.default_out is not None:
+                ns.out = tempfile.mkdtemp(prefix=f"{Path(self.prog).stem}-smoke-")
+                print(f"smoke run: results written to {ns.out}", file=sys.stderr)
+            else:
+                ns.out = None if self.default_out is None else str(self.default_out)
+        return ns, rest
 
 
 def parser(
@@ -34,11 +54,15 @@ def parser(
     rounds_help: str = "interleaved rounds (medians reported)",
 ) -> argparse.ArgumentParser:
     """An ``ArgumentParser`` (description: the first line of ``doc``) with the common arguments:
-    ``--smoke``, ``--out`` (result folder, default benchmarks/results), ``--tag`` (a suffix of the result
-    names, when ``tag``), ``--rounds`` (when given a default) and ``--seed`` (when given a default)."""
-    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0] if doc and doc.strip() else None)
+    ``--smoke``, ``--out`` (result folder, default ``out``: benchmarks/results; with ``--smoke`` a new temporary
+    folder, so that no smoke file lands among the results), ``--tag`` (a suffix of the result names, when
+    ``tag``), ``--rounds`` (when given a default) and ``--seed`` (when given a default). ``out=None`` leaves
+    ``--out`` unset when not given (the program chooses)."""
+    description = doc.strip().splitlines()[0] if doc and doc.strip() else None
+    p = _Parser(description=description, default_out=out)
     p.add_argument("--smoke", action="store_true", help=smoke_help)
-    p.add_argument("--out", default=None if out is None else str(out), help="folder of the result files")
+    where = "" if out is None else " (default benchmarks/results; --smoke: a new temporary folder)"
+    p.add_argument("--out", default=None, help="folder of the result files" + where)
     if tag:
         p.add_argument("--tag", default="", help="suffix of the result file names")
     if rounds is not None:

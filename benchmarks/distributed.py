@@ -111,7 +111,7 @@ def run_config(label, ranks, parallel, model_dir, work, args):
 
 
 def main() -> None:
-    p = parser(__doc__, out=None, smoke_help="tiny model, a few tokens")
+    p = parser(__doc__, smoke_help="tiny model, a few tokens")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--budget", type=int, default=128)

@@ -20,7 +20,7 @@ from kvpolicy_core.model.default import ensure_default_model  # noqa: E402
 
 
 def main() -> None:
-    p = parser(__doc__, out=None, smoke_help="40 tokens, budget 16")
+    p = parser(__doc__, smoke_help="40 tokens, budget 16")
     p.add_argument("--tokens", type=int, default=320)
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--methods", default="h2o,cam")

@@ -249,6 +249,20 @@ def test_harness_interleaves_kinds_round_by_round_and_names_results(tmp_path):
     assert data["x"] == 1 and data["versions"]["blas"] is not None and data["command"].startswith("python")
 
 
+def test_a_smoke_run_without_out_writes_outside_the_results(tmp_path):
+    """--smoke checks that a program runs: without --out its files go to a new temporary folder, never among
+    benchmarks/results (issue 52); a real run's default is benchmarks/results; --out always wins."""
+    sys.path.insert(0, str(BENCH))
+    from _harness import RESULTS, parser
+
+    smoke = Path(parser("x").parse_args(["--smoke"]).out).resolve()
+    assert smoke.is_dir() and smoke != RESULTS.resolve() and RESULTS.resolve() not in smoke.parents
+    smoke.rmdir()
+    assert parser("x").parse_args([]).out == str(RESULTS)
+    assert parser("x").parse_args(["--smoke", "--out", str(tmp_path)]).out == str(tmp_path)
+    assert parser("x", out=None).parse_args(["--smoke"]).out is None  # the program chooses (leaderboard.py)
+
+
 @pytest.mark.parametrize(
     "mode, result",
     [("--context", "real_shapes_context_smoke.json"), ("--layer-prefill", "real_shapes_layer_prefill_smoke.json")],

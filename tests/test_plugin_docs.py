@@ -119,3 +119,83 @@ def test_the_tutorials_plugin_passes_the_conformance_kit(method):
     assert method.split(":")[0] in tutorial
     fields_ = "budget=16,n_sink=2"
     assert run_conformance(f"{method},{fields_}" if ":" in method else f"{method}:{fields_}")
+
+
+# ------------------------------------------------------------------ the contract is as small as it says, and exported
+HOOKS = DOCS / "plugins" / "hooks.md"
+#: names the contract pages use that belong to other libraries (mlx-lm's cache, typing) or stand for the author's
+#: own class (``ScorerClass``, ``PartClass``: any name ending in "Class")
+FOREIGN = {"KVCache", "Literal", "None", "True", "False"}
+
+
+def _concepts():
+    """(stated number, [item text]) from hooks.md's opening box: "What a plugin author meets: N concepts. (1) ..."."""
+    box = " ".join(line.lstrip("> ") for line in HOOKS.read_text().split("\n\n")[1].splitlines())
+    stated = int(re.search(r"What a plugin author meets: (\d+) concepts", box)[1])
+    listed = re.split(r"\((\d+)\) ", box.split("Everything else")[0])
+    numbers, items = [int(n) for n in listed[1::2]], listed[2::2]
+    assert numbers == list(range(1, len(items) + 1)), f"hooks.md's concepts are numbered {numbers}"
+    return stated, items
+
+
+def _prose(path: Path) -> str:
+    return re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+
+
+def test_the_concept_count_in_hooks_md_is_the_length_of_its_list():
+    stated, items = _concepts()
+    assert stated == len(items), f"hooks.md says {stated} concepts and lists {len(items)}"
+
+
+def test_every_concept_is_exported_from_the_package_root():
+    """Each name a concept gives is a root export of kvpolicy_core, a field or method of one given in the same
+    item (`rank` of `Selector`, `budget` of `PolicyConfig`), or (`register_*`) a pattern of the hook specs."""
+    import kvpolicy_core
+
+    hooks = [n for n, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, "kvpolicy_spec")]
+    for item in _concepts()[1]:
+        names = re.findall(r"`([\w*]+)`", item)
+        assert names, f"the concept {item!r} names nothing"
+        owners = [getattr(kvpolicy_core, n) for n in names if n in kvpolicy_core.__all__]
+        for name in names:
+            if "*" in name:
+                assert any(re.fullmatch(name.replace("*", r"\w+"), h) for h in hooks), name
+            elif name not in kvpolicy_core.__all__:
+                assert any(name in getattr(o, "model_fields", {}) or hasattr(o, name) for o in owners), (
+                    f"hooks.md's concept {item.strip()!r} names `{name}`, which kvpolicy_core does not export"
+                )
+
+
+@pytest.mark.parametrize("page", ["hooks.md", "minimal.md"])
+def test_every_class_the_contract_pages_name_is_exported(page):
+    """The two contract pages name the classes an author subclasses, builds or catches: each is a root export
+    of kvpolicy_core (nothing an author needs sits in an internal module, and no internal class is named)."""
+    import kvpolicy_core
+
+    text = _prose(DOCS / "plugins" / page)
+    spans = re.findall(r"`([^`]+)`", text)
+    named = {n for span in spans for n in re.findall(r"(?<![\w.])([A-Z][a-z]\w*)\b", span)}
+    classes = {n for n in named if n not in FOREIGN and not n.endswith("Class") and len(n) > 3}
+    missing = sorted(n for n in classes if n not in kvpolicy_core.__all__)
+    assert not missing, f"docs/plugins/{page} names {missing}, not exported from kvpolicy_core"
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (DOCS / "plugins").glob("*.md")))
+def test_every_dotted_kvpolicy_path_on_the_plugin_pages_resolves(page):
+    """`kvpolicy_core.x.y` on a plugin page (a helper, a module) imports as written."""
+    import importlib
+
+    bad = []
+    for path in sorted(set(re.findall(r"\bkvpolicy_core(?:\.\w+)+", (DOCS / "plugins" / page).read_text()))):
+        parts = path.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+        if obj is None:
+            bad.append(path)
+    assert not bad, f"docs/plugins/{page} names paths that do not resolve: {bad}"

@@ -60,6 +60,9 @@ _EXPORTS = {
     "masked_softmax": "parts.cumulative_attention",
     "causal_allowed": "parts.cumulative_attention",
     "pick_lowest": "parts.base",
+    # the test kits, concept (12) of docs/plugins/hooks.md (imported on first use: they build tiny models)
+    "run_conformance": "testing.conformance",
+    "assert_equivalent": "testing.equivalence",
 }
 
 __all__ = sorted(_EXPORTS)

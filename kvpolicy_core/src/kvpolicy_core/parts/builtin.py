@@ -14,8 +14,8 @@ from ..parts.keydiff import KeyDiffScorer
 from ..parts.lowest_score import LowestScoreSelector
 from ..parts.observation_window import ObservationWindowScorer
 from ..parts.random_score import RandomScorer
-from .hookspecs import hookimpl
-from .registry import MethodSpec
+from ..plugin.hookspecs import hookimpl
+from ..plugin.registry import MethodSpec
 
 
 class RandomConfig(PolicyConfig):
@@ -54,14 +54,5 @@ def register_allocations(register):
 
 @hookimpl
 def register_methods(register):
-    register(
-        MethodSpec(
-            "random",
-            RandomConfig,
-            "random",
-            "lowest_score",
-            "drop",
-            description="Random eviction among unprotected tokens: the floor any policy must beat.",
-            ignores=("signal",),
-        )
-    )
+    description = "Random eviction among unprotected tokens: the floor any policy must beat."
+    register(MethodSpec("random", RandomConfig, "random", "lowest_score", "drop", description, ignores=("signal",)))

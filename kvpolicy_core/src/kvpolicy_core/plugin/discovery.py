@@ -26,12 +26,8 @@ def is_blocked(blocked: Iterable[str], dist: Optional[str], name: str) -> bool:
     """Whether an item of ``KVPOLICY_BLOCK_PLUGINS`` names entry point ``name`` of distribution ``dist``: the
     distribution (normalized), ``dist:name``, or the bare entry-point name (of any distribution)."""
     own = normalize_dist(dist) if dist else None
-    for item_dist, colon, item_name in (item.partition(":") for item in blocked):
-        if normalize_dist(item_dist) == own and (not colon or item_name.strip() == name):
-            return True
-        if not colon and item_dist == name:
-            return True
-    return False
+    items = [item.partition(":") for item in blocked]  # (dist or bare name, ":" or "", entry-point name or "")
+    return any(normalize_dist(d) == own and (not c or n.strip() == name) or (not c and d == name) for d, c, n in items)
 
 
 class PluginManager(pluggy.PluginManager):
@@ -52,19 +48,17 @@ def build_plugin_manager(registry: Registry, strict: bool = False) -> PluginMana
     (``registry.blocked``). One that fails to load (its import may raise anything, ``sys.exit()`` too, but
     Ctrl-C) or loads a module another distribution's plugin registered is reported and skipped."""
     pm = PluginManager()
-    try:
-        version = importlib.metadata.version("kvpolicy-core")
-    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
-        version = None
+    version = next((d.version for d in importlib.metadata.distributions(name="kvpolicy-core")), None)
     pm.register_from(builtin, "kvpolicy-core:kvpolicy_core", "kvpolicy-core", version, label="kvpolicy_core")
     blocked = {item.strip() for item in os.environ.get("KVPOLICY_BLOCK_PLUGINS", "").split(",") if item.strip()}
-    found = [
-        (ep, ep.dist.metadata["Name"] if ep.dist else None) for ep in importlib.metadata.entry_points(group="kvpolicy")
+    eps = [
+        (ep.dist.metadata["Name"] if ep.dist else None, ep) for ep in importlib.metadata.entry_points(group="kvpolicy")
     ]
-    found.sort(key=lambda e: (shipped_rank(e[1]), normalize_dist(e[1] or ""), e[0].name, e[0].value))
-    plugins = [
+    plugins = [  # shipped distributions first, then by distribution name: never by sys.path order
         (ep.name, dist, ep.dist.version if dist else None, ep.load, f" ({ep.value}{', from ' + dist if dist else ''})")
-        for ep, dist in found
+        for dist, ep in sorted(
+            eps, key=lambda e: (shipped_rank(e[0]), normalize_dist(e[0] or ""), e[1].name, e[1].value)
+        )
     ]
     plugins += [(name, None, None, lambda p=plugin: p, "") for name, plugin in _extra_plugins.items()]
     for name, dist, version, load, where in plugins:

@@ -1,5 +1,4 @@
-"""The hooks of the ``kvpolicy`` entry-point group (pluggy): each is called once, when the registry is filled,
-with a ``register`` callback; none runs per token. Each hook's release: the versions table of docs/plugins/hooks.md."""
+"""The registration hooks of the ``kvpolicy`` entry-point group (pluggy), called once; docs/plugins/hooks.md."""
 
 import pluggy
 

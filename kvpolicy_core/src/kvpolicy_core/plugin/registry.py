@@ -18,11 +18,9 @@ SHIPPED = ("kvpolicy-core", "kvpolicy-h2o", "kvpolicy-cam")
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
-    """An eviction method: a name, its config class (a :class:`PolicyConfig`) and the parts it composes.
-
-    ``scorer``, ``selector`` and ``disposition`` are registered part names, or callables ``config -> name`` (CaM
-    picks ``drop`` when ``merge="drop"``). ``ignores``: shared fields its parts never read (``kvpolicy methods``).
-    """
+    """An eviction method: a name, its config class (a :class:`PolicyConfig` whose defaults are valid) and the
+    parts it composes: registered names, or callables ``config -> name`` (CaM picks ``drop`` when ``merge="drop"``).
+    ``ignores``: shared fields its parts never read (``kvpolicy methods`` says so)."""
 
     name: str
     config_class: type
@@ -37,7 +35,7 @@ class MethodSpec:
         parts = {"scorer": self.scorer, "selector": self.selector, "disposition": self.disposition}
         return {kind: name(config) if callable(name) else name for kind, name in parts.items()}
 
-    def __post_init__(self) -> None:  # a plugin's MethodSpec fails in its register_methods hook, named
+    def __post_init__(self) -> None:
         if not (isinstance(self.config_class, type) and issubclass(self.config_class, PolicyConfig)):
             raise TypeError(f"{self.config_class!r} is not a subclass of kvpolicy_core.PolicyConfig")
         with blamed(f"method {self.name!r}: the defaults of {self.config_class.__name__} are invalid:"):
@@ -136,12 +134,9 @@ def fill(registry: Registry, pm, strict: bool) -> None:
                     table[name] = Registered(obj, plugin, dist, v)
                     return added.append(name)
                 other, by = table[name], (lambda p, d: f"plugin {p!r}" + (f" (from {d})" if d else ""))
-                kept, shipped = plugin_id(other.dist, other.plugin), shipped_rank(other.dist) < len(SHIPPED)
-                why = (
-                    f"the name belongs to the shipped {other.dist}"
-                    if shipped
-                    else "plugins register by distribution name"
-                )
+                kept, why = plugin_id(other.dist, other.plugin), "plugins register by distribution name"
+                if shipped_rank(other.dist) < len(SHIPPED):
+                    why = f"the name belongs to the shipped distribution {other.dist}"
                 clash = (
                     f"{kind[:-1]} {name!r} is registered twice: {by(plugin, dist)} tried to take the name, which "
                     f"{by(other.plugin, other.dist)} already registered; {why}, so {kept!r} keeps it (rename {name!r} "

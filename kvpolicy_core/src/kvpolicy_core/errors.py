@@ -28,6 +28,11 @@ class InputFileError(KVPolicyError, ValueError):
     """A file the user named that cannot be read as text: missing, a directory, not UTF-8, empty."""
 
 
+#: What MLX raises, evaluating or tracing: nanobind's translations of C++'s invalid_argument, runtime_error,
+#: out_of_range and bad_alloc
+MLX_ERRORS = (ValueError, RuntimeError, IndexError, MemoryError)
+
+
 @contextlib.contextmanager
 def blamed(what: str, passes: tuple = ()) -> Iterator[None]:
     """Run a plugin's code (its import, its registration hooks, its parts): anything it raises but ``passes``

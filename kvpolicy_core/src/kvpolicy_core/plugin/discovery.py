@@ -13,8 +13,7 @@ from typing import Dict, Iterable, Optional
 import pluggy
 
 from ..errors import PluginError, blamed
-from ..parts import builtin
-from . import hookspecs
+from . import builtin, hookspecs
 from .registry import Registry, fill, normalize_dist, plugin_id, report, shipped_rank
 
 _lock = threading.RLock()

@@ -14,8 +14,8 @@ from ..parts.keydiff import KeyDiffScorer
 from ..parts.lowest_score import LowestScoreSelector
 from ..parts.observation_window import ObservationWindowScorer
 from ..parts.random_score import RandomScorer
-from ..plugin.hookspecs import hookimpl
-from ..plugin.registry import MethodSpec
+from .hookspecs import hookimpl
+from .registry import MethodSpec
 
 
 class RandomConfig(PolicyConfig):

@@ -17,7 +17,7 @@ _WATCHED = "mlx_lm.models.cache"
 def _register(_module) -> None:
     try:
         import kvpolicy_core  # noqa: F401  (its import registers the classes in the module just run)
-    except Exception:  # noqa: BLE001 - a hook must not break the import it watches
+    except Exception:  # noqa: BLE001 - any error of a broken kvpolicy install must not break mlx-lm's import
         pass
 
 
@@ -51,19 +51,16 @@ class _Finder:
 
             loader.exec_module = exec_module  # this module's own loader instance
             return spec
-        except Exception:  # noqa: BLE001 - leave the import to the other finders
+        except (ImportError, AttributeError, TypeError, ValueError):  # a loader it cannot wrap: the other finders
             return None
 
 
 def install() -> None:
     """Put the finder on :data:`sys.meta_path` (once; nothing when mlx-lm's module is already imported)."""
-    try:
-        if _WATCHED in sys.modules:
-            _register(sys.modules[_WATCHED])
-        elif _Finder not in sys.meta_path:
-            sys.meta_path.insert(0, _Finder)
-    except Exception:  # noqa: BLE001
-        pass
+    if _WATCHED in sys.modules:  # (the .pth line that imports this module swallows what this raises)
+        _register(sys.modules[_WATCHED])
+    elif _Finder not in sys.meta_path:
+        sys.meta_path.insert(0, _Finder)
 
 
 install()

@@ -863,7 +863,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         end_line()
         return 130
-    except Exception as exc:
+    except Exception as exc:  # the program's top: any other error is said in one line (KVPOLICY_DEBUG=1: raised)
         from ..runtime.progress import end_line
 
         end_line()  # a stage stopped mid-line on a terminal: the error starts on its own line

@@ -382,7 +382,7 @@ def load_prompt_file(
     from mlx_lm.models.cache import load_prompt_cache
 
     from ..cache import policy_cache as _registered  # noqa: F401  (PolicyCache and BatchPolicyCache, where mlx-lm looks)
-    from ..errors import KVPolicyError
+    from ..errors import MLX_ERRORS, KVPolicyError
     from ..integration.persistence import CacheFileError
     from ..runtime.files import not_a_file
 
@@ -393,7 +393,7 @@ def load_prompt_file(
     try:
         data = path.read_bytes()
         arrays, flat = mx.load(_named(data), return_metadata=True)
-    except Exception as exc:
+    except (RuntimeError, ValueError, OSError) as exc:
         raise CacheFileError(f"{path}: not a readable prompt-cache file ({type(exc).__name__}: {exc})") from None
     metadata = {k[2:]: v for k, v in flat.items() if k.startswith("0.")}
     info = read_info(metadata, path)
@@ -408,7 +408,7 @@ def load_prompt_file(
     del arrays
     try:  # the very bytes just verified, as mlx-lm's loader reads them
         caches, metadata = load_prompt_cache(_named(data), return_metadata=True)
-    except Exception as exc:
+    except (*MLX_ERRORS, OSError, KVPolicyError, TypeError, KeyError, AttributeError) as exc:  # a damaged file's
         raise CacheFileError(f"{path}: not a loadable prompt-cache file ({type(exc).__name__}: {exc})") from None
     # evaluate now, on this thread: an unevaluated array is bound to the loading thread's stream (a server
     # hands the caches to its generation thread)

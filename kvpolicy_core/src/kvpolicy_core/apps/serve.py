@@ -499,7 +499,7 @@ def _server_classes():
                 try:
                     self._generate()
                     return
-                except Exception as exc:
+                except Exception as exc:  # mlx-lm's loop runs the model on any request: whatever kills it, restart
                     logging.exception(
                         f"kvpolicy serve: the generation loop failed ({exc}); "
                         "its requests get the error, the loop restarts"
@@ -546,9 +546,11 @@ def _server_classes():
             """
             args = types.SimpleNamespace(chat_template_kwargs=chat_template_kwargs)
             what = "prompt" if request.request_type == "text" else "messages"
+            from jinja2 import TemplateError  # (mlx-lm's dependency: the chat templates)
+
             try:
                 tokenized = mls.ResponseGenerator._tokenize(self, tokenizer, request, args)
-            except Exception as exc:
+            except (TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
                 raise BadRequest(f"{what}: cannot be tokenized: {type(exc).__name__}: {exc}") from None
             if not tokenized[0]:
                 raise BadRequest(EMPTY_PROMPT[request.request_type])
@@ -632,7 +634,7 @@ def _server_classes():
                 super().handle_completion(request, stop_words)
             except OSError:
                 raise  # the client went away: nothing to answer
-            except Exception as exc:
+            except Exception as exc:  # the request's boundary: any failure of its generation is its 500 reply
                 self._send_failure(exc)
 
         def _loaded(self):
@@ -801,8 +803,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 check_caches(ours.prompt_cache, caches, mp.model, info, model_path)
                 mp.document = (info["document_ids"], caches)
                 stats.serve_document(ours.prompt_cache, len(info["document_ids"]))
-        except Exception as exc:
-            failed.append(exc)
+        except (StartupError, KVPolicyError, ModelUnavailable, ValueError, OSError, ImportError) as exc:
+            failed.append(exc)  # said as kvpolicy serve's error (exit 2); anything else is an unexpected one
             raise SystemExit(2)
         return mp
 

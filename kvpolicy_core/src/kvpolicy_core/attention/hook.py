@@ -119,7 +119,7 @@ def _module(name: str):
     if module is None and name.startswith(IMPORTABLE_PREFIX):
         try:
             module = importlib.import_module(name)
-        except Exception as exc:
+        except ImportError as exc:
             raise ModelError(f"attention hook: cannot import {name} ({type(exc).__name__}: {exc})") from None
     if module is None:
         raise ModelError(

@@ -395,7 +395,7 @@ class SlotStore:
             try:
                 write = _compiled_write(fields, deltas, self.rows, self.dtypes)
                 out = write(token.keys, token.values, offset, losers, *arrays)
-            except Exception:  # not traceable here (nothing written yet): the same ops, eager
+            except (ValueError, RuntimeError, IndexError):  # MLX cannot trace it here (nothing written yet): eager
                 out = None
             if out is not None:
                 for f, x in zip(fields, out):

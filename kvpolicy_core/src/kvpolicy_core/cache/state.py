@@ -228,7 +228,7 @@ def check_same_policy(cache, meta: dict) -> None:
     else:
         try:
             config = parse_config(meta_config(meta))
-        except Exception as exc:
+        except (KVPolicyError, ValueError, TypeError, KeyError) as exc:
             raise KVPolicyError(f"{where(cache)}: its config is invalid ({type(exc).__name__}: {exc})") from None
     theirs = (config, meta["layer"], meta["window"], tuple(meta.get("head_shard", (0, 1))))
     if theirs != mine:

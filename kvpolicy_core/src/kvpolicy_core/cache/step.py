@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 import mlx.core as mx
 
 from ..config.policy import Policy, step_key, step_keys
-from ..errors import KVPolicyError, ModelError, PluginError
+from ..errors import MLX_ERRORS, KVPolicyError, ModelError, PluginError, blamed
 from ..parts.base import (
     CacheView,
     Disposition,
@@ -162,22 +162,21 @@ class PolicyStep:
     def call(self, kind: str, fn, view: CacheView, *args):
         """``fn(view, *args)`` of the part ``kind``, called once; what it raises becomes a PluginError naming the
         part (and, when it read ``view.offset`` and then failed on a type, that the offset is an array)."""
+        owner = f"layer {self.layer}: {self.policy.owners[kind]}"
         try:
-            return fn(view, *args)
-        except KVPolicyError:
-            raise
+            with blamed(f"{owner} raised", passes=(KVPolicyError, RemovedForm)):
+                return fn(view, *args)
         except RemovedForm as exc:  # a removed form: named as such, not as a type error of the part's own code
-            raise PluginError(f"layer {self.layer}: {self.policy.owners[kind]} built a removed form: {exc}") from exc
-        except Exception as exc:
-            hint = ""
-            if isinstance(exc, (TypeError, ValueError)) and view is not None and offset_read(view):
+            raise PluginError(f"{owner} built a removed form: {exc}") from exc
+        except PluginError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, (TypeError, ValueError)) and view is not None and offset_read(view):
                 hint = (
                     "; view.offset is an int32 mx.array [B, 1, 1] (since 0.2; the Python-int form was removed in "
                     "0.3): use it in MLX arithmetic, or int(view.offset) on a single cache"
                 )
-            raise PluginError(
-                f"layer {self.layer}: {self.policy.owners[kind]} raised {type(exc).__name__}: {exc}{hint}"
-            ) from exc
+                raise PluginError(f"{exc}{hint}") from cause
+            raise
 
     def scores(self, scores, shape: Tuple[int, int, int], current: Optional[mx.array] = None) -> mx.array:
         """A scorer's result checked to be [B, H, n]; float32, NaN counts as 0, +inf as float32's max and -inf as its
@@ -197,7 +196,7 @@ class PolicyStep:
         """Evaluate ``arrays`` now; an error MLX raises only at evaluation becomes a PluginError naming the part."""
         try:
             mx.eval(*arrays)
-        except Exception as exc:
+        except MLX_ERRORS as exc:
             raise PluginError(
                 f"layer {self.layer}: {self.policy.owners[kind]} returned {what} that MLX cannot "
                 f"evaluate: {type(exc).__name__}: {exc}"
@@ -242,7 +241,7 @@ class PolicyStep:
             return []
         try:
             mx.eval(*flags)
-        except Exception:  # an error MLX raises only at evaluation: name the part whose output it is
+        except MLX_ERRORS:  # an error MLX raises only at evaluation: name the part whose output it is
             for p in pending:
                 self.evaluated(p.kind, "output", p.flags)
             raise
@@ -275,8 +274,9 @@ class PolicyStep:
         selector = self.policy.cut_selector if cut and self.policy.cut_selector is not None else self.policy.selector
         if n_evict == 1 and not cut and self.needs.compile_selector and self.compiling.choose:
             try:
-                return compiled_choose(selector)(view, self.n_sink)
-            except Exception:  # not compilable (or a part error): the eager call below decides
+                with blamed("compiled"):  # the selector's code, traced
+                    return compiled_choose(selector)(view, self.n_sink)
+            except PluginError:  # not compilable (or a part error): the eager call below decides
                 self.compiling.choose = False
         ranked = self.call("selector", selector.rank, view)
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
@@ -309,8 +309,9 @@ class PolicyStep:
         update = None
         if decode and not check and self.needs.compile_disposition and self.compiling.dispose:
             try:
-                update = compiled(disposition)(view, losers, key)
-            except Exception:  # not compilable (or a part error): the eager call below decides
+                with blamed("compiled"):  # the disposition's code, traced
+                    update = compiled(disposition)(view, losers, key)
+            except PluginError:  # not compilable (or a part error): the eager call below decides
                 self.compiling.dispose = False
         if update is None:
             update = self.call("disposition", disposition.dispose, view, losers, key)

@@ -197,7 +197,7 @@ def _needed_fields(policy: PolicyConfig) -> Dict[str, Any]:
     def same(data: Dict[str, Any]) -> bool:
         try:
             return cls.model_validate(data) == policy
-        except Exception:  # noqa: BLE001 - a field set that does not validate is not the same config
+        except (ValidationError, ValueError, TypeError):  # a field set that does not validate is not the same config
             return False
 
     items = policy.model_dump()

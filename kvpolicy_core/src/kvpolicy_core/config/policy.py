@@ -6,7 +6,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from ..errors import ConfigError, PluginError
+from ..errors import ConfigError, PluginError, blamed
 from ..parts.allocation import within_reach
 from ..parts.base import needs_of
 from ..plugin.discovery import get_registry
@@ -38,27 +38,18 @@ def build_policy(config: Any) -> Policy:
     spec = registry.method(config.method)
     parts, owners = {}, {}
     for kind, name in spec.part_names(config.policy).items():
-        registry.check_refused(kind + "s", name)
-        table = registry.parts[kind + "s"]
-        if name not in table:
-            raise PluginError(
-                f"method {config.method!r} needs {kind} {name!r}, which no installed plugin registers "
-                f"(known {kind}s: {', '.join(sorted(table)) or 'none'})"
-            )
-        entry = table[name]
+        entry = registered(
+            registry, kind + "s", name, f"method {config.method!r} needs {kind} {name!r}, which", PluginError
+        )
         owners[kind] = f"{kind} {name!r} of plugin {entry.plugin!r}"
-        try:
+        with blamed(f"{owners[kind]} failed to build from the config:"):
             parts[kind] = entry.obj.from_config(config.policy)
-        except Exception as exc:
-            raise PluginError(f"{owners[kind]} failed to build from the config: {type(exc).__name__}: {exc}") from exc
     cut = cut_config(config.policy, getattr(parts["scorer"], "window", 0))
     cut_selector = None
     if cut is not None:
         entry = registry.parts["selectors"][spec.part_names(config.policy)["selector"]]
-        try:
+        with blamed(f"{owners['selector']} failed to build for the end-of-prompt cut:"):
             cut_selector = entry.obj.from_config(cut)
-        except Exception as exc:
-            raise PluginError(f"{owners['selector']} failed to build for the end-of-prompt cut: {exc}") from exc
     return Policy(config, parts["scorer"], parts["selector"], parts["disposition"], owners, cut_selector)
 
 
@@ -79,12 +70,22 @@ def cut_config(policy, W: int) -> Any:
 def allocation_of(config: KVCacheConfig):
     """(the config's allocation part, built, and its owner string for messages)."""
     policy = config.policy
-    entry = get_registry().part("allocations", policy.allocation, "allocation")
+    entry = registered(
+        get_registry(), "allocations", policy.allocation, f"allocation: {policy.allocation!r}", ConfigError
+    )
     owner = f"allocation {policy.allocation!r} of plugin {entry.plugin!r}"
-    try:
+    with blamed(f"{owner} failed to build from the config:"):
         return entry.obj.from_config(policy), owner
-    except Exception as exc:
-        raise PluginError(f"{owner} failed to build from the config: {type(exc).__name__}: {exc}") from exc
+
+
+def registered(registry, kind: str, name: str, what: str, error: type):
+    """The part ``name`` of ``kind`` (``"allocations"``, ...) in ``registry``, or ``error`` saying that ``what``
+    names no registered part, and the registered names."""
+    registry.check_refused(kind, name)
+    if name not in registry.parts[kind]:
+        known = ", ".join(sorted(registry.parts[kind])) or "none"
+        raise error(f"{what} is registered by no installed plugin (known {kind}: {known})")
+    return registry.parts[kind][name]
 
 
 def layer_budgets(config: Any, layers: Sequence[Any], stats: Optional[Sequence[Any]] = None) -> List[int]:
@@ -98,13 +99,11 @@ def layer_budgets(config: Any, layers: Sequence[Any], stats: Optional[Sequence[A
     config = parse_config(config)
     policy = config.policy
     allocation, owner = allocation_of(config)
-    try:
+    with blamed(f"{owner} raised"):
         if needs_of(allocation).layer_stats and stats is None:
             budgets = within_reach([policy.budget] * len(layers), list(layers))
         else:
             budgets = allocation.budgets(policy.budget, list(layers), *([] if stats is None else [list(stats)]))
-    except Exception as exc:
-        raise PluginError(f"{owner} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(budgets, (list, tuple)) or len(budgets) != len(layers):
         got = f"{len(budgets)} budgets" if isinstance(budgets, (list, tuple)) else type(budgets).__name__
         raise PluginError(f"{owner} returned {got} for {len(layers)} layers; expected a list of one int per layer")

@@ -13,7 +13,7 @@ from ..cache.policy_cache import PolicyCache
 from ..config.cache_config import KVCacheConfig
 from ..config.parse import parse_config
 from ..config.policy import allocation_of, build_policy, check_budgets, layer_budgets
-from ..errors import ConfigError, ModelError
+from ..errors import MLX_ERRORS, ConfigError, KVPolicyError, ModelError
 from ..parts.allocation import LayerInfo
 from ..parts.base import needs_of
 from ..runtime.sharding import shard_layout
@@ -107,7 +107,7 @@ def model_kv_layout(model) -> Tuple[List[Optional[Tuple[int, int, int]]], int]:
     caches = native_caches(model)
     try:
         model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
-    except Exception:  # noqa: BLE001 - a model that cannot run a one-token step: shapes unknown, said as None
+    except (*MLX_ERRORS, TypeError, AttributeError, KeyError, KVPolicyError):  # cannot run a one-token step: unknown
         return [None] * len(caches), 4
     shapes, itemsize = [], 4
     for c in caches:

@@ -223,7 +223,7 @@ def load_caches(
         raise CacheFileError(missing_rank_file(base, path, shard))
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
-    except Exception as exc:
+    except (RuntimeError, ValueError, OSError) as exc:
         raise CacheFileError(f"{path}: unreadable safetensors file (truncated or corrupted): {exc}") from None
     try:
         header = json.loads(meta["kvpolicy"])

@@ -40,7 +40,7 @@ def _embedding_rows(model: Any) -> Optional[int]:
         return None
     try:
         modules = named()
-    except Exception:  # noqa: BLE001 - not an mlx module tree: the config's vocab_size is all there is
+    except (TypeError, AttributeError, ValueError):  # not an mlx module tree: the config's vocab_size is all there is
         return None
     for name, module in modules:
         if name.rpartition(".")[2] not in EMBEDDING_NAMES:

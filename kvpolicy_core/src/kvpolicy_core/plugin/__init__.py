@@ -1,2 +1,1 @@
-"""Plugin host: hook specifications, entry-point discovery, the registry of parts and methods, the
-built-in parts, and the base configs a method's config derives from."""
+"""The plugin host: the hooks (pluggy), discovery of the plugins, and the registry they fill."""

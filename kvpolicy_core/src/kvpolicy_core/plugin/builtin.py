@@ -54,14 +54,5 @@ def register_allocations(register):
 
 @hookimpl
 def register_methods(register):
-    register(
-        MethodSpec(
-            "random",
-            RandomConfig,
-            "random",
-            "lowest_score",
-            "drop",
-            description="Random eviction among unprotected tokens: the floor any policy must beat.",
-            ignores=("signal",),
-        )
-    )
+    description = "Random eviction among unprotected tokens: the floor any policy must beat."
+    register(MethodSpec("random", RandomConfig, "random", "lowest_score", "drop", description, ignores=("signal",)))

@@ -1,167 +1,80 @@
-"""Plugin discovery: pluggy plus the ``kvpolicy`` entry-point group, loaded lazily.
-
-A plugin is known by its distribution and its entry-point name, ``"<dist>:<name>"`` (``kvpolicy-h2o:h2o``),
-so two distributions may use one entry-point name without either hiding the other. Entry points load in a
-fixed order, the shipped distributions (:data:`~kvpolicy_core.plugin.registry.SHIPPED`) first, then the others by
-distribution name, so which plugin wins a name clash never depends on ``sys.path`` order.
-
-Environment variables:
-
-* ``KVPOLICY_STRICT_PLUGINS=1`` -- a plugin that fails to import or register, or registers a name another
-  plugin owns, raises :class:`~kvpolicy_core.errors.PluginError` instead of being skipped with a warning
-  (for the CI of plugin authors).
-* ``KVPOLICY_BLOCK_PLUGINS=item,...`` -- plugins that are not loaded. An item is a distribution name
-  (``other-pkg``: all its entry points; compared normalized, ``Other_Pkg`` is ``other-pkg``), ``dist:name``
-  (that distribution's entry point ``name``), or a bare entry-point name (``h2o``: every entry point so
-  named, whichever distribution declares it; also the name given to :func:`register_plugin`).
-  kvpolicy-core's built-in parts cannot be blocked.
-"""
+"""Plugin discovery: kvpolicy-core's own parts, the ``kvpolicy`` entry points and :func:`register_plugin`'s
+plugins, loaded once, on first use. A plugin is ``"<dist>:<entry-point name>"`` (``kvpolicy-h2o:h2o``); entry
+points load shipped distributions first, then by distribution name, so who wins a name clash never depends on
+``sys.path``. ``KVPOLICY_STRICT_PLUGINS`` and ``KVPOLICY_BLOCK_PLUGINS``: docs/configuration.md."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
 import threading
-import warnings
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, Optional
 
 import pluggy
 
-from ..errors import PluginError
+from ..errors import PluginError, blamed
 from . import builtin, hookspecs
-from .registry import Registry, fill, normalize_dist, shipped_rank
+from .registry import Registry, fill, normalize_dist, plugin_id, report, shipped_rank
 
-ENTRY_POINT_GROUP = "kvpolicy"
 _lock = threading.RLock()
 _registry: Optional[Registry] = None
 _extra_plugins: Dict[str, object] = {}
 
 
-def strict_plugins() -> bool:
-    return os.environ.get("KVPOLICY_STRICT_PLUGINS", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def blocked_plugins() -> set:
-    raw = os.environ.get("KVPOLICY_BLOCK_PLUGINS", "")
-    return {name.strip() for name in raw.split(",") if name.strip()}
-
-
 def is_blocked(blocked: Iterable[str], dist: Optional[str], name: str) -> bool:
-    """Whether an item of ``KVPOLICY_BLOCK_PLUGINS`` names entry point ``name`` of distribution ``dist``."""
+    """Whether an item of ``KVPOLICY_BLOCK_PLUGINS`` names entry point ``name`` of distribution ``dist``: the
+    distribution (normalized), ``dist:name``, or the bare entry-point name (of any distribution)."""
     own = normalize_dist(dist) if dist else None
-    for item in blocked:
-        item_dist, colon, item_name = item.partition(":")
-        if colon:
-            if own is not None and normalize_dist(item_dist) == own and item_name.strip() == name:
-                return True
-        elif item == name or (own is not None and normalize_dist(item) == own):
-            return True
-    return False
-
-
-def plugin_id(dist: Optional[str], name: str) -> str:
-    """A plugin's identity: ``"<dist>:<entry-point name>"``, or the bare name of a plugin without a distribution."""
-    return f"{dist}:{name}" if dist else name
+    items = [item.partition(":") for item in blocked]  # (dist or bare name, ":" or "", entry-point name or "")
+    return any(normalize_dist(d) == own and (not c or n.strip() == name) or (not c and d == name) for d, c, n in items)
 
 
 class PluginManager(pluggy.PluginManager):
-    """pluggy's manager that remembers which distribution each plugin came from."""
+    """pluggy's manager that remembers each plugin's (label: its entry-point name, distribution, version)."""
 
     def __init__(self) -> None:
         super().__init__("kvpolicy")
         self.add_hookspecs(hookspecs)
-        self._origins: Dict[str, Tuple[str, Optional[str], Optional[str]]] = {}
+        self.origins: Dict[str, tuple] = {}
 
     def register_from(self, plugin, name: str, dist=None, version=None, label: Optional[str] = None) -> None:
-        """Register ``plugin`` under the unique pluggy ``name``; ``label`` (default ``name``) is the plugin's
-        name in messages and in :attr:`~kvpolicy_core.plugin.registry.Registered.plugin` (its entry-point name)."""
         self.register(plugin, name=name)
-        self._origins[name] = (label or name, dist, version)
-
-    def dist_of(self, name: str) -> Tuple[Optional[str], Optional[str]]:
-        """(distribution, version) of the plugin registered as ``name``."""
-        return self._origins.get(name, (name, None, None))[1:]
-
-    def label_of(self, name: str) -> str:
-        return self._origins.get(name, (name,))[0]
+        self.origins[name] = (label or name, dist, version)
 
 
-def _report(message: str, exc: Optional[BaseException]) -> None:
-    if strict_plugins():
-        raise PluginError(message) from exc
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def _load_order(ep) -> tuple:
-    dist = _dist_name(ep)
-    return (shipped_rank(dist), normalize_dist(dist or ""), ep.name, ep.value)
-
-
-def _dist_name(ep) -> Optional[str]:
-    dist = getattr(ep, "dist", None)
-    return dist.metadata["Name"] if dist is not None else None
-
-
-def build_plugin_manager(registry: Registry) -> PluginManager:
-    """Register the built-in parts, every entry point of the group, and extra plugins.
-
-    A plugin that fails to load is recorded in ``registry.failures`` and reported; one that is blocked
-    is recorded in ``registry.blocked``. A plugin's import may raise anything but ``KeyboardInterrupt``
-    (``sys.exit()`` included) and is skipped like any other broken plugin.
-    """
+def build_plugin_manager(registry: Registry, strict: bool = False) -> PluginManager:
+    """kvpolicy-core's parts, the entry points, then :func:`register_plugin`'s plugins, less the blocked ones
+    (``registry.blocked``). One that fails to load (its import may raise anything, ``sys.exit()`` too, but
+    Ctrl-C) or loads a module another distribution's plugin registered is reported and skipped."""
     pm = PluginManager()
-    pm.register_from(
-        builtin,
-        plugin_id("kvpolicy-core", "kvpolicy_core"),
-        "kvpolicy-core",
-        _version("kvpolicy-core"),
-        label="kvpolicy_core",
-    )
-    blocked = blocked_plugins()
-    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=_load_order):
-        dist_name = _dist_name(ep)
-        version = ep.dist.version if dist_name is not None else None
-        ident = plugin_id(dist_name, ep.name)
-        if is_blocked(blocked, dist_name, ep.name):
-            registry.blocked.append(ident)
+    version = next((d.version for d in importlib.metadata.distributions(name="kvpolicy-core")), None)
+    pm.register_from(builtin, "kvpolicy-core:kvpolicy_core", "kvpolicy-core", version, label="kvpolicy_core")
+    blocked = {item.strip() for item in os.environ.get("KVPOLICY_BLOCK_PLUGINS", "").split(",") if item.strip()}
+    eps = [
+        (ep.dist.metadata["Name"] if ep.dist else None, ep) for ep in importlib.metadata.entry_points(group="kvpolicy")
+    ]
+    plugins = [  # shipped distributions first, then by distribution name: never by sys.path order
+        (ep.name, dist, ep.dist.version if dist else None, ep.load, f" ({ep.value}{', from ' + dist if dist else ''})")
+        for dist, ep in sorted(
+            eps, key=lambda e: (shipped_rank(e[0]), normalize_dist(e[0] or ""), e[1].name, e[1].value)
+        )
+    ]
+    plugins += [(name, None, None, lambda p=plugin: p, "") for name, plugin in _extra_plugins.items()]
+    for name, dist, version, load, where in plugins:
+        if is_blocked(blocked, dist, name):
+            registry.blocked.append(plugin_id(dist, name))
             continue
         try:
-            module = ep.load()
-            owner = pm.get_name(module)
-            if owner is not None:  # a second entry point loading a module already registered
-                if pm.dist_of(owner)[0] == dist_name:
-                    continue  # an alias within one distribution: its hooks are registered once
-                raise PluginError(
-                    f"it loads {ep.value}, which plugin {owner!r} already registered; "
-                    "its hooks are not registered a second time"
-                )
-            pm.register_from(module, ident, dist_name, version, label=ep.name)
-        except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not end the host program
-            message = (
-                f"kvpolicy: {'plugin' if strict_plugins() else 'skipping plugin'} {ep.name!r} ({ep.value}"
-                f"{', from ' + dist_name if dist_name else ''}): failed to load: "
-                f"{type(exc).__name__}: {exc}"
-            )
-            registry.failures.append(message)
-            _report(message, exc)
-    for name, plugin in _extra_plugins.items():
-        if name in blocked:
-            registry.blocked.append(name)
-            continue
-        try:
-            pm.register_from(plugin, name)
-        except Exception as exc:  # a name or object pluggy already holds, or hooks it refuses
-            message = f"kvpolicy: {'plugin' if strict_plugins() else 'skipping plugin'} {name!r}: {exc}"
-            registry.failures.append(message)
-            _report(message, exc)
+            with blamed(f"kvpolicy: {'plugin' if strict else 'skipping plugin'} {name!r}{where}: failed to load:"):
+                module = load()
+                owner = pm.get_name(module)
+                if owner is None:
+                    pm.register_from(module, plugin_id(dist, name), dist, version, label=name)
+                elif dist is None or pm.origins[owner][1] != dist:  # not an alias within one distribution
+                    raise PluginError(f"it loads a module plugin {owner!r} already registered, so not again")
+        except PluginError as exc:
+            report(registry, str(exc), strict)
     return pm
-
-
-def _version(dist: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def get_registry() -> Registry:
@@ -170,8 +83,8 @@ def get_registry() -> Registry:
     with _lock:
         if _registry is None:
             registry = Registry()
-            pm = build_plugin_manager(registry)
-            fill(registry, pm, strict=strict_plugins())
+            strict = os.environ.get("KVPOLICY_STRICT_PLUGINS", "").strip().lower() in ("1", "true", "yes", "on")
+            fill(registry, build_plugin_manager(registry, strict), strict)
             _registry = registry
         return _registry
 

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ...cache.policy_cache import PolicyCache
+from ...errors import KVPolicyError
 from ...integration.compress_once import compress_context, repeat_prompt, split_spec
 from ...runtime.progress import labelled, reporter
 from ..perplexity import kv_bytes, make_caches, parse_spec, spec_label
@@ -230,7 +231,7 @@ def run_context(
     (:mod:`kvpolicy_core.runtime.progress`; silenced inside its ``quiet()``)."""
     try:
         name = f"{ctx.id} {method_label(spec)}"
-    except Exception:  # a bad spec: refused below, as before
+    except (KVPolicyError, ValueError, TypeError):  # a bad spec: refused below, as before
         name = ctx.id
     with labelled(name):
         return _run_context(model, tokenizer, ctx, spec, protocols, prefill_step, record, early_stop, log)

@@ -86,6 +86,7 @@ class PolicyCache(CacheDiagnostics):
     hook_missing = None  #: why a restored cache has no hook it needs (it refuses its next update), or None
     _undo = None  #: the last update's undo record (:mod:`.undo`), or None
     _verify_next = False  #: a trim came last: the next short multi-token update is a verify step
+    _trims = False  #: asked is_trimmable() while empty (speculative decoding does): short prompt chunks keep a record
 
     def __init__(
         self, policy, layer: int = 0, window: Optional[int] = None, head_shard: Tuple[int, int] = (0, 1)
@@ -183,14 +184,20 @@ class PolicyCache(CacheDiagnostics):
 
     def is_trimmable(self) -> bool:
         """Whether :meth:`trim` can take back tokens exactly: the newest tokens of the last update of 2 to
-        :data:`~.undo.UNDO_TOKENS` tokens (a verify step of speculative decoding, a short prompt chunk), any tokens
-        while nothing was ever evicted and the scorer's scores are per token (``Needs(trim_exact=True)``), or none
-        of an empty cache. A trim beyond what it can take back raises :class:`~kvpolicy_core.errors.KVPolicyError`.
+        :data:`~.undo.UNDO_TOKENS` tokens (a verify step of speculative decoding; a short prompt chunk of a cache
+        asked this while empty), any tokens while nothing was ever evicted and the scorer's scores are per token
+        (``Needs(trim_exact=True)``), or none of an empty cache. A trim beyond what it can take back raises
+        :class:`~kvpolicy_core.errors.KVPolicyError`.
 
-        mlx-lm asks this before it trims (and skips the trim of a cache that says no): its speculative decoding
-        refuses the cache up front, its prompt cache reuses an untrimmable cache only as a prefix.
+        mlx-lm asks this before it trims and skips the trim of a cache that says no. Its speculative decoding asks
+        first of the empty caches (which say yes, and from then on keep a record of their short prompt chunks too:
+        the first verify step carries the prompt's last token and is one); its prompt cache reuses a cache that says
+        no only as a prefix (a stored cache's last update is a long prompt chunk or a decode step: no record).
         """
-        return self.offset == 0 or self._exact_trim() or undo.trimmable(self) > 0
+        if self.offset == 0:
+            self._trims = True
+            return True
+        return self._exact_trim() or undo.trimmable(self) > 0
 
     def _exact_trim(self) -> bool:
         """Nothing was ever evicted and the scores are per token: a trim of any length is exact."""

@@ -35,7 +35,8 @@ above the generation, or a prompt cut before it); where one does, the ``m`` lose
 would evict one per token, chosen greedily with the attention of the tokens between them. Any other update of
 ``S > 1`` tokens is a prompt chunk, as before (the first verify step, which carries the prompt's last token, is one:
 the prompt ends at the trim that follows it, and the next verify step cuts a held prompt). A prompt chunk of at most
-:data:`UNDO_TOKENS` tokens is taken back by scoring its first ``m`` tokens again as that chunk (the run of prompt
+:data:`UNDO_TOKENS` tokens of a cache asked ``is_trimmable()`` while empty (speculative decoding asks so first) is
+taken back by scoring its first ``m`` tokens again as that chunk (the run of prompt
 chunks it continued restored): exact when the chunk evicted nothing (a ``hold`` or window eviction at its start
 stays as the ``S`` tokens made it).
 
@@ -83,7 +84,7 @@ def is_steps(cache, S: int) -> bool:
 
 def start(cache, S: int, steps: bool, keys: mx.array) -> Optional[Record]:
     """The record of an update of ``S`` tokens about to be appended (after its eviction), or None (nothing kept)."""
-    if S < 2 or S > UNDO_TOKENS:
+    if S < 2 or S > UNDO_TOKENS or not (steps or cache._trims):
         return None
     return Record(steps, S, cache.n, cache.offset, cache.scores, cache._run, keys)
 
@@ -204,7 +205,10 @@ def take_back(cache, r: int) -> int:
         if sl.log_weights is not None:
             sl.log_weights = sl.log_weights[..., : sl.n]
         if m == 0:
-            sl.scores = rec.scores0
+            B, H = rec.keys.shape[:2]
+            sl.scores = mx.zeros((B, H, 0), mx.float32) if rec.scores0 is None else rec.scores0
+        elif rec.steps and not rec.rows:  # nothing scored the step's tokens (the scores it appended, 0 for them)
+            sl.scores = sl.scores[..., : sl.n]
         elif rec.steps and rec.attention is None:
             sl.scores = rec.rows[m - 1][..., : sl.n]
         elif rec.steps:  # both hooks scored: the kept tokens' attention again, from their append scores
@@ -230,8 +234,9 @@ def _redo_chunk(cache, rec: Record, m: int) -> mx.array:
     """A prompt chunk of ``m`` tokens scored again on the slots before it (its run restored): on_append with the
     kept keys, then its attention from the kept queries (``on_attention``, the mask's first ``m`` rows)."""
     sl, step = cache._slots, cache.policy_step
-    B, H = rec.scores0.shape[:2]
-    sl.scores = mx.concatenate([rec.scores0, mx.zeros((B, H, m), mx.float32)], axis=-1)
+    B, H = rec.keys.shape[:2]
+    new = mx.zeros((B, H, m), mx.float32)
+    sl.scores = new if rec.scores0 is None else mx.concatenate([rec.scores0, new], axis=-1)
     run = dict(rec.run0)
     if step.appends:
         positions = mx.arange(rec.offset0, rec.offset0 + m, dtype=mx.int32)

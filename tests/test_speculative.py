@@ -163,3 +163,24 @@ def test_speculative_decoding_with_evictions_runs_within_the_budget(models, meth
     got, _ = _speculative(model, other, caches, prompt, 48, 3)
     assert len(got) == 48 and all(c.n <= 16 + 4 for c in caches)
     assert caches[0].offset in (40 + 48 - 1, 40 + 48)  # the last verify step may leave its last token unfed
+
+
+@pytest.mark.parametrize("method", ["h2o", "cam", "h2o:signal=proxy", "tova", "random"])
+def test_no_host_sync_on_a_verify_step_at_steady_state(models, method):
+    """Past the first checked evictions, a verify step, its overflow's eviction (m losers at once) and its trim make
+    no host sync in kvpolicy's code (mlx-lm reads the tokens back itself)."""
+    from host_syncs import HostSyncs
+
+    model, other = models
+    caches = KVCacheBuilder.for_model(model, with_fields(method, "budget=16,n_sink=2"))
+    prompt = mx.array(list(range(3, 43)), dtype=mx.uint32)
+    gen = speculative_generate_step(
+        prompt, model, other, prompt_cache=caches + make_prompt_cache(other), max_tokens=60, num_draft_tokens=3
+    )
+    counts = []
+    with HostSyncs(["kvpolicy_core", "kvpolicy_h2o", "kvpolicy_cam"]) as syncs:
+        for i, _ in enumerate(gen):
+            if i >= 30:
+                counts.append(len(syncs.calls))
+            syncs.reset()
+    assert len(counts) == 30 and sum(counts) == 0, syncs.calls

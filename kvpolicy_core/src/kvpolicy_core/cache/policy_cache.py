@@ -151,7 +151,7 @@ class PolicyCache(CacheDiagnostics):
                 self._evict(1, Token(keys, values, self.offset))
             else:
                 if n_evict > 0:
-                    self._slots.compact(self._evict(n_evict, cut=cut))  # an eviction ends the run
+                    self._slots.compact(self._evict(n_evict, cut=cut, steps=steps))  # an eviction ends the run
                 record = undo.start(self, S, steps, keys)
                 self._slots.append(keys, values, self.offset, self.budget + 1)
             self._run_open = chunk  # a prompt chunk: a run (re)starts or goes on; held for its cut
@@ -510,7 +510,7 @@ class PolicyCache(CacheDiagnostics):
         pos = self.positions
         return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
 
-    def _evict(self, n_evict: int, token: Optional[Token] = None, cut: bool = False) -> mx.array:
+    def _evict(self, n_evict: int, token: Optional[Token] = None, cut: bool = False, steps: bool = False) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors
         (:meth:`~.step.PolicyStep.evict`, the one route of every eviction).
 
@@ -518,7 +518,7 @@ class PolicyCache(CacheDiagnostics):
         compiled call once the store is full)."""
         sl = self._slots
         self._run, self._run_open = prompt_statistic(self._run) if not cut else {}, False  # an eviction ends the run
-        losers, update, counts = self._step.evict(self._view(0), n_evict, self.offset, cut)
+        losers, update, counts = self._step.evict(self._view(0), n_evict, self.offset, cut, steps)
         if update is not None:
             self._lw_used = self._lw_used or update.d_log_weights is not None
         if counts:

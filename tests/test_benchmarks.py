@@ -35,6 +35,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
         ("paper_merge_growth.py", "paper_merge_growth_smoke.json"),
         ("validation_cost.py", "validation_cost_smoke.json"),
         ("decode_layer.py", "decode_layer_tiny_64_smoke.json"),
+        ("speculative.py", "speculative_smoke.json"),
     ],
 )
 def test_benchmark_smoke(tmp_path, script, result):

@@ -291,34 +291,20 @@ def test_trim_is_exact_where_scores_are_per_token(method):
 
 @pytest.mark.parametrize("method", ["h2o:budget=12", "cam:budget=12", "h2o:budget=12,signal=proxy", "tova:budget=12"])
 def test_trim_is_refused_where_scores_carry_the_attention_of_later_tokens(method):
+    """Accumulated scores: only the last short update can be taken back (tests/test_speculative.py); a trim of
+    tokens before it is refused and changes nothing."""
     cache = PolicyCache(method)
-    assert not cache.is_trimmable()  # already empty: mlx-lm's speculative decoding refuses it up front
-    feed(cache, *random_kv(B=1, H=2, S=6, seed=5), (6,))
+    assert cache.is_trimmable()  # empty: nothing to take back (mlx-lm's speculative decoding asks so first)
+    feed(cache, *random_kv(B=1, H=2, S=7, seed=5), (6, 1))
+    assert not cache.is_trimmable()
     before = _states(cache)
-    with pytest.raises(KVPolicyError, match="accumulates attention"):
+    with pytest.raises(KVPolicyError, match="can take back only the newest 0"):
         cache.trim(2)
-    assert cache.offset == 6 and all(np.array_equal(a, b) for a, b in zip(before, _states(cache)))
+    assert cache.offset == 7 and all(np.array_equal(a, b) for a, b in zip(before, _states(cache)))
     assert cache.trim(0) == 0
     batch = BatchPolicyCache([cache])
     with pytest.raises(KVPolicyError, match="cannot trim this batch"):
         batch.trim(1)
-
-
-def test_mlx_lm_refuses_speculative_decoding_and_trimming_for_attention_scored_caches():
-    from mlx_lm.generate import speculative_generate_step
-    from mlx_lm.models.cache import LRUPromptCache
-
-    model = tiny_llama(seed=2)
-    caches = KVCacheBuilder.for_model(model, "h2o:budget=16")
-    with pytest.raises(ValueError, match="trimmable"):
-        next(speculative_generate_step(mx.array([1, 2, 3]), model, model, prompt_cache=caches))
-    # mlx-lm's prompt cache: a stored longer prompt is not trimmed to serve a shorter one
-    model(mx.array([[1, 2, 3, 4, 5, 6]]), cache=caches)
-    lru = LRUPromptCache()
-    lru.insert_cache("m", [1, 2, 3, 4, 5, 6], caches)
-    cache, rest = lru.fetch_nearest_cache("m", [1, 2, 3, 9])
-    assert cache is None and rest == [1, 2, 3, 9]
-    detach(model)
 
 
 def test_trim_rejects_a_negative_count_and_leaves_the_cache_usable():

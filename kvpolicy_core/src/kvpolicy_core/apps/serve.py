@@ -22,9 +22,10 @@ method cannot be honoured without replacing that loop; a request that asks for o
 
 Prompt-cache reuse is mlx-lm's own: a stored cache is handed out as a deep copy; mlx-lm trims
 a longer one to serve a shorter prompt only if ``is_trimmable()``, which a policy cache answers
-truthfully (:meth:`PolicyCache.is_trimmable`: only while nothing was evicted and its scores
-are per token, so never for H2O/CaM, whose scores carry the attention of the tokens a trim
-would drop). Otherwise a stored cache is reused only as an exact prefix of the new prompt.
+truthfully (:meth:`PolicyCache.is_trimmable`: while nothing was evicted and its scores are per token,
+or for the tokens of a short last update, which a stored cache never has; so never for H2O/CaM, whose
+scores carry the attention of the tokens a trim would drop). Otherwise a stored cache is reused only
+as an exact prefix of the new prompt.
 ``--prompt-cache FILE`` (:mod:`kvpolicy_core.apps.prompt_file`) pins a compressed document: every request
 whose prompt extends it starts from a copy of its caches, with the file's model and method. The file is verified
 (checksum, finite values, the model's fingerprint) before the model loads. A request that does not extend the

@@ -50,7 +50,7 @@ from ..errors import KVPolicyError, ModelError
 from ..parts.attention_scorer import causal_allowed
 from ..parts.base import CacheView, on_key_norms
 from ..runtime.sharding import check_head_shard
-from . import interop
+from . import interop, undo
 from .batch import BatchPolicyCache
 from .diagnostics import CacheDiagnostics
 from .layer_group import prompt_statistic, record
@@ -84,6 +84,9 @@ class PolicyCache(CacheDiagnostics):
     keys, values, positions, scores, n = (_slot(f) for f in FIELDS)
     kvpolicy_attention = "single"  #: the attention hook calls :meth:`attend` for this cache
     hook_missing = None  #: why a restored cache has no hook it needs (it refuses its next update), or None
+    _undo = None  #: the last update's undo record (:mod:`.undo`), or None
+    _verify_next = False  #: a trim came last: the next short multi-token update is a verify step
+    _trims = False  #: asked is_trimmable() while empty (speculative decoding does): short prompt chunks keep a record
 
     def __init__(
         self, policy, layer: int = 0, window: Optional[int] = None, head_shard: Tuple[int, int] = (0, 1)
@@ -134,12 +137,14 @@ class PolicyCache(CacheDiagnostics):
         self._last_S = keys.shape[2]
         self._check_observation()
         S = keys.shape[2]
-        saved, rows = self.row_state(), self.storage
+        steps = undo.is_steps(self, S)  # decode steps at once (speculative decoding's verify step), not a chunk
+        chunk = S > 1 and not steps  # a prompt chunk
+        saved, record, rows = self.row_state(), None, self.storage
         try:
-            cut = self.holds_prompt and self._run_open and S == 1  # this eviction cuts a held prompt at its end
+            cut = self.holds_prompt and self._run_open and not chunk  # this eviction cuts a held prompt at its end
             self._cut_budget(S)
             n_evict = self._n_evict(S)
-            if not (self._run_open and S > 1):
+            if not (self._run_open and chunk):
                 self._run = {}
             elif n_evict == 0:
                 self._run = dict(self._run)
@@ -149,14 +154,17 @@ class PolicyCache(CacheDiagnostics):
                 self._evict(1, Token(keys, values, self.offset))
             else:
                 if n_evict > 0:
-                    self._slots.compact(self._evict(n_evict, cut=cut))  # an eviction ends the run
-                self._hold_storage(keys, values)
+                    self._slots.compact(self._evict(n_evict, cut=cut, steps=steps))  # an eviction ends the run
+                self._hold_storage(keys, values, chunk)
+                record = undo.start(self, S, steps, keys)
                 self._slots.append(keys, values, self.offset, self.budget + 1)
-            if S == 1 and self.storage is not self._kept_rows:  # (a restored hold whose cut wrote in place)
+            if not chunk and self.storage is not self._kept_rows:  # (a restored hold whose cut wrote in place)
                 self._use_rows(self._kept_rows)
-            self._run_open = S > 1  # a prompt chunk: a run (re)starts or goes on; held for its cut
+            self._run_open = chunk  # a prompt chunk: a run (re)starts or goes on; held for its cut
             self.offset += S
-            if self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
+            if steps and self._step.appends:  # token by token, as S decode steps (:mod:`.undo`)
+                self.scores = undo.append_rows(self, record, keys)
+            elif self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
                 new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
                 self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
             self._attended = False
@@ -164,6 +172,7 @@ class PolicyCache(CacheDiagnostics):
             self._use_rows(rows, encode=False)
             self.set_row_state(saved)
             raise
+        self._undo, self._verify_next = record, False
         self._bound_graph()
         return self._slots.valid()
 
@@ -181,44 +190,53 @@ class PolicyCache(CacheDiagnostics):
         return "causal"
 
     def is_trimmable(self) -> bool:
-        """Whether :meth:`trim` is exact: nothing was ever evicted and the scorer's scores are
-        per token (``Needs(trim_exact=True)``; not so for attention-accumulating scorers such as
-        H2O's and CaM's, whose survivors' scores keep the attention of the trimmed tokens).
+        """Whether :meth:`trim` can take back tokens exactly: the newest tokens of the last update of 2 to
+        :data:`~.undo.UNDO_TOKENS` tokens (a verify step of speculative decoding; a short prompt chunk of a cache
+        asked this while empty), any tokens while nothing was ever evicted and the scorer's scores are per token
+        (``Needs(trim_exact=True)``), or none of an empty cache. A trim beyond what it can take back raises
+        :class:`~kvpolicy_core.errors.KVPolicyError`.
 
-        mlx-lm asks this before it trims: its prompt cache then reuses an untrimmable cache only
-        as a prefix, and speculative decoding refuses the cache up front.
+        mlx-lm asks this before it trims and skips the trim of a cache that says no. Its speculative decoding asks
+        first of the empty caches (which say yes, and from then on keep a record of their short prompt chunks too:
+        the first verify step carries the prompt's last token and is one); its prompt cache reuses a cache that says
+        no only as a prefix (a stored cache's last update is a long prompt chunk or a decode step: no record).
         """
+        if self.offset == 0:
+            self._trims = True
+            return True
+        return self._exact_trim() or undo.trimmable(self) > 0
+
+    def _exact_trim(self) -> bool:
+        """Nothing was ever evicted and the scores are per token: a trim of any length is exact."""
         return self.n == self.offset and self.n <= self.budget and self._step.needs.trim_exact
 
     def trim(self, n: int) -> int:
-        """Drop the newest ``min(n, tokens)`` tokens, exactly: slots, positions and scores are those
-        of a cache that never saw them (the run of prompt chunks ends). Returns the number dropped.
+        """Drop the newest ``min(n, tokens)`` tokens, exactly: slots, positions and scores are those of a cache
+        whose last update brought only its first ``S - n`` tokens (:mod:`.undo`), or, while nothing was evicted
+        and the scores are per token, of a cache that never saw them. Returns the number dropped. Every trim
+        (``n = 0`` too) makes the next update of 2 to :data:`~.undo.UNDO_TOKENS` tokens a verify step (decode steps
+        at once) and ends a held prompt.
 
-        Raises :class:`~kvpolicy_core.errors.KVPolicyError` (nothing changed) when the cache is not
-        :meth:`is_trimmable` and ``n > 0``, rather than leaving stale scores behind.
+        Raises :class:`~kvpolicy_core.errors.KVPolicyError` (nothing changed) for ``n`` beyond what the cache can
+        take back, rather than leaving stale scores behind.
         """
         if n < 0:
             raise ValueError(f"layer {self.layer}: trim(n) needs n >= 0 (got {n})")
         n = min(self.n, n)
-        if n == 0:
-            return 0
-        if not self.is_trimmable():
-            why = (
-                "it has evicted tokens, which cannot come back"
-                if self.n != self.offset or self.n > self.budget
-                else f"its scorer ({self.policy.owners['scorer']}) accumulates attention, so the survivors' "
-                "scores would keep the trimmed tokens' attention"
-            )
-            raise KVPolicyError(
-                f"layer {self.layer}: cannot trim this policy cache: {why}; check is_trimmable() "
-                "first, or rebuild the cache from the shorter prompt"
-            )
-        self.n -= n
-        self.offset -= n
-        self._run, self._run_open = {}, False
-        self.scores = self.scores[..., : self.n]
-        if self._slots.log_weights is not None:
-            self._slots.log_weights = self._slots.log_weights[..., : self.n]
+        if n > 0:
+            can = undo.trimmable(self)
+            if n <= can:
+                undo.take_back(self, n)
+            elif self._exact_trim():
+                self.n -= n
+                self.offset -= n
+                self._run, self._run_open, self._undo = {}, False, None
+                self.scores = self.scores[..., : self.n]
+                if self._slots.log_weights is not None:
+                    self._slots.log_weights = self._slots.log_weights[..., : self.n]
+            else:
+                raise undo.refuse(self, n, can)
+        self._verify_next = True
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PolicyCache":
@@ -249,16 +267,17 @@ class PolicyCache(CacheDiagnostics):
         bits = self.policy.config.policy.hold_bits
         return None if bits is None or rows.bits is not None else QuantizedRows(bits, 64)
 
-    def _hold_storage(self, keys: mx.array, values: mx.array) -> None:
-        """Before S new tokens are appended: a prompt chunk (``S > 1``) that takes a held prompt past the budget
+    def _hold_storage(self, keys: mx.array, values: mx.array, chunk: bool) -> None:
+        """Before S new tokens are appended: a prompt chunk (``chunk``) that takes a held prompt past the budget
         (``n + S > budget``) switches it to :attr:`hold_rows` until its cut (the rows held so far encoded once); a
-        decode step (``S == 1``: the cut is done) puts the kept rows back in the kept storage, decoded row for row.
+        decode step (or a verify step's decode steps: the cut is done) puts the kept rows back in the kept
+        storage, decoded row for row.
 
         A held row ``x`` reads ``dequantize(quantize(x))`` for the prompt's remaining chunks, the cut's scoring
         and, kept, ever after (mlx-lm's ``quantized_kv_start`` does the same to every row); a prompt within the
         budget is never re-encoded, so it is held exactly."""
         S = keys.shape[2]
-        if S == 1:
+        if not chunk:
             self._use_rows(self._kept_rows)
         elif self.hold_rows is not None and self.storage is not self.hold_rows and self.n + S > self.budget:
             for d in (keys.shape[-1], values.shape[-1]):
@@ -408,7 +427,12 @@ class PolicyCache(CacheDiagnostics):
         log-weights gets them added to the logits (:func:`~kvpolicy_core.attention.bias.with_log_weights`).
         """
         mask = self._attention_mask(queries, mask)
-        if self._step.needs.attention:
+        rec = self._undo
+        if self._step.needs.attention and rec is not None and rec.steps:  # a verify step: token by token (.undo)
+            self.scores = undo.attention_rows(self, rec, queries=queries, scale=scale, mask=mask)
+            self._bound_graph()
+        elif self._step.needs.attention:
+            undo.observe_chunk(rec, queries, scale, mask)
             run = dict(self._run)  # adopted only if the scorer succeeds
             self.scores = self._step.on_attention(self._view(queries.shape[2], run), queries, scale, mask)
             self._run = run
@@ -437,7 +461,7 @@ class PolicyCache(CacheDiagnostics):
                 queries, keys, values, scale, mask, self.group_size, self.bits
             )
             if once:
-                self._observe(queries, weights)
+                self._observe(queries, weights, scale, mask)
             return self.after_attention(out, values)
         if not (self._weights_once and attend_once(S) and (rows is None or rows(S) >= S)):
             out = fused(queries, keys, values, self, scale, self.before_attention(queries, scale, mask))
@@ -452,14 +476,19 @@ class PolicyCache(CacheDiagnostics):
             compiled=self.n == self._slots.capacity,
             grouped=self.offset > self.n,
         )
-        self._observe(queries, weights)
+        self._observe(queries, weights, scale, mask)
         return self.after_attention(out, values)
 
-    def _observe(self, queries: mx.array, weights: mx.array) -> None:
+    def _observe(self, queries: mx.array, weights: mx.array, scale: float = None, mask=None) -> None:
         """The scorer takes this step's attention ``weights`` [B, H, G, S, L] (``on_attention_weights``)."""
-        run = dict(self._run)  # adopted only if the scorer succeeds (as in before_attention)
-        self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)
-        self._run = run
+        rec = self._undo
+        if rec is not None and rec.steps:  # a verify step: token by token (.undo)
+            self.scores = undo.attention_rows(self, rec, weights=weights)
+        else:
+            undo.observe_chunk(rec, queries, scale, mask)
+            run = dict(self._run)  # adopted only if the scorer succeeds (as in before_attention)
+            self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)
+            self._run = run
         self._bound_graph()
         self._attended = True
 
@@ -499,7 +528,7 @@ class PolicyCache(CacheDiagnostics):
     def _cut_budget(self, S: int) -> None:
         """Before a held prompt's cut (the next update is one token), take the budget a data-driven allocation gives
         this layer at the end of the prompt (its policy with that budget: the selector's protection follows it)."""
-        if S != 1 or self.group is None or not (self.holds_prompt and self._run_open):
+        if (S != 1 and not undo.is_steps(self, S)) or self.group is None or not (self.holds_prompt and self._run_open):
             return
         budget = self.group.budget_for(self.layer, self.budget)
         if budget != self.budget:
@@ -526,7 +555,7 @@ class PolicyCache(CacheDiagnostics):
         slots are window-dead, and the step evicts those first: the layer drops nothing a query can see and holds at
         most ``w - 1 + S`` slots through a prompt, as mlx-lm's ``RotatingKVCache`` does, in every schedule."""
         n, over = self.n, self.n - self.budget
-        if S > 1 and self.holds_prompt:
+        if S > 1 and self.holds_prompt and not undo.is_steps(self, S):  # a prompt chunk (not a verify step)
             hold = self.policy.config.policy.hold_tokens()
             over = 0 if hold is None else min(over, n + S - hold)
         E = self._step.n_evict(over, n) if over > 0 else 0
@@ -541,7 +570,7 @@ class PolicyCache(CacheDiagnostics):
         pos = self.positions
         return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
 
-    def _evict(self, n_evict: int, token: Optional[Token] = None, cut: bool = False) -> mx.array:
+    def _evict(self, n_evict: int, token: Optional[Token] = None, cut: bool = False, steps: bool = False) -> mx.array:
         """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors
         (:meth:`~.step.PolicyStep.evict`, the one route of every eviction).
 
@@ -549,7 +578,7 @@ class PolicyCache(CacheDiagnostics):
         compiled call once the store is full)."""
         sl = self._slots
         self._run, self._run_open = prompt_statistic(self._run) if not cut else {}, False  # an eviction ends the run
-        losers, update, counts = self._step.evict(self._view(0), n_evict, self.offset, cut)
+        losers, update, counts = self._step.evict(self._view(0), n_evict, self.offset, cut, steps)
         if update is not None:
             self._lw_used = self._lw_used or update.d_log_weights is not None
         if counts:
@@ -597,7 +626,9 @@ class PolicyCache(CacheDiagnostics):
         )
 
     def set_row_state(self, state: RowState) -> None:
-        """Take ``state`` (a :meth:`row_state`, or one derived from it with :func:`dataclasses.replace`)."""
+        """Take ``state`` (a :meth:`row_state`, or one derived from it with :func:`dataclasses.replace`). The undo
+        record of the last update is dropped (it describes the state replaced)."""
+        self._undo = None
         self._slots.restore(state.slots)
         self._slots.track_key_norms = state.track_key_norms
         self.offset, self._counters, self._attended = state.offset, dict(state.counters), state.attended

@@ -254,18 +254,20 @@ class PolicyStep:
         return values
 
     def evict(
-        self, view: CacheView, n_evict: int, offset, cut: bool = False
+        self, view: CacheView, n_evict: int, offset, cut: bool = False, steps: bool = False
     ) -> Tuple[mx.array, Optional[MergeUpdate], Counters]:
         """The one eviction route: losers [B, H, n_evict] int32 (:meth:`choose`), the disposition's update for the
         survivors (or None) and the counters it reports (:meth:`dispose`). Nothing is written here: the caller
         writes the update and removes (or overwrites) the losers. ``cut``: the end-of-prompt cut of a held prompt
-        (``when="prompt_end"``), chosen by the policy's ``cut_selector`` where it has one."""
+        (``when="prompt_end"``), chosen by the policy's ``cut_selector`` where it has one. ``steps``: the overflow of
+        a verify step (:mod:`.undo`), checked as decode evictions are (the first ones only: no host sync after)."""
         losers = self.choose(view, n_evict, cut)
-        if n_evict > 1 or cut or self.checked_choices > 0:  # value-checked: each part's output evaluated on its own
-            self.checked_choices -= n_evict == 1 and not cut and self.checked_choices > 0
+        decode = (n_evict == 1 or steps) and not cut
+        if not decode or self.checked_choices > 0:  # value-checked: each part's output evaluated on its own
+            self.checked_choices -= decode and self.checked_choices > 0
             self.evaluated("scorer", "scores", view.scores)
             self.evaluated("selector", "ranks", losers)
-        update, counts = self.dispose(view, losers, offset)
+        update, counts = self.dispose(view, losers, offset, steps and not cut)
         return losers, update, counts
 
     def choose(self, view: CacheView, n_evict: int, cut: bool = False) -> mx.array:
@@ -288,7 +290,9 @@ class PolicyStep:
         ranked = ranked if ranked.dtype == mx.float32 else ranked.astype(mx.float32)
         return choose(ranked, view.positions, self.n_sink, view.dead, n_evict)
 
-    def dispose(self, view: CacheView, losers: mx.array, offset) -> Tuple[Optional[MergeUpdate], Counters]:
+    def dispose(
+        self, view: CacheView, losers: mx.array, offset, steps: bool = False
+    ) -> Tuple[Optional[MergeUpdate], Counters]:
         """The disposition's update for the survivors (or None) and the counters it reports.
 
         ``offset``: the cache's tokens seen (one key, counters summed), or a list of B per-row offsets for a view
@@ -302,12 +306,12 @@ class PolicyStep:
             return None, {}
         seed = self.policy.config.seed
         key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
-        decode = losers.shape[-1] == 1
+        decode = losers.shape[-1] == 1 or steps  # a verify step's overflow is checked as decode evictions are
         check = not decode or self.checked_decode > 0
         if decode and check:
             self.checked_decode -= 1
         update = None
-        if decode and not check and self.needs.compile_disposition and self.compiling.dispose:
+        if losers.shape[-1] == 1 and not check and self.needs.compile_disposition and self.compiling.dispose:
             try:
                 with blamed("compiled"):  # the disposition's code, traced
                     update = compiled(disposition)(view, losers, key)

@@ -21,6 +21,7 @@ ALLOWED = {
     "attention": {"attention", "parts", "errors"},
     "plugin": {"plugin", "models", "parts", "errors"},
     "config": {"config", "models", "plugin", "parts", "errors"},
+    "default_plugin": {"default_plugin", "plugin", "models", "parts", "errors"},
     "cache": {"cache", "attention", "parts", "plugin", "config", "runtime", "errors"},
     "integration": {"integration", "cache", "attention", "parts", "plugin", "config", "runtime", "errors"},
     "model": {"model", "errors"},

@@ -314,7 +314,7 @@ class Intruder:
 def test_a_plugin_taking_a_shipped_name_is_the_one_reported_and_skipped(taken, owner):
     import importlib
 
-    from kvpolicy_core.plugin import builtin
+    from kvpolicy_core import default_plugin as builtin
     from kvpolicy_core.plugin.discovery import PluginManager
     from kvpolicy_core.plugin.registry import Registry, fill
 

@@ -13,7 +13,7 @@ from typing import Dict, Iterable, Optional
 import pluggy
 
 from ..errors import PluginError, blamed
-from . import builtin, hookspecs
+from . import hookspecs
 from .registry import Registry, fill, normalize_dist, plugin_id, report, shipped_rank
 
 _lock = threading.RLock()
@@ -43,12 +43,12 @@ class PluginManager(pluggy.PluginManager):
 
 
 def build_plugin_manager(registry: Registry, strict: bool = False) -> PluginManager:
-    """kvpolicy-core's parts, the entry points, then :func:`register_plugin`'s plugins, less the blocked ones
-    (``registry.blocked``). One that fails to load (its import may raise anything, ``sys.exit()`` too, but
-    Ctrl-C) or loads a module another distribution's plugin registered is reported and skipped."""
+    """kvpolicy-core's parts, the entry points, then :func:`register_plugin`'s, less the blocked ones. One that fails
+    to load (raising anything, ``sys.exit()`` too, but Ctrl-C) or loads another's module is reported and skipped."""
     pm = PluginManager()
     version = next((d.version for d in importlib.metadata.distributions(name="kvpolicy-core")), None)
-    pm.register_from(builtin, "kvpolicy-core:kvpolicy_core", "kvpolicy-core", version, label="kvpolicy_core")
+    core = importlib.import_module("kvpolicy_core.default_plugin")  # kvpolicy-core's own plugin: registered first
+    pm.register_from(core, "kvpolicy-core:kvpolicy_core", "kvpolicy-core", version, label="kvpolicy_core")
     blocked = {item.strip() for item in os.environ.get("KVPOLICY_BLOCK_PLUGINS", "").split(",") if item.strip()}
     eps = [
         (ep.dist.metadata["Name"] if ep.dist else None, ep) for ep in importlib.metadata.entry_points(group="kvpolicy")
@@ -60,12 +60,13 @@ def build_plugin_manager(registry: Registry, strict: bool = False) -> PluginMana
         )
     ]
     plugins += [(name, None, None, lambda p=plugin: p, "") for name, plugin in _extra_plugins.items()]
+    label = "plugin" if strict else "skipping plugin"  # (strict mode raises: it skips nothing)
     for name, dist, version, load, where in plugins:
         if is_blocked(blocked, dist, name):
             registry.blocked.append(plugin_id(dist, name))
             continue
         try:
-            with blamed(f"kvpolicy: {'plugin' if strict else 'skipping plugin'} {name!r}{where}: failed to load:"):
+            with blamed(f"kvpolicy: {label} {name!r}{where}: failed to load:"):
                 module = load()
                 owner = pm.get_name(module)
                 if owner is None:

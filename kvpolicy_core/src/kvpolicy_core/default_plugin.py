@@ -1,21 +1,22 @@
-"""The parts every method may share, and the ``random`` method, registered by kvpolicy-core itself."""
+"""The parts every method may share, and the ``random`` method: kvpolicy-core's own plugin, registered first by the
+plugin host (:mod:`kvpolicy_core.plugin.discovery` imports it by name, as ``llm`` loads its default plugins)."""
 
 from typing import Optional
 
 from pydantic import Field
 
-from ..config.policy_config import PolicyConfig
-from ..parts.allocation import PyramidAllocation, ReachAllocation, UniformAllocation
-from ..parts.cumulative_attention import CumulativeAttentionScorer
-from ..parts.drop import DropDisposition
-from ..parts.expected_attention import ExpectedAttentionScorer
-from ..parts.hybrid_allocation import HybridAllocation
-from ..parts.keydiff import KeyDiffScorer
-from ..parts.lowest_score import LowestScoreSelector
-from ..parts.observation_window import ObservationWindowScorer
-from ..parts.random_score import RandomScorer
-from .hookspecs import hookimpl
-from .registry import MethodSpec
+from .config.policy_config import PolicyConfig
+from .parts.allocation import PyramidAllocation, ReachAllocation, UniformAllocation
+from .parts.cumulative_attention import CumulativeAttentionScorer
+from .parts.drop import DropDisposition
+from .parts.expected_attention import ExpectedAttentionScorer
+from .parts.hybrid_allocation import HybridAllocation
+from .parts.keydiff import KeyDiffScorer
+from .parts.lowest_score import LowestScoreSelector
+from .parts.observation_window import ObservationWindowScorer
+from .parts.random_score import RandomScorer
+from .plugin.hookspecs import hookimpl
+from .plugin.registry import MethodSpec
 
 
 class RandomConfig(PolicyConfig):

@@ -43,6 +43,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from ..attention.bias import with_log_weights
+from ..attention.blocks import by_query_blocks, query_block
 from ..attention.weights import attend_once, attention_with_weights, quantized_attention_with_weights
 from ..attention.window import outside_window, window_mask
 from ..config.policy import Policy, build_policy
@@ -452,14 +453,24 @@ class PolicyCache(CacheDiagnostics):
         pass over those rows costs W/S of the kernel's, and where the output is never read (the last layer of a
         prefill chunk: mlx-lm evaluates only the caches' state) the kernel is not run at all, as for mlx-lm's caches.
         """
-        S = queries.shape[2]
+        B, Hq, S, _ = queries.shape
         rows = getattr(self.policy.scorer, "rows_observed", None)
+        L = (keys[0] if isinstance(keys, tuple) else keys).shape[2]
         if self.storage.bits is not None:  # quantized rows: mlx-lm's quantized attention, its masks grouped per KV head
             once = self._weights_once and (rows is None or rows(S) >= S)
             mask = self._attention_mask(queries, mask) if once else self.before_attention(queries, scale, mask)
-            out, weights = quantized_attention_with_weights(
-                queries, keys, values, scale, mask, self.group_size, self.bits
-            )
+            gs, bits = self.group_size, self.bits
+            block = None if once else query_block(S, L, Hq, B)
+            if block:  # a prompt chunk whose weights no scorer reads: by blocks of query rows (.attention.blocks)
+                out = by_query_blocks(
+                    lambda q, m: quantized_attention_with_weights(q, keys, values, scale, m, gs, bits)[0],
+                    queries,
+                    mask,
+                    L,
+                    block,
+                )
+                return self.after_attention(out, values)
+            out, weights = quantized_attention_with_weights(queries, keys, values, scale, mask, gs, bits)
             if once:
                 self._observe(queries, weights, scale, mask)
             return self.after_attention(out, values)

@@ -1,0 +1,56 @@
+"""A prompt chunk's attention over quantized rows by blocks of query rows: the same output, a bounded transient.
+
+mlx-lm's quantized attention (``quantized_matmul``, softmax, ``quantized_matmul``) materialises a chunk's logits and
+weights, [B, Hq, S, L] each, on every device: at S = 512 queries over L = 8192 keys, 8 heads, float32, 128 MiB each,
+beside the rows the cache holds; through a long prompt in quantized rows (``kv_bits``, a held prompt's
+``hold_bits``) that transient, not the cache, is most of the peak. Query rows are independent::
+
+    out[..., i, :] = softmax(scale * q_i K^T + mask_i) V
+
+depends on query ``i`` and the mask's row ``i`` only, so blocks of ``b`` rows computed one after another (each
+evaluated before the next is built, else MLX schedules them together) give the output bit for bit
+(tests/test_attention_blocks.py) with ``b / S`` of the transient. Only prompt chunks (``S > b``) whose weights no
+scorer reads take it, where mlx-lm evaluates every chunk anyway: never a decode step, so no host sync per token (a
+chunk's last layer, whose output mlx-lm never reads, is computed too). Full-precision rows keep mlx-lm's fused kernel:
+on CPU its rows are not bit for bit the same across block sizes (float rounding), on a GPU it holds no [S, L].
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+#: the most bytes one block's logits may take ([B, Hq, b, L] in float32)
+BLOCK_BYTES = 32 * 2**20
+
+
+def query_block(S: int, L: int, Hq: int, B: int = 1) -> Optional[int]:
+    """Rows per block for S queries over L keys (``Hq`` query heads, batch B), or None when one block holds them."""
+    b = max(16, BLOCK_BYTES // max(1, B * Hq * L * 4))
+    return b if S > b else None
+
+
+def rows_of(mask, lo: int, hi: int, S: int, L: int):
+    """The mask of query rows ``lo .. hi - 1`` of S over L keys: None, a causal bool array [hi - lo, L] for
+    ``"causal"`` (query ``i`` sees keys ``j <= L - S + i``), or the array's rows (a row axis of 1 broadcasts)."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"attention mask must be None, 'causal' or an array (got {mask!r})")
+        return mx.arange(L - S + lo, L - S + hi)[:, None] >= mx.arange(L)[None]
+    return mask if mask.ndim < 2 or mask.shape[-2] == 1 else mask[..., lo:hi, :]
+
+
+def by_query_blocks(attend: Callable, queries: mx.array, mask, L: int, block: int) -> mx.array:
+    """``attend(queries_block, mask_block)`` -> [B, Hq, b, Dv] over blocks of ``block`` query rows of queries
+    [B, Hq, S, D], each evaluated before the next; the outputs concatenated: [B, Hq, S, Dv]."""
+    S = queries.shape[2]
+    outs = []
+    for lo in range(0, S, block):
+        hi = min(S, lo + block)
+        out = attend(queries[:, :, lo:hi], rows_of(mask, lo, hi, S, L))
+        mx.eval(out)
+        outs.append(out)
+    return mx.concatenate(outs, axis=2)

@@ -1,0 +1,87 @@
+"""A prompt chunk's attention by blocks of query rows (``kvpolicy_core.attention.blocks``): the logits bit for bit
+those of one block on the path that takes it (quantized rows: ``kv_bits``, a held prompt's ``hold_bits``; global and
+sliding-window masks), and a smaller transient."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kvpolicy_core.attention import blocks
+from kvpolicy_core.integration.builder import KVCacheBuilder
+from kvpolicy_core.testing.tiny_models import VOCAB, tiny_model
+
+TOKENS = mx.random.randint(0, VOCAB, (1, 120), key=mx.random.key(4))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", head_dim=64, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return tiny_model(
+        "gemma3_text", head_dim=64, hidden_size=128, num_attention_heads=4, num_key_value_heads=1, sliding_window=32
+    )
+
+
+def logits(model, spec, monkeypatch, block_bytes):
+    monkeypatch.setattr(blocks, "BLOCK_BYTES", block_bytes)
+    caches = KVCacheBuilder.for_model(model, spec)
+    out = [model(TOKENS[:, i : i + 50], cache=caches) for i in (0, 50)]
+    out += [model(TOKENS[:, t : t + 1], cache=caches) for t in range(100, 110)]
+    return mx.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["h2o:budget=24,kv_bits=4", "cam:budget=24,hold_bits=8", "snapkv:budget=24,kv_bits=8"],
+)
+@pytest.mark.parametrize("model_name", ["llama", "gemma"])
+def test_blocks_of_query_rows_give_the_same_logits(request, monkeypatch, model_name, spec):
+    model = request.getfixturevalue(model_name)
+    whole = logits(model, spec, monkeypatch, 2**40)
+    calls = []
+    original = blocks.by_query_blocks
+
+    def counted(*a, **k):
+        calls.append(a[-1])
+        return original(*a, **k)
+
+    monkeypatch.setattr("kvpolicy_core.cache.policy_cache.by_query_blocks", counted)
+    by_blocks = logits(model, spec, monkeypatch, 16 * 4 * 4 * 100)  # 16 rows a block at ~100 keys
+    assert calls, "no layer took the blocks"
+    assert mx.array_equal(whole, by_blocks)
+
+
+def test_a_block_bounds_the_transient():
+    """One chunk of 512 queries over 8192 keys, 8 heads, float32: the logits of a 128-row block, not of 512."""
+    q = mx.random.normal((1, 8, 512, 64))
+    k = mx.random.normal((1, 8, 8192, 64))
+    mx.eval(q, k)
+
+    def peak(fn):
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(fn())
+        return mx.get_peak_memory() - base
+
+    def attend(qq, m):
+        return mx.fast.scaled_dot_product_attention(qq, k, k, scale=0.125, mask=m)
+
+    block = blocks.query_block(512, 8192, 8)
+    assert block == 128
+    whole = peak(lambda: attend(q, "causal"))
+    by_blocks = peak(lambda: blocks.by_query_blocks(attend, q, "causal", 8192, block))
+    assert by_blocks < 0.4 * whole
+
+
+def test_rows_of_a_mask():
+    assert blocks.rows_of(None, 0, 4, 8, 10) is None
+    causal = blocks.rows_of("causal", 2, 4, 8, 10)
+    assert causal.shape == (2, 10) and causal[0].tolist() == [True] * 5 + [False] * 5
+    arr = mx.ones((1, 1, 8, 10), mx.bool_)
+    assert blocks.rows_of(arr, 2, 4, 8, 10).shape == (1, 1, 2, 10)
+    with pytest.raises(ValueError, match="causal"):
+        blocks.rows_of("sliding", 0, 1, 8, 10)

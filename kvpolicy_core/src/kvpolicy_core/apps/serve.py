@@ -696,17 +696,21 @@ def _server_classes():
     )
 
 
-def run(host: str, port: int, model_provider) -> None:
+def run(host: str, port: int, model_provider, provider=None, **_upstream) -> None:
     """mlx-lm's ``server.run`` with the kvpolicy prompt cache, generator and handler (one process, rank 0).
 
-    The port is bound before the generation thread starts: a port in use (or a bad ``--host``) is
-    :class:`StartupError`, with no thread left running to keep the process alive.
+    ``provider(cli_args)``, if given, makes the model provider from the command line mlx-lm parsed (``main``
+    hands this function mlx-lm's own provider, whose ``cli_args`` it takes). The port is bound before the
+    generation thread starts: a port in use (or a bad ``--host``) is :class:`StartupError`, with no thread left
+    running to keep the process alive.
     """
     from http.server import ThreadingHTTPServer
 
     from mlx_lm import server as mls
 
     classes = _server_classes()
+    if provider is not None:
+        model_provider = provider(model_provider.cli_args)
     if not 0 <= port <= 65535:  # getaddrinfo would wrap it (70000 -> 4464)
         raise StartupError(f"--port {port}: not a port number (0 to 65535)")
     try:
@@ -841,7 +845,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     upstream_stream_generate = mls.stream_generate
     with (
         _patched_argv(["kvpolicy serve", *rest, *stored_caches_limit(rest, kv_memory), "--model", str(model_path)]),
-        _patched(mls, ModelProvider=provider, run=run, BatchGenerator=generator, stream_generate=stream_generate),
+        _patched(
+            mls,
+            run=functools.partial(run, provider=provider),
+            BatchGenerator=generator,
+            stream_generate=stream_generate,
+        ),
     ):
         try:
             mls.main()

@@ -812,6 +812,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (KVPolicyError, ModelUnavailable) as exc:
         print(f"kvpolicy serve: error: {exc}", file=sys.stderr)
         return 2
+    from ..integration.mlx_lm_private import missing_message
+
+    changed = missing_message(("mlx_lm.server.ResponseGenerator", "mlx_lm.server.APIHandler"))
+    if changed is not None:  # the private mlx-lm names the server's subclasses override or call
+        print(f"kvpolicy serve: error: {changed}", file=sys.stderr)
+        return 2
 
     from mlx_lm import server as mls
 

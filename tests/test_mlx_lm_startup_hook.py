@@ -55,10 +55,26 @@ def test_the_hook_lets_mlx_lm_load_a_policy_cache_without_importing_kvpolicy(pol
 
 
 def test_the_hook_and_kvpolicy_core_s_own_watcher_together(policy_file):
-    """The hook runs at start-up, then ``import kvpolicy_core`` adds its own watcher before mlx-lm is imported (a
-    plugin's test suite does this): mlx-lm's module imports once and the classes are registered (the two finders
-    asked each other in turn: ``KeyError: 'mlx_lm.models.cache'``)."""
+    """The hook runs at start-up, then ``import kvpolicy_core`` before mlx-lm is imported (a plugin's test suite
+    does this): mlx-lm's module imports once and the classes are registered (when the package had a finder of its
+    own, the two asked each other in turn: ``KeyError: 'mlx_lm.models.cache'``; now it reuses the hook's)."""
     proc = _python("import _kvpolicy_core_hook, kvpolicy_core\n" + LOAD, policy_file)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("['PolicyCache']"), proc.stdout
+
+
+def test_the_package_alone_installs_the_one_finder_where_the_pth_did_not_run(policy_file):
+    """As under ``python -S`` or an install that skipped the ``.pth``: ``import kvpolicy_core`` puts the hook's
+    finder (kvpolicy's only ``sys.meta_path`` entry) on the path, and mlx-lm's loader then finds the classes."""
+    code = (
+        "import sys\n"
+        "hook = sys.modules.pop('_kvpolicy_core_hook', None)\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if f is not getattr(hook, '_Finder', None)]\n"
+        "import kvpolicy_core, _kvpolicy_core_hook\n"
+        "assert 'mlx_lm' not in sys.modules and _kvpolicy_core_hook._Finder in sys.meta_path\n"
+        "assert sum(type(f).__module__.startswith('kvpolicy') for f in sys.meta_path) == 0\n" + LOAD
+    )
+    proc = _python(code, policy_file)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("['PolicyCache']"), proc.stdout
 

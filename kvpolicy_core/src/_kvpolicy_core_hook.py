@@ -4,9 +4,10 @@ own ``load_prompt_cache`` (``mlx_lm.generate --prompt-cache-file``) find kvpolic
 
 It imports nothing but :mod:`sys` at start-up and puts one finder on :data:`sys.meta_path` that finds nothing
 itself: when ``mlx_lm.models.cache`` is first imported, it takes the spec the standard path finder gives and, once that
-module has run, imports ``kvpolicy_core`` (which registers ``PolicyCache`` and ``BatchPolicyCache`` in it:
-:mod:`kvpolicy_core.cache.interop`), then leaves the path. Every error of its own is swallowed: a broken hook
-never breaks Python, it only leaves mlx-lm without the classes (``import kvpolicy_core`` then registers them).
+module has run, imports kvpolicy's two cache modules (which register ``PolicyCache`` and ``BatchPolicyCache`` in it:
+:mod:`kvpolicy_core.cache.interop`), then leaves the path. ``import kvpolicy_core`` imports this module too: it
+is the package's one import finder, also where the ``.pth`` file did not run. Every error of its own is swallowed: a
+broken hook never breaks Python, it only leaves mlx-lm without the classes (importing ``PolicyCache`` registers it).
 """
 
 import sys
@@ -16,7 +17,8 @@ _WATCHED = "mlx_lm.models.cache"
 
 def _register(_module) -> None:
     try:
-        import kvpolicy_core  # noqa: F401  (its import registers the classes in the module just run)
+        # each registers its class in the module just run (kvpolicy_core/cache/interop.py)
+        from kvpolicy_core.cache import batch, policy_cache  # noqa: F401
     except Exception:  # noqa: BLE001 - any error of a broken kvpolicy install must not break mlx-lm's import
         pass
 
@@ -33,8 +35,8 @@ class _Finder:
         except ValueError:
             pass
         try:
-            # the standard path finder itself, not the other meta-path finders: one of them may be another watcher
-            # that asks this one in turn (kvpolicy_core's own, after `import kvpolicy_core`)
+            # the standard path finder itself, not the other meta-path finders (one may be another watcher that
+            # asks this one in turn)
             from importlib.machinery import PathFinder
 
             spec = PathFinder.find_spec(name, path, target)

@@ -7,15 +7,14 @@ loaded on first access.
 Importing it is still enough for mlx-lm's own loaders (``load_prompt_cache``) to know ``PolicyCache`` and
 ``BatchPolicyCache``: they look a class up in ``mlx_lm.models.cache``'s globals, so the classes are put there
 as soon as both this package and ``mlx_lm.models.cache`` are imported, in either order (right away if mlx-lm's
-module is already imported, else right after its import: :func:`._lazy.after_import`). Nothing here imports
+module is already imported, else right after its import, by :mod:`_kvpolicy_core_hook`'s finder). Nothing here imports
 mlx before the user's code does.
 """
 
 from __future__ import annotations
 
 import importlib
-
-from ._lazy import after_import
+import sys
 
 __version__ = "0.3.0"
 
@@ -81,8 +80,17 @@ def __dir__():
     return __all__
 
 
-def _register_with_mlx_lm(_module) -> None:
-    from .cache import batch, policy_cache  # noqa: F401 -- each registers its class on import (cache/interop.py)
+def _register_with_mlx_lm() -> None:
+    """Put the classes in ``mlx_lm.models.cache`` now if it is imported, else when it is: by the one
+    ``sys.meta_path`` finder of :mod:`_kvpolicy_core_hook` (the start-up hook that ``kvpolicy_core_mlx_lm.pth``
+    runs; imported here too, for a Python that skipped site-packages' ``.pth`` files)."""
+    if "mlx_lm.models.cache" in sys.modules:
+        from .cache import batch, policy_cache  # noqa: F401 -- each registers its class on import (cache/interop.py)
+        return
+    try:
+        import _kvpolicy_core_hook  # noqa: F401 -- installs its finder (once)
+    except ImportError:  # not installed beside the package: importing PolicyCache still registers it
+        pass
 
 
-after_import("mlx_lm.models.cache", _register_with_mlx_lm)
+_register_with_mlx_lm()

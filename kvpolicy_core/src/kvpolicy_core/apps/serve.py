@@ -101,8 +101,21 @@ def _vocab_size(model, tokenizer) -> Optional[int]:
         if isinstance(n, int) and n > 0:
             return n
     with contextlib.suppress(Exception):
-        return len(tokenizer._tokenizer)
+        return len(tokenizer)  # mlx-lm's TokenizerWrapper passes len() to the Hugging Face tokenizer
     return None
+
+
+def _has_images(messages) -> bool:
+    """Whether a chat's messages have an image part (mlx-lm tokenizes those with the model's processor, in its
+    generation thread: not tokenized ahead here). The part types mlx-lm's server reads as images."""
+    return any(
+        isinstance(part, dict)
+        and part.get("type") in ("image_url", "input_image", "image")
+        and part.get("image_url", part.get("image")) is not None
+        for message in messages or ()
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
 
 
 #: mlx-lm's numeric server options and their bounds ((low, high), None: unbounded), checked at start-up: mlx-lm
@@ -342,14 +355,31 @@ def _server_classes():
             self.stats = stats
             self.dtype = dtype
             self.kv_memory = kv_memory  #: bytes for the KV caches of every request in flight (--kv-memory), or None
+            self.attached = None  #: the model the method is attached to
 
-        def _load(self, model_path, adapter_path=None, draft_model_path=None):
-            if draft_model_path is not None:
+        def load(self, model_path, adapter_path=None, draft_model_path=None):
+            """mlx-lm's public ``load``; a model it has just loaded gets the method attached (once per model)."""
+            if self._names(model_path, adapter_path, draft_model_path)[2] is not None:
                 raise ValueError(
                     "--draft-model: speculative decoding rewinds (trims) the cache, which a policy "
                     "cache cannot do after evictions; serve without a draft model"
                 )
-            super()._load(model_path, adapter_path, draft_model_path)
+            loaded = super().load(model_path, adapter_path, draft_model_path)
+            if self.model is not None and self.model is not self.attached:
+                self._attach()
+            return loaded
+
+        def _names(self, model, adapter, draft):
+            """(model, adapter, draft model) as mlx-lm's ``load`` resolves them: ``default_model`` names the
+            command line's (from the public ``cli_args``, not mlx-lm's private maps)."""
+            default = model == "default_model"
+            return (
+                self.cli_args.model if default else model,
+                self.cli_args.adapter_path if default else adapter,
+                self.cli_args.draft_model if draft == "default_model" else draft,
+            )
+
+        def _attach(self) -> None:
             if self.dtype == "auto" and sys.platform.startswith("linux"):
                 self.model.set_dtype(mx.float32)
             elif self.dtype != "auto":
@@ -369,9 +399,10 @@ def _server_classes():
             budgets = [c.budget for c in caches if hasattr(c, "budget")]
             self.stats.budget = round(sum(budgets) / len(budgets)) if budgets else None  # per layer, on average
             self.vocab_size = _vocab_size(self.model, self.tokenizer)
-            self.stats.model_path = str(model_path)
+            self.stats.model_path = str(self.model_key[0])
             # mlx-lm batches only without its own --kv-bits (ResponseGenerator._is_batchable); ours is in the caches
             self.stats.batching = self.is_batchable and self.cli_args.kv_bits is None
+            self.attached = self.model  # (last: a failed attach is tried again by the next load)
 
         def loaded_for(self, model, adapter, draft):
             """(tokenizer, vocab size) of the loaded model if a request for ``model`` gets it, else None.
@@ -380,14 +411,7 @@ def _server_classes():
             generation thread loads it) or a name mlx-lm cannot look up.
             """
             tokenizer, vocab_size, loaded = self.tokenizer, getattr(self, "vocab_size", None), self.model_key
-            try:
-                key = (
-                    self._model_map.get(model, model),
-                    self._adapter_map.get(model, adapter),
-                    self._draft_model_map.get(draft, draft),
-                )
-            except TypeError:  # an unhashable name
-                return None
+            key = self._names(model, adapter, draft)
             return (tokenizer, vocab_size) if tokenizer is not None and key == loaded else None
 
     class StatsPromptCache(LRUPromptCache):
@@ -626,7 +650,7 @@ def _server_classes():
             try:
                 check_prompt_shape(request)
                 loaded = self._loaded()
-                if loaded is not None and not any(mls._image_parts(request.messages)):
+                if loaded is not None and not _has_images(request.messages):
                     self.response_generator.pretokenize(loaded[0], request, self.chat_template_kwargs)
             except BadRequest as exc:
                 self._send_error(400, str(exc))
@@ -672,17 +696,21 @@ def _server_classes():
     )
 
 
-def run(host: str, port: int, model_provider) -> None:
+def run(host: str, port: int, model_provider, provider=None, **_upstream) -> None:
     """mlx-lm's ``server.run`` with the kvpolicy prompt cache, generator and handler (one process, rank 0).
 
-    The port is bound before the generation thread starts: a port in use (or a bad ``--host``) is
-    :class:`StartupError`, with no thread left running to keep the process alive.
+    ``provider(cli_args)``, if given, makes the model provider from the command line mlx-lm parsed (``main``
+    hands this function mlx-lm's own provider, whose ``cli_args`` it takes). The port is bound before the
+    generation thread starts: a port in use (or a bad ``--host``) is :class:`StartupError`, with no thread left
+    running to keep the process alive.
     """
     from http.server import ThreadingHTTPServer
 
     from mlx_lm import server as mls
 
     classes = _server_classes()
+    if provider is not None:
+        model_provider = provider(model_provider.cli_args)
     if not 0 <= port <= 65535:  # getaddrinfo would wrap it (70000 -> 4464)
         raise StartupError(f"--port {port}: not a port number (0 to 65535)")
     try:
@@ -784,6 +812,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (KVPolicyError, ModelUnavailable) as exc:
         print(f"kvpolicy serve: error: {exc}", file=sys.stderr)
         return 2
+    from ..integration.mlx_lm_private import missing_message
+
+    changed = missing_message(("mlx_lm.server.ResponseGenerator", "mlx_lm.server.APIHandler"))
+    if changed is not None:  # the private mlx-lm names the server's subclasses override or call
+        print(f"kvpolicy serve: error: {changed}", file=sys.stderr)
+        return 2
 
     from mlx_lm import server as mls
 
@@ -817,7 +851,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     upstream_stream_generate = mls.stream_generate
     with (
         _patched_argv(["kvpolicy serve", *rest, *stored_caches_limit(rest, kv_memory), "--model", str(model_path)]),
-        _patched(mls, ModelProvider=provider, run=run, BatchGenerator=generator, stream_generate=stream_generate),
+        _patched(
+            mls,
+            run=functools.partial(run, provider=provider),
+            BatchGenerator=generator,
+            stream_generate=stream_generate,
+        ),
     ):
         try:
             mls.main()

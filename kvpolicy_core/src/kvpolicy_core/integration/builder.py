@@ -265,13 +265,15 @@ def attach(model, config: Any):
     caches = KVCacheBuilder.for_model(model, config)  # validate now
     hook = model.__dict__.get(_HOOK)
     if needs_hook(caches) and (hook is None or not hook.active):  # keep the hook while attached
-        object.__setattr__(model, _HOOK, attention.install(model))
+        setattr(model, _HOOK, attention.install(model))
     if model.__dict__.get(_ORIGINAL) is None:
         original = getattr(model, "make_cache", None)
-        object.__setattr__(model, _ORIGINAL, original or (lambda: [KVCache() for _ in _layers(model)]))
+        setattr(model, _ORIGINAL, original or (lambda: [KVCache() for _ in _layers(model)]))
         if "make_cache" in model.__dict__:  # the user's own, set on the instance: detach puts it back
-            object.__setattr__(model, _OWN, model.__dict__["make_cache"])
-    object.__setattr__(model, "make_cache", lambda *_a, **_k: KVCacheBuilder.for_model(model, config))
+            setattr(model, _OWN, model.__dict__["make_cache"])
+    # mlx-lm's public protocol: make_prompt_cache(model) calls model.make_cache() when the model has one; an
+    # instance attribute shadows the class's (mlx.nn.Module stores a function as a plain attribute)
+    model.make_cache = lambda *_a, **_k: KVCacheBuilder.for_model(model, config)
     return config
 
 
@@ -281,7 +283,7 @@ def detach(model) -> None:
     if d.pop(_ORIGINAL, None) is not None:
         d.pop("make_cache", None)
         if _OWN in d:
-            object.__setattr__(model, "make_cache", d.pop(_OWN))
+            model.make_cache = d.pop(_OWN)
     hook = d.pop(_HOOK, None)
     if hook is not None:
         hook.remove()

@@ -714,9 +714,11 @@ def run_mlx(args, contexts) -> None:
             caches, config, shared = prefill(method, budget, prompt, last_fed_later=True)
             prefill_s += time.perf_counter() - t + shared[0]
             prefill_cpu += time.process_time() - c + shared[1]
-            kept.append(_kept(caches))
+            held = _kept(caches)
             targets.append(budget)
             answers.append(answer(caches, prompt[-1:], q, stop, t - shared[0]))  # its prefill counted in
+            # a held prompt (when="prompt_end") is cut at the answer's first step: count what is held after the answer
+            kept.append(held if method == "full" else _kept(caches))
             del caches
         return {
             "answers": answers,
@@ -932,10 +934,13 @@ def grid(paths: Iterable[Path], ratios: Sequence[float] = (4.0, 8.0), protocol: 
     common = set.intersection(*ids.values())
     tasks = sorted({r["task"] for r in rows if r["id"] in common})
     scores: Dict[tuple, List[float]] = {}
+    kept: Dict[tuple, List[tuple]] = {}  # (library, method, ratio) -> [(kept tokens, target)] per context
     for r in rows:
         if r["id"] in common:
             key = (r["library"], r["method"], r["ratio"], r["task"])
             scores.setdefault(key, []).extend(a["score"] for a in r["answers"])
+            if r.get("kept_tokens") is not None and "kept_target" in r:
+                kept.setdefault(key[:3], []).append((r["kept_tokens"], r["kept_target"]))
     order = {lib: i for i, lib in enumerate(LIBRARIES)}
     methods = sorted(
         {(r["library"], r["method"]) for r in rows},
@@ -978,6 +983,18 @@ def grid(paths: Iterable[Path], ratios: Sequence[float] = (4.0, 8.0), protocol: 
         + ", ".join(f"{t} {n[t]}" for t in tasks)
         + f" ({len(common)} contexts, the same in every cell)."
     )
+    for ratio in ratios:  # the kept counts: every library's mean against the target, the methods that differ named
+        parts = []
+        for lib in sorted({m[0] for m in methods}, key=lambda x: order.get(x, 9)):
+            got = {m: v for (li, m, r), v in kept.items() if li == lib and r == ratio}
+            if not got:
+                continue
+            target = sum(t for v in got.values() for _, t in v) / sum(len(v) for v in got.values())
+            means = {m: sum(k for k, _ in v) / len(v) for m, v in got.items()}
+            off = [f"{m} {k:.1f}" for m, k in sorted(means.items()) if abs(k - target) > 0.05]
+            parts.append(f"{lib} {target:.1f}" + (f" (but {', '.join(off)})" if off else ""))
+        if parts:
+            lines.append(f"Kept at {ratio:g}x, mean tokens per layer at the context's end: " + "; ".join(parts) + ".")
     return "\n".join(lines)
 
 

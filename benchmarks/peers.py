@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 LIBRARIES = ("kvpress", "veloxquant", "kvpolicy")
+QA, QIP = "query-agnostic", "question-in-prompt"
+PROTOCOLS = (QA, QIP)
 UNCOMPRESSED = {"kvpress": "no_press", "kvpolicy": "full", "veloxquant": "full"}
 DEFAULT_METHODS = {
     "kvpress": "no_press,streaming_llm,snapkv,keydiff,expected_attention,tova,knorm",
@@ -136,6 +138,12 @@ def keep_count(context_len: int, ratio: float) -> int:
     return int(context_len * (1 - compression_ratio(ratio)))
 
 
+def kept_in_prompt(context_len: int, question_len: int, ratio: float) -> int:
+    """Question-in-prompt: tokens kept of the prompt but its last token (context and question), which is what is
+    compressed; the last token is then fed as the first step of the answer."""
+    return context_len + question_len - 1 if ratio == 1 else keep_count(context_len + question_len - 1, ratio)
+
+
 def compression_ratio(ratio: float) -> float:
     """kvpress's ``compression_ratio`` (fraction removed) for a ``ratio``-x compression."""
     return 0.0 if ratio == 1 else 1.0 - 1.0 / ratio
@@ -211,8 +219,11 @@ class Results:
             self.rows = old["rows"]
             self.header["resumed_from"] = old.get("resumed_from", []) + [old.get("command")]
 
-    def done(self, ctx_id: str, method: str, ratio: float) -> bool:
-        return any((r["id"], r["method"], r["ratio"]) == (ctx_id, method, ratio) for r in self.rows)
+    def done(self, ctx_id: str, method: str, ratio: float, protocol: str = QA) -> bool:
+        return any(
+            (r["id"], r["method"], r["ratio"], r.get("protocol", QA)) == (ctx_id, method, ratio, protocol)
+            for r in self.rows
+        )
 
     def add(self, row: Dict[str, Any]) -> None:
         self.rows.append(row)
@@ -230,13 +241,16 @@ def run_grid(
     run_one: Callable[[Dict[str, Any], str, float, int], Dict[str, Any]],
     results: Results,
     default_stop: Sequence[int],
+    protocol: str = QA,
 ) -> None:
-    """Every (context, method, ratio), uncompressed methods at ratio 1 only; rows into ``results``."""
+    """Every (context, method, ratio), uncompressed methods at ratio 1 only; rows into ``results``. Under
+    ``question-in-prompt`` ``run_one`` sizes each question's budget itself (its row's ``kept_target``: the mean over
+    the questions of :func:`kept_in_prompt`)."""
     for ctx in contexts:
         L = len(ctx["context_ids"])
         for method in methods:
             for ratio in [1.0] if method == UNCOMPRESSED[library] else ratios:
-                if results.done(ctx["id"], method, ratio):
+                if results.done(ctx["id"], method, ratio, protocol):
                     continue
                 kept = L if ratio == 1 else keep_count(L, ratio)
                 stop = ctx.get("stop_ids") or list(default_stop)
@@ -251,6 +265,7 @@ def run_grid(
                     "length": ctx.get("length"),
                     "depth": ctx.get("depth"),
                     "method": method,
+                    "protocol": protocol,
                     "ratio": ratio,
                     "compression_ratio": compression_ratio(ratio),
                     "context_tokens": L,
@@ -292,6 +307,8 @@ def kvpress_presses() -> Dict[str, Callable[[float], Any]]:
         "tova": plain(kp.TOVAPress),
         "knorm": plain(kp.KnormPress),
         "adakv_snapkv": wrapped(kp.AdaKVPress, kp.SnapKVPress),
+        "pyramidkv": plain(kp.PyramidKVPress),
+        "chunkkv": lambda cr: kp.ChunkKVPress(press=kp.SnapKVPress(compression_ratio=cr), chunk_length=20),
         "kvzip": plain(kp.KVzipPress),
     }
 
@@ -326,6 +343,8 @@ def run_kvpress(args, contexts) -> None:
 
     @torch.inference_mode()
     def run_one(ctx, method, ratio, kept):
+        if args.protocol == QIP:
+            return run_in_prompt(ctx, method, ratio)
         press = presses[method](compression_ratio(ratio))
         stop = set(ctx.get("stop_ids") or eos)
         start, cpu = time.perf_counter(), time.process_time()
@@ -362,8 +381,49 @@ def run_kvpress(args, contexts) -> None:
             "config": repr(press),
         }
 
+    @torch.inference_mode()
+    def run_in_prompt(ctx, method, ratio):
+        """kvpress's query-aware setting (its ``evaluate.py`` with ``query_aware: true`` puts the question in the
+        context): per question, the prompt but its last token (context + question) is prefilled under the press,
+        and the last token is fed as the "question" (kvpress's question suffix), positions continuing."""
+        stop = set(ctx.get("stop_ids") or eos)
+        start, cpu = time.perf_counter(), time.process_time()
+        answers, kept, targets, prefill_s, prefill_cpu = [], [], [], 0.0, 0.0
+        for q in ctx["questions"]:
+            t, c = time.perf_counter(), time.process_time()
+            prompt = list(ctx["context_ids"]) + list(q["question_ids"])
+            press = presses[method](compression_ratio(ratio))
+            cache = DynamicCache()
+            with press(model) if press is not None else _null():
+                model.model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache)
+            prefill_s, prefill_cpu = prefill_s + time.perf_counter() - t, prefill_cpu + time.process_time() - c
+            layers = _kvpress_kept(model, cache)
+            kept.append(sum(layers) / len(layers))
+            targets.append(kept_in_prompt(len(ctx["context_ids"]), len(q["question_ids"]), ratio))
+            last = torch.tensor([prompt[-1:]])
+            ids = _kvpress_generate(model, cache, last, len(prompt) - 1, q["max_new_tokens"], stop)
+            answers.append(
+                {
+                    "output": tok.decode(ids, skip_special_tokens=True),
+                    "output_ids": ids,
+                    "seconds": round(time.perf_counter() - t, 3),
+                }
+            )
+            del cache
+        return {
+            "answers": answers,
+            "kept_tokens": sum(kept) / len(kept),
+            "kept_target": sum(targets) / len(targets),
+            "prefill_s": round(prefill_s, 3),
+            "seconds": round(time.perf_counter() - start, 3),
+            "prefill_cpu_s": round(prefill_cpu, 3),
+            "cpu_s": round(time.process_time() - cpu, 3),
+            "config": repr(presses[method](compression_ratio(ratio))),
+        }
+
     header = {
         "library": "kvpress",
+        "protocol_name": args.protocol,
         "command": " ".join([sys.executable] + sys.argv),
         "prompts": str(args.prompts),
         "model": str(gguf),
@@ -380,7 +440,14 @@ def run_kvpress(args, contexts) -> None:
         "default_stop_ids": eos,
     }
     run_grid(
-        contexts, "kvpress", args.method_list, args.ratio_list, run_one, Results(args.out, header, args.resume), eos
+        contexts,
+        "kvpress",
+        args.method_list,
+        args.ratio_list,
+        run_one,
+        Results(args.out, header, args.resume),
+        eos,
+        args.protocol,
     )
 
 
@@ -473,7 +540,7 @@ def kvpolicy_factory(method: str, tokenizer=None) -> Callable[..., tuple]:
     repeat prompts for ``tokenizer``): ``make(model, budget, context_ids, prefill_step)`` returns caches already
     holding the cut context and, third, the (wall, CPU) seconds of a scoring reused from the context's previous
     ratio, to be counted in this row too ((0, 0) when scored in this call); a streaming method's caches come back
-    empty, third item ``None``."""
+    empty, third item ``None`` (run_mlx builds those from ``make.with_budget``; ``make.once``: a compress-once spec)."""
     import mlx.core as mx
 
     from kvpolicy_core.eval.perplexity import make_caches, spec_label
@@ -522,6 +589,7 @@ def kvpolicy_factory(method: str, tokenizer=None) -> Callable[..., tuple]:
         mx.eval([c.state for c in caches])
         return caches, o.to_string(), (scored["seconds"], scored["cpu_s"]) if reused else (0.0, 0.0)
 
+    make.with_budget, make.once = with_budget, once is not None
     return make
 
 
@@ -552,42 +620,110 @@ def run_mlx(args, contexts) -> None:
         lib_version = {"veloxquant_mlx": veloxquant_mlx.__version__}
     step = args.prefill_step
 
+    records: Dict[tuple, Any] = {}  # kvpolicy: a prompt's one-chunk prefill record, shared by its methods
+    record_s: Dict[tuple, tuple] = {}  # and its (wall, CPU) seconds, counted in every row that replays it
+
+    def prefill(method: str, budget: int, ids_list: List[int], last_fed_later: bool = False):
+        """Caches of ``method`` holding the prompt ``ids_list``, its config, and the (wall, CPU) seconds to add for a
+        prefill or scoring done once and shared (a replayed record; a compress-once scoring of an earlier ratio).
+
+        kvpolicy (streaming methods and ``full``): as mlx-lm's ``generate_step``, the prompt but its last token in
+        chunks of ``prefill_step``, then the last token as a step of its own: a method that holds the prompt and
+        cuts it at its end (``when="prompt_end"``, the default of h2o, cam, snapkv, ...) cuts there, before any
+        question is fed. A prompt whose all but last token fit one chunk is prefilled once, through plain caches,
+        and replayed into each method's caches (kvpolicy's ``record_prefill`` / ``replay_prefill``, exact: every
+        cache starts empty). veloxquant: the whole prompt in chunks (this program's first protocol).
+        ``last_fed_later`` (question-in-prompt): the last token is left out, for the answer to start with."""
+        if args.library == "kvpolicy" and method != "full" and factories[method].once:
+            caches, config, reused = factories[method](model, budget, ids_list, step)
+            return caches, config, reused
+        if args.library == "veloxquant":
+            if method == "full":
+                caches, config = [KVCache() for _ in model.layers], "mlx-lm KVCache"
+            else:
+                caches, config = factories[method](model, budget)
+            _chunks(model, caches, ids_list[:-1] if last_fed_later else ids_list, step)
+            return caches, config, (0.0, 0.0)
+        from kvpolicy_core.eval.perplexity import make_caches, spec_label
+        from kvpolicy_core.eval.tasks.needle import record_prefill, replay_prefill, replayable
+
+        spec = "full" if method == "full" else factories[method].with_budget(budget)
+        shared = (0.0, 0.0)
+        if args.replay and len(ids_list) - 1 <= step and replayable(spec):
+            key = tuple(ids_list)
+            if key not in records:
+                records.clear()
+                record_s.clear()
+                t, c = time.perf_counter(), time.process_time()
+                records[key] = record_prefill(model, ids_list)
+                record_s[key] = (time.perf_counter() - t, time.process_time() - c)
+            else:
+                shared = record_s[key]
+            caches = replay_prefill(model, spec, records[key])
+        else:
+            caches = make_caches(model, spec)
+            _chunks(model, caches, ids_list[:-1], step)
+        if not last_fed_later:
+            model(mx.array([ids_list[-1:]], dtype=mx.uint32), cache=caches)
+            mx.eval([c.state for c in caches])
+        return caches, "mlx-lm KVCache" if method == "full" else spec_label(spec), shared
+
+    def answer(caches, question_ids, q, stop, t):
+        out = _mlx_generate(model, caches, question_ids, q["max_new_tokens"], stop)
+        return {
+            "output": tok.decode([i for i in out if i not in stop]),
+            "output_ids": out,
+            "seconds": round(time.perf_counter() - t, 3),
+        }
+
     def run_one(ctx, method, ratio, kept):
         stop = set(ctx.get("stop_ids") or eos)
         start, cpu = time.perf_counter(), time.process_time()
-        reused = None  # a compress-once method's (wall, CPU) seconds of a scoring done for an earlier ratio
-        if method == "full":
-            caches, config = [KVCache() for _ in model.layers], "mlx-lm KVCache"
-        elif args.library == "kvpolicy":
-            caches, config, reused = factories[method](model, kept, ctx["context_ids"], step)
-        else:
-            caches, config = factories[method](model, kept)
-        if reused is None:
-            ids = mx.array(ctx["context_ids"], dtype=mx.uint32)
-            for i in range(0, ids.shape[0], step):  # mlx-lm's generate_step prefill: chunks, state evaluated
-                model(ids[None, i : i + step], cache=caches)
-                mx.eval([c.state for c in caches])
-                mx.clear_cache()
-        else:  # count a reused scoring as if it ran for this row
-            start, cpu = start - reused[0], cpu - reused[1]
+        if args.protocol == QIP:
+            return run_in_prompt(ctx, method, ratio, stop, start, cpu)
+        caches, config, shared = prefill(method, kept, list(ctx["context_ids"]))
+        start, cpu = start - shared[0], cpu - shared[1]  # a shared prefill or scoring counts in every row
         prefill_s, prefill_cpu = time.perf_counter() - start, time.process_time() - cpu
         kept_tokens = _kept(caches)
         answers = []
         for q in ctx["questions"]:
             t = time.perf_counter()
             qc = copy.deepcopy(caches)  # every question starts from the compressed context
-            out = _mlx_generate(model, qc, q["question_ids"], q["max_new_tokens"], stop)
-            answers.append(
-                {
-                    "output": tok.decode([i for i in out if i not in stop]),
-                    "output_ids": out,
-                    "seconds": round(time.perf_counter() - t, 3),
-                }
-            )
+            answers.append(answer(qc, q["question_ids"], q, stop, t))
             del qc
         return {
             "answers": answers,
             "kept_tokens": kept_tokens,
+            "prefill_s": round(prefill_s, 3),
+            "seconds": round(time.perf_counter() - start, 3),
+            "prefill_cpu_s": round(prefill_cpu, 3),
+            "cpu_s": round(time.process_time() - cpu, 3),
+            "config": config,
+        }
+
+    def run_in_prompt(ctx, method, ratio, stop, start, cpu):
+        """Per question: the prompt (context + question) but its last token prefilled into fresh caches, budget
+        :func:`kept_in_prompt`; the last token starts the answer (a held prompt is cut there, the question in view)."""
+        if args.library == "kvpolicy" and method != "full" and factories[method].once:
+            raise SystemExit(f"--protocol {QIP}: not wired for compress-once {method!r} here (use kvpolicy eval)")
+        answers, kept, targets, prefill_s, prefill_cpu = [], [], [], 0.0, 0.0
+        for q in ctx["questions"]:
+            t, c = time.perf_counter(), time.process_time()
+            prompt = list(ctx["context_ids"]) + list(q["question_ids"])
+            budget = kept_in_prompt(len(ctx["context_ids"]), len(q["question_ids"]), ratio)
+            caches, config, shared = prefill(method, budget, prompt, last_fed_later=True)
+            prefill_s += time.perf_counter() - t + shared[0]
+            prefill_cpu += time.process_time() - c + shared[1]
+            held = _kept(caches)
+            targets.append(budget)
+            answers.append(answer(caches, prompt[-1:], q, stop, t - shared[0]))  # its prefill counted in
+            # a held prompt (when="prompt_end") is cut at the answer's first step: count what is held after the answer
+            kept.append(held if method == "full" else _kept(caches))
+            del caches
+        return {
+            "answers": answers,
+            "kept_tokens": sum(kept) / len(kept),
+            "kept_target": sum(targets) / len(targets),
             "prefill_s": round(prefill_s, 3),
             "seconds": round(time.perf_counter() - start, 3),
             "prefill_cpu_s": round(prefill_cpu, 3),
@@ -604,14 +740,38 @@ def run_mlx(args, contexts) -> None:
         "blas": blas,
         "prefill_step": step,
         "model_load_s": round(load_s, 1),
-        "protocol": "kvpress's query-agnostic protocol with mlx-lm: context prefilled in chunks of prefill_step, "
-        "each question fed to a deep copy of the caches (positions continue: cache.offset), greedy",
+        "protocol_name": args.protocol,
+        "replay": args.replay,
+        "protocol": "kvpress's query-agnostic protocol with mlx-lm: context prefilled in chunks of prefill_step "
+        "(kvpolicy: as generate_step, its last token a step of its own; one-chunk prefills replayed), each question "
+        "fed to a deep copy of the caches (positions continue: cache.offset), greedy"
+        if args.protocol == QA
+        else "question-in-prompt with mlx-lm: per question, the prompt but its last token prefilled into fresh caches "
+        "(kvpolicy: one-chunk prefills replayed), the last token starts the greedy answer",
         "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, **lib_version, **_platform()},
         "default_stop_ids": eos,
     }
     run_grid(
-        contexts, args.library, args.method_list, args.ratio_list, run_one, Results(args.out, header, args.resume), eos
+        contexts,
+        args.library,
+        args.method_list,
+        args.ratio_list,
+        run_one,
+        Results(args.out, header, args.resume),
+        eos,
+        args.protocol,
     )
+
+
+def _chunks(model, caches, ids_list: List[int], step: int) -> None:
+    """``ids_list`` through ``caches`` in chunks of ``step`` (mlx-lm's generate_step prefill: state evaluated)."""
+    import mlx.core as mx
+
+    ids = mx.array(ids_list, dtype=mx.uint32)
+    for i in range(0, ids.shape[0], step):
+        model(ids[None, i : i + step], cache=caches)
+        mx.eval([c.state for c in caches])
+        mx.clear_cache()
 
 
 def _mlx_generate(model, caches, question_ids, max_new_tokens: int, stop) -> List[int]:
@@ -740,6 +900,104 @@ def table(paths: Iterable[Path]) -> str:
     return "\n".join(lines)
 
 
+def _leaderboard():
+    """benchmarks/leaderboard.py (its interval helpers; it imports kvpolicy: run ``--grid`` with kvpolicy's env)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import leaderboard
+
+    return leaderboard
+
+
+def grid(paths: Iterable[Path], ratios: Sequence[float] = (4.0, 8.0), protocol: str = QA) -> str:
+    """One markdown table of ``protocol``'s rows: a row per (library, method), per task a column per ratio with the
+    score (RULER's, percent) and its 95% interval (the leaderboard's Wilson interval over the questions), then the
+    tasks together (each task's questions sharing its weight, the leaderboard's :func:`score_interval`); the
+    uncompressed methods' one (1x) score in every ratio's column. Only the contexts that every (library, method,
+    ratio) of the table has run are counted, so every cell is over the same questions; ``n`` is the questions per
+    cell, per task."""
+    lb = _leaderboard()
+    rows = []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        if "rows" not in data:
+            raise SystemExit(f"{p}: not a peers result file (no 'rows')")
+        rows += [r for r in data["rows"] if r.get("protocol", QA) == protocol]
+    if not rows:
+        return f"(no {protocol} rows)"
+    wanted = [1.0, *ratios]
+    rows = [r for r in rows if r["ratio"] in wanted]
+    ids: Dict[tuple, set] = {}
+    for r in rows:
+        ids.setdefault((r["library"], r["method"], r["ratio"]), set()).add(r["id"])
+    common = set.intersection(*ids.values())
+    tasks = sorted({r["task"] for r in rows if r["id"] in common})
+    scores: Dict[tuple, List[float]] = {}
+    kept: Dict[tuple, List[tuple]] = {}  # (library, method, ratio) -> [(kept tokens, target)] per context
+    for r in rows:
+        if r["id"] in common:
+            key = (r["library"], r["method"], r["ratio"], r["task"])
+            scores.setdefault(key, []).extend(a["score"] for a in r["answers"])
+            if r.get("kept_tokens") is not None and "kept_target" in r:
+                kept.setdefault(key[:3], []).append((r["kept_tokens"], r["kept_target"]))
+    order = {lib: i for i, lib in enumerate(LIBRARIES)}
+    methods = sorted(
+        {(r["library"], r["method"]) for r in rows},
+        key=lambda m: (order.get(m[0], 9), m[1] != UNCOMPRESSED.get(m[0]), m[1]),
+    )
+    n = {t: len(next(v for k, v in scores.items() if k[3] == t)) for t in tasks}
+    head = ["library", "method"]
+    for t in [*tasks, "all"]:
+        head += [f"{t} {r:g}x" for r in ratios]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * len(head)) + " |"]
+
+    def cell(items):
+        ci = lb.score_interval(items)
+        v = 100 * sum(s * w for s, w in items) / sum(w for _, w in items)
+        return lb._with_ci(round(v, 1), ci)
+
+    for lib, method in methods:
+        uncompressed = method == UNCOMPRESSED.get(lib)
+        out = [lib, f"{method} (1x)" if uncompressed else method]
+        for t in [*tasks, None]:
+            for ratio in ratios:
+                r = 1.0 if uncompressed else ratio
+                if t is None:
+                    got = [(t2, scores.get((lib, method, r, t2))) for t2 in tasks]
+                    if any(v is None for _, v in got):
+                        out.append("")
+                        continue
+                    items = [(s, 1 / (len(tasks) * len(v))) for _, v in got for s in v]
+                else:
+                    v = scores.get((lib, method, r, t))
+                    if v is None:
+                        out.append("")
+                        continue
+                    items = [(s, 1.0) for s in v]
+                out.append(cell(items))
+        lines.append("| " + " | ".join(out) + " |")
+    lines.append("")
+    lines.append(
+        f"{protocol}; questions per cell: "
+        + ", ".join(f"{t} {n[t]}" for t in tasks)
+        + f" ({len(common)} contexts, the same in every cell)."
+    )
+    for ratio in ratios:  # the kept counts: every library's mean against the target, the methods that differ named
+        parts = []
+        for lib in sorted({m[0] for m in methods}, key=lambda x: order.get(x, 9)):
+            got = {m: v for (li, m, r), v in kept.items() if li == lib and r == ratio}
+            if not got:
+                continue
+            target = sum(t for v in got.values() for _, t in v) / sum(len(v) for v in got.values())
+            means = {m: sum(k for k, _ in v) / len(v) for m, v in got.items()}
+            off = [f"{m} {k:.1f}" for m, k in sorted(means.items()) if abs(k - target) > 0.05]
+            parts.append(f"{lib} {target:.1f}" + (f" (but {', '.join(off)})" if off else ""))
+        if parts:
+            lines.append(f"Kept at {ratio:g}x, mean tokens per layer at the context's end: " + "; ".join(parts) + ".")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- command line
 def select_contexts(contexts: List[Dict[str, Any]], tasks: Optional[str], limit: Optional[int]):
     """The contexts of ``tasks`` (comma-separated; None: all) in file order, at most ``limit`` of them."""
@@ -754,6 +1012,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--library", choices=LIBRARIES, help="run one library on --prompts")
     mode.add_argument("--table", nargs="+", type=Path, metavar="RESULT", help="merge result files into one table")
+    mode.add_argument(
+        "--grid",
+        nargs="+",
+        type=Path,
+        metavar="RESULT",
+        help="one table of --protocol's rows: library/method x task x ratio (--ratios), each score with its 95%% "
+        "interval over the questions (kvpolicy's env: the leaderboard's intervals)",
+    )
     mode.add_argument("--make-prompts", metavar="OUT.jsonl", help="write a needle prompts file (kvpolicy's env)")
     p.add_argument("--prompts", type=Path, help="prompts file (JSONL)")
     p.add_argument(
@@ -769,6 +1035,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--limit", type=int, help="only the first N contexts")
     p.add_argument("--tasks", help="only the contexts of these tasks (comma-separated, e.g. niah_multikey)")
     p.add_argument("--resume", action="store_true", help="keep the rows already in --out, run only the others")
+    p.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default=QA,
+        help="query-agnostic (kvpress's; default): the context compressed before any question; question-in-prompt: "
+        "per question, context + question compressed, the prompt's last token starting the answer",
+    )
+    p.add_argument(
+        "--no-replay",
+        dest="replay",
+        action="store_false",
+        help="kvpolicy: run every method's one-chunk prefill for real instead of replaying one shared record",
+    )
     p.add_argument("--gguf", help="kvpress: the GGUF file (default: from the model's PyPI package)")
     p.add_argument("--mlx-model", help="MLX libraries: the converted mlx-lm directory (default: kvpolicy's cache)")
     g = p.add_argument_group("--make-prompts")
@@ -781,6 +1060,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.table:
         print(table(args.table))
+        return 0
+    if args.grid:
+        print(grid(args.grid, parse_ratios(args.ratios), args.protocol))
         return 0
     if args.make_prompts:
         make_prompts(args)

@@ -107,3 +107,44 @@ def test_a_long_context_suite_file_is_read_and_filtered_by_task(tmp_path):
     with pytest.raises(SystemExit, match="no context of --tasks 'vt'"):
         peers.main(["--library", "kvpolicy", "--prompts", str(path), "--tasks", "vt", "--out", str(out)])
     assert not out.exists()
+
+
+def test_question_in_prompt_keeps_its_ratio_of_the_prompt_but_its_last_token():
+    assert peers.kept_in_prompt(1990, 31, 8) == peers.keep_count(2020, 8) == 252
+    assert peers.kept_in_prompt(1990, 31, 1) == 2020  # uncompressed: everything before the answer's first step
+
+
+def test_grid_is_one_row_per_library_method_with_wilson_intervals_over_the_same_contexts(tmp_path):
+    def result(library, method, ratio, per_context, protocol=None):
+        rows = []
+        for ctx, (task, scores) in per_context.items():
+            row = {"library": library, "method": method, "ratio": ratio, "task": task, "id": ctx}
+            row["answers"] = [{"score": s} for s in scores]
+            if protocol:
+                row["protocol"] = protocol
+            rows.append(row)
+        path = tmp_path / f"{library}_{method}_{ratio}_{protocol}.json"
+        path.write_text(json.dumps({"library": library, "rows": rows}))
+        return path
+
+    both = {"a": ("niah_single", [1.0]), "b": ("niah_multikey", [1.0, 0.0])}
+    files = [
+        result("kvpress", "no_press", 1.0, both),
+        result("kvpress", "snapkv", 8.0, both),
+        result("kvpolicy", "full", 1.0, both),
+        # h2o also ran a third context: left out, so that every cell is over the same questions
+        result("kvpolicy", "h2o", 8.0, {**both, "c": ("niah_single", [1.0])}),
+        result("kvpolicy", "h2o", 8.0, {"a": ("niah_single", [0.0])}, protocol="question-in-prompt"),
+    ]
+    lines = peers.grid(files, ratios=[8.0]).splitlines()
+    assert lines[0] == "| library | method | niah_multikey 8x | niah_single 8x | all 8x |"
+    # Wilson at n = 2, 1 and (all: weights 1/2, 1/4, 1/4) n_eff = 2.67
+    assert lines[2] == "| kvpress | no_press (1x) | 50 [10, 90] | 100 [21, 100] | 75 [24, 97] |"
+    assert [line.split(" | ")[:2] for line in lines[3:6]] == [
+        ["| kvpress", "snapkv"],
+        ["| kvpolicy", "full (1x)"],
+        ["| kvpolicy", "h2o"],
+    ]
+    assert lines[-1].endswith("niah_multikey 2, niah_single 1 (2 contexts, the same in every cell).")
+    qip = peers.grid(files, ratios=[8.0], protocol="question-in-prompt").splitlines()
+    assert qip[2] == "| kvpolicy | h2o | 0 [0, 79] | 0 [0, 79] |"

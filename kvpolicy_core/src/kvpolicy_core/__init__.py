@@ -86,6 +86,7 @@ def _register_with_mlx_lm() -> None:
     runs; imported here too, for a Python that skipped site-packages' ``.pth`` files)."""
     if "mlx_lm.models.cache" in sys.modules:
         from .cache import batch, policy_cache  # noqa: F401 -- each registers its class on import (cache/interop.py)
+
         return
     try:
         import _kvpolicy_core_hook  # noqa: F401 -- installs its finder (once)

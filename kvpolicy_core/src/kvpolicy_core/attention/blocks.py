@@ -1,7 +1,7 @@
 """A prompt chunk's attention over quantized rows by blocks of query rows: the same output, a bounded transient.
 
 mlx-lm's quantized attention (``quantized_matmul``, softmax, ``quantized_matmul``) materialises a chunk's logits and
-weights, [B, Hq, S, L] each, on every device: at S = 512 queries over L = 8192 keys, 8 heads, float32, 128 MiB each,
+weights, [B, Hq, S, L] each, on every device: S x L floats per query head,
 beside the rows the cache holds; through a long prompt in quantized rows (``kv_bits``, a held prompt's
 ``hold_bits``) that transient, not the cache, is most of the peak. Query rows are independent::
 

@@ -67,6 +67,23 @@ class PromptError(ValueError):
 
 
 # ----------------------------------------------------------------------------- prompts and scoring
+
+
+def row_record(answers, kept, targets, prefill, started, config) -> dict:
+    """One method x ratio row: its answers, mean kept and target tokens, prefill and total wall/CPU seconds
+    (``prefill``: (wall, cpu) seconds; ``started``: (perf_counter, process_time) at the row's start)."""
+    return {
+        "answers": answers,
+        "kept_tokens": sum(kept) / len(kept),
+        "kept_target": sum(targets) / len(targets),
+        "prefill_s": round(prefill[0], 3),
+        "seconds": round(time.perf_counter() - started[0], 3),
+        "prefill_cpu_s": round(prefill[1], 3),
+        "cpu_s": round(time.process_time() - started[1], 3),
+        "config": config,
+    }
+
+
 def _int_list(value: Any, where: str) -> List[int]:
     if (
         not isinstance(value, list)
@@ -410,16 +427,14 @@ def run_kvpress(args, contexts) -> None:
                 }
             )
             del cache
-        return {
-            "answers": answers,
-            "kept_tokens": sum(kept) / len(kept),
-            "kept_target": sum(targets) / len(targets),
-            "prefill_s": round(prefill_s, 3),
-            "seconds": round(time.perf_counter() - start, 3),
-            "prefill_cpu_s": round(prefill_cpu, 3),
-            "cpu_s": round(time.process_time() - cpu, 3),
-            "config": repr(presses[method](compression_ratio(ratio))),
-        }
+        return row_record(
+            answers,
+            kept,
+            targets,
+            (prefill_s, prefill_cpu),
+            (start, cpu),
+            repr(presses[method](compression_ratio(ratio))),
+        )
 
     header = {
         "library": "kvpress",
@@ -720,16 +735,7 @@ def run_mlx(args, contexts) -> None:
             # a held prompt (when="prompt_end") is cut at the answer's first step: count what is held after the answer
             kept.append(held if method == "full" else _kept(caches))
             del caches
-        return {
-            "answers": answers,
-            "kept_tokens": sum(kept) / len(kept),
-            "kept_target": sum(targets) / len(targets),
-            "prefill_s": round(prefill_s, 3),
-            "seconds": round(time.perf_counter() - start, 3),
-            "prefill_cpu_s": round(prefill_cpu, 3),
-            "cpu_s": round(time.process_time() - cpu, 3),
-            "config": config,
-        }
+        return row_record(answers, kept, targets, (prefill_s, prefill_cpu), (start, cpu), config)
 
     header = {
         "library": args.library,

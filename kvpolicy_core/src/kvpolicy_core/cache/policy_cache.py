@@ -281,12 +281,13 @@ class PolicyCache(CacheDiagnostics):
         if not chunk:
             self._use_rows(self._kept_rows)
         elif self.hold_rows is not None and self.storage is not self.hold_rows and self.n + S > self.budget:
-            for d in (keys.shape[-1], values.shape[-1]):
-                if d % self.hold_rows.group_size:
-                    g = 32 if d % 32 == 0 and self.hold_rows.group_size == 64 else None
-                    self.hold_rows = None if g is None else QuantizedRows(self.hold_rows.bits, g)
-                    if self.hold_rows is None:  # this head dim cannot be quantized so: held in full precision
-                        return
+            dims = (keys.shape[-1], values.shape[-1])
+            g = next((g for g in (self.hold_rows.group_size, 32) if all(d % g == 0 for d in dims)), None)
+            if g is None:  # this head dim cannot be quantized so: held in full precision
+                self.hold_rows = None
+                return
+            if g != self.hold_rows.group_size:
+                self.hold_rows = QuantizedRows(self.hold_rows.bits, g)
             self._use_rows(self.hold_rows)
 
     def hold_as_kept(self) -> None:

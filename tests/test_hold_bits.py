@@ -36,9 +36,16 @@ def decode(model, caches, tokens):
     return mx.concatenate([model(tokens[:, t : t + 1], cache=caches) for t in range(tokens.shape[1])], axis=1)
 
 
+def test_the_shipped_cut_holds_a_long_prompt_at_8_bits():
+    """The default: ``hold_bits=8`` under ``when="prompt_end"``; ``hold_bits=none`` holds in full precision."""
+    assert PolicyCache("cam:budget=16").policy.config.policy.hold_bits == 8
+    assert PolicyCache("h2o:budget=16").policy.config.policy.hold_bits == 8
+    assert PolicyCache("cam:budget=16,hold_bits=none").policy.config.policy.hold_bits is None
+
+
 def test_a_prompt_within_the_budget_is_held_exactly(model64):
     """Nothing past the budget: the rows are never re-encoded, the logits are bit for bit those without hold_bits."""
-    plain = KVCacheBuilder.for_model(model64, "cam:budget=80")
+    plain = KVCacheBuilder.for_model(model64, "cam:budget=80,hold_bits=none")
     held = KVCacheBuilder.for_model(model64, "cam:budget=80,hold_bits=4")
     a = mx.concatenate([prefill(model64, plain, TOKENS[:, :48]), decode(model64, plain, TOKENS[:, 48:])], axis=1)
     b = mx.concatenate([prefill(model64, held, TOKENS[:, :48]), decode(model64, held, TOKENS[:, 48:])], axis=1)
@@ -49,7 +56,7 @@ def test_a_prompt_within_the_budget_is_held_exactly(model64):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_past_the_budget_the_prompt_is_held_quantized_and_the_cut_keeps_full_precision_rows(model64, bits):
     caches = KVCacheBuilder.for_model(model64, f"h2o:budget=16,hold_bits={bits}")
-    plain = KVCacheBuilder.for_model(model64, "h2o:budget=16")
+    plain = KVCacheBuilder.for_model(model64, "h2o:budget=16,hold_bits=none")
     prefill(model64, caches, TOKENS[:, :48])
     prefill(model64, plain, TOKENS[:, :48])
     for c, p in zip(caches, plain):
@@ -68,7 +75,7 @@ def test_the_kept_rows_are_the_held_rows_decoded(model64):
     """A cache driven by hand (proxy signal: the cut scores the same with or without hold_bits): the kept keys are
     ``dequantize(quantize(k))`` of the same tokens the full-precision hold keeps."""
     spec = "h2o:budget=20,when=prompt_end,signal=proxy"
-    held, plain = PolicyCache(spec + ",hold_bits=8"), PolicyCache(spec)
+    held, plain = PolicyCache(spec + ",hold_bits=8"), PolicyCache(spec + ",hold_bits=none")
     keys = mx.random.normal((1, 2, 50, 64), key=mx.random.key(1))
     for c in (held, plain):
         c.update_and_fetch(keys, keys)

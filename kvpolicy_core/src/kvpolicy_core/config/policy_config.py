@@ -71,10 +71,10 @@ class PolicyConfig(BaseModel):
         "the budget with the question in view. None: the whole prompt is held. 1 holds what when='stream' holds.",
     )
     hold_bits: Optional[Literal[4, 8]] = Field(
-        None,
+        8,
         description="With when='prompt_end' and full-precision rows: a held prompt past the budget is stored "
         "quantized to this many bits (mlx-lm's QuantizedKVCache rows) until its cut, where the kept rows are decoded "
-        "back to full precision; a prompt within the budget is held exactly. None: held in full precision. "
+        "back to full precision; a prompt within the budget is held exactly. Default 8. None: held in full precision. "
         "With kv_bits the held rows are stored at kv_bits already.",
     )
     allocation: str = Field(

@@ -19,7 +19,7 @@ a larger one is refused with a ``ValueError`` before any work.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -46,10 +46,20 @@ def random_kv(B: int = 2, H: int = 3, S: int = 40, D: int = 16, seed: int = 0, d
     return (mx.random.normal((B, H, S, D), key=k1).astype(dtype), mx.random.normal((B, H, S, D), key=k2).astype(dtype))
 
 
+def fetched_shape(keys, bits: Optional[int]) -> Tuple[int, ...]:
+    """The shape [B, H, N, D] of keys as ``update_and_fetch`` returns them: an array, or quantized rows
+    ``(packed [B, H, N, D * bits / 32], scales, biases)``."""
+    if not isinstance(keys, tuple):
+        return tuple(keys.shape)
+    packed = keys[0].shape
+    return tuple(packed[:-1]) + (packed[-1] * 32 // bits,)
+
+
 def feed(cache: PolicyCache, keys: mx.array, values: mx.array, chunks: Iterable[int], queries=None, scale=None):
     """Feed K/V [B, H, T, D] through ``cache`` in chunks, calling the attention hook like a model would.
 
-    Returns the shapes of what each call returned. ``queries`` [B, Hq, T, D] defaults to the keys,
+    Returns the shapes [B, H, N, D] of what each call returned (of the keys it stands for where they come as
+    quantized rows, ``(packed, scales, biases)``: a held prompt under ``hold_bits``, or ``kv_bits``). ``queries`` [B, Hq, T, D] defaults to the keys,
     ``scale`` to ``D ** -0.5``; the mask is None for one token and "causal" for a chunk.
     """
     queries = keys if queries is None else queries
@@ -58,7 +68,7 @@ def feed(cache: PolicyCache, keys: mx.array, values: mx.array, chunks: Iterable[
     for S in chunks:
         k, v = cache.update_and_fetch(keys[:, :, t : t + S], values[:, :, t : t + S])
         cache.before_attention(queries[:, :, t : t + S], scale, None if S == 1 else "causal")
-        shapes.append(tuple(k.shape))
+        shapes.append(fetched_shape(k, getattr(cache, "bits", None)))
         t += S
     return shapes
 

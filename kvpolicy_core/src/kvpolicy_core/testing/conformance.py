@@ -60,7 +60,8 @@ def feed(cache: PolicyCache, keys: mx.array, values: mx.array, chunks: Iterable[
 
     Returns the shapes [B, H, N, D] of what each call returned (of the keys it stands for where they come as
     quantized rows, ``(packed, scales, biases)``: a held prompt under ``hold_bits``, or ``kv_bits``). ``queries``
-    [B, Hq, T, D] defaults to the keys, ``scale`` to ``D ** -0.5``; the mask is None for one token and "causal" for a chunk.
+    [B, Hq, T, D] defaults to the keys, ``scale`` to ``D ** -0.5``; the mask is None for one token and "causal"
+    for a chunk.
     """
     queries = keys if queries is None else queries
     scale = keys.shape[-1] ** -0.5 if scale is None else scale

@@ -24,8 +24,8 @@ from pathlib import Path
 from _common import mx, parser, result_name, timed, write_json
 
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.cache.compiled import compiled
 from kvpolicy_core.cache.slots import SlotStore, Snapshot, Token
+from kvpolicy_core.cache.step import compiled
 from kvpolicy_core.parts.base import CacheView
 
 

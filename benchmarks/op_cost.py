@@ -32,8 +32,8 @@ from merge_batching import fields
 from step_cost import Stepper
 
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.cache.compiled import compiled, compiled_choose
 from kvpolicy_core.cache.slots import SlotStore, Snapshot, Token
+from kvpolicy_core.cache.step import compiled, compiled_choose
 from kvpolicy_core.parts.base import CacheView
 
 

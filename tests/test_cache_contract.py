@@ -154,20 +154,20 @@ def test_a_policys_compiled_steps_go_with_it():
     cache uses a policy, its parts and their traces are freed (a server building caches per request)."""
     import gc
 
-    from kvpolicy_core.cache import traces as compiled_parts
+    from kvpolicy_core.cache import step as compiled_parts
     from kvpolicy_core.testing.conformance import feed
 
     gc.collect()
-    before = len(compiled_parts._cache)
+    before = len(compiled_parts._traces)
     keys, values = random_kv(S=12)
     for method in ("h2o:budget=4,n_sink=1,signal=proxy", "cam:budget=4,n_sink=1,signal=proxy,min_sim=-1"):
         for _ in range(5):
             cache = PolicyCache(method)
             feed(cache, keys, values, [1] * 12)
-            assert len(compiled_parts._cache) > before  # decode steps ran compiled
+            assert len(compiled_parts._traces) > before  # decode steps ran compiled
             del cache
     gc.collect()
-    assert len(compiled_parts._cache) == before
+    assert len(compiled_parts._traces) == before
 
 
 def test_new_buffers_are_checked_against_the_next_input():

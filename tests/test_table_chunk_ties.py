@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvpolicy_core import PolicyCache
-from kvpolicy_core.cache.choose import choose
+from kvpolicy_core.cache.step import choose
 from kvpolicy_core.parts.base import CacheView
 from kvpolicy_core.testing.conformance import feed, random_kv
 from kvpolicy_table.chunkkv import ChunkSelector, _places

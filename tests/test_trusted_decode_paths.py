@@ -169,7 +169,7 @@ def test_window_dead_sinks_are_evicted_first(selector):
 
 def test_a_live_slot_ranked_minus_inf_goes_after_every_window_dead_slot():
     """step.choose's tiers are strict: window-dead slots go before any live slot, whatever its rank."""
-    from kvpolicy_core.cache.choose import choose
+    from kvpolicy_core.cache.step import choose
 
     ranked = mx.array([[[-math.inf, 5.0, 6.0, 7.0]]])
     positions = mx.array([[[4, 5, 6, 7]]], dtype=mx.int32)
@@ -180,7 +180,7 @@ def test_a_live_slot_ranked_minus_inf_goes_after_every_window_dead_slot():
 def test_choose_orders_dead_then_finite_then_protected_and_never_a_live_sink():
     """step.choose directly: window-dead first, then finite ranks (lowest first, huge ones capped), then the
     protected (+inf, NaN), and a sink (position < n_sink) never unless it is window-dead."""
-    from kvpolicy_core.cache.choose import choose
+    from kvpolicy_core.cache.step import choose
 
     # slots:            sink       dead sink  protected  NaN       huge     finite  dead    finite
     ranked = mx.array([[[-math.inf, 9.0, math.inf, math.nan, 3.3e38, 2.0, 50.0, -1.0]]])
@@ -286,7 +286,7 @@ def test_the_compiled_decode_eviction_is_the_eager_one_bit_for_bit(monkeypatch, 
     """A decode eviction's compiled calls (the selector's ranks and the choice, the disposition's update, the
     write) leave exactly the buffers, positions, scores, log-weights and key norms of the same calls eager, and
     are the path decode takes."""
-    from kvpolicy_core.cache import compiled as compiled_mod
+    from kvpolicy_core.cache import step as step_mod
     from kvpolicy_core.cache.slots import SlotStore
 
     taken = {"choose": 0, "dispose": 0, "write": 0}
@@ -294,11 +294,10 @@ def test_the_compiled_decode_eviction_is_the_eager_one_bit_for_bit(monkeypatch, 
     def counting(name, fn):
         return lambda *a, **k: (taken.__setitem__(name, taken[name] + 1), fn(*a, **k))[1]
 
-    real_write = SlotStore.write
-    monkeypatch.setattr(
-        compiled_mod._CompiledChoose, "__call__", counting("choose", compiled_mod._CompiledChoose.__call__)
-    )
-    monkeypatch.setattr(compiled_mod._Compiled, "__call__", counting("dispose", compiled_mod._Compiled.__call__))
+    real_write, real_run = SlotStore.write, step_mod._run_traced
+    choose, dispose = counting("choose", real_run), counting("dispose", real_run)
+    # a compiled choice takes one input (n_sink), a compiled dispose two (losers, key)
+    monkeypatch.setattr(step_mod, "_run_traced", lambda f, b, v, *i: (choose if len(i) == 1 else dispose)(f, b, v, *i))
     monkeypatch.setattr(
         SlotStore,
         "write",

@@ -5,9 +5,10 @@ own ``load_prompt_cache`` (``mlx_lm.generate --prompt-cache-file``) find kvpolic
 It imports nothing but :mod:`sys` at start-up and puts one finder on :data:`sys.meta_path` that finds nothing
 itself: when ``mlx_lm.models.cache`` is first imported, it takes the spec the standard path finder gives and, once that
 module has run, imports kvpolicy's two cache modules (which register ``PolicyCache`` and ``BatchPolicyCache`` in it:
-:mod:`kvpolicy_core.cache.interop`), then leaves the path. ``import kvpolicy_core`` imports this module too: it
-is the package's one import finder, also where the ``.pth`` file did not run. Every error of its own is swallowed: a
-broken hook never breaks Python, it only leaves mlx-lm without the classes (importing ``PolicyCache`` registers it).
+:func:`kvpolicy_core.cache.batch.register_with_mlx_lm`), then leaves the path. ``import kvpolicy_core`` imports
+this module too: it is the package's one import finder, also where the ``.pth`` file did not run. Every error of its
+own is swallowed: a broken hook never breaks Python, it only leaves mlx-lm without the classes (importing
+``PolicyCache`` registers it).
 """
 
 import sys
@@ -17,7 +18,7 @@ _WATCHED = "mlx_lm.models.cache"
 
 def _register(_module) -> None:
     try:
-        # each registers its class in the module just run (kvpolicy_core/cache/interop.py)
+        # each registers its class in the module just run (kvpolicy_core/cache/batch.py)
         from kvpolicy_core.cache import batch, policy_cache  # noqa: F401
     except Exception:  # noqa: BLE001 - any error of a broken kvpolicy install must not break mlx-lm's import
         pass

@@ -85,7 +85,7 @@ def _register_with_mlx_lm() -> None:
     ``sys.meta_path`` finder of :mod:`_kvpolicy_core_hook` (the start-up hook that ``kvpolicy_core_mlx_lm.pth``
     runs; imported here too, for a Python that skipped site-packages' ``.pth`` files)."""
     if "mlx_lm.models.cache" in sys.modules:
-        from .cache import batch, policy_cache  # noqa: F401 -- each registers its class on import (cache/interop.py)
+        from .cache import batch, policy_cache  # noqa: F401 -- each registers its class on import (cache/batch.py)
 
         return
     try:

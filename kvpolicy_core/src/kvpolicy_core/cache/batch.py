@@ -41,7 +41,6 @@ from mlx.utils import tree_map
 
 from ..errors import KVPolicyError
 from ..parts.attention_scorer import causal_allowed
-from . import interop
 from .batch_rows import StackedRows, can_stack
 from .layer_group import copied_group
 
@@ -391,4 +390,16 @@ def _row_mask_in(n: int, L: int, window: Optional[int]):
     return None if n == 1 else "causal"
 
 
-interop.register_with_mlx_lm(BatchPolicyCache)
+def register_with_mlx_lm(cls: type) -> None:
+    """Make ``cls`` loadable by mlx-lm's ``load_prompt_cache``, which looks cache classes up by name in
+    ``mlx_lm.models.cache``'s globals (idempotent). Run when this module and :mod:`.policy_cache` are imported;
+    ``import kvpolicy_core`` imports both as soon as mlx-lm's module is imported too (in either order)."""
+    # imported here, not at the top: importing mlx-lm's module runs the package's registration
+    # (kvpolicy_core/__init__.py), which imports the modules that import this one
+    import mlx_lm.models.cache as mlx_cache
+
+    if getattr(mlx_cache, cls.__name__, None) is not cls:
+        setattr(mlx_cache, cls.__name__, cls)
+
+
+register_with_mlx_lm(BatchPolicyCache)

@@ -51,13 +51,12 @@ from ..errors import KVPolicyError, ModelError
 from ..parts.attention_scorer import causal_allowed
 from ..parts.base import CacheView, on_key_norms
 from ..runtime.sharding import check_head_shard
-from . import interop, undo
-from .batch import BatchPolicyCache
+from . import undo
+from .batch import BatchPolicyCache, register_with_mlx_lm
 from .diagnostics import CacheDiagnostics
 from .layer_group import prompt_statistic, record
 from .restore_checks import check_restored
-from .row_state import RowState
-from .slots import FIELDS, SlotStore, Token
+from .slots import FIELDS, RowState, SlotStore, Token
 from .state import from_state, load_state, meta_json, state_of
 from .step import PolicyStep
 from .storage import QuantizedRows, storage_for
@@ -620,7 +619,7 @@ class PolicyCache(CacheDiagnostics):
         return self._step
 
     def row_state(self) -> RowState:
-        """This cache's state as a value (:class:`~.row_state.RowState`): :meth:`set_row_state` of it puts the cache
+        """This cache's state as a value (:class:`~.slots.RowState`): :meth:`set_row_state` of it puts the cache
         back exactly as it is now. Every update is functional (MLX arrays are values), so references are a complete
         snapshot; a step that raises is rolled back through it (all-or-nothing)."""
         sl = self._slots
@@ -670,4 +669,4 @@ class PolicyCache(CacheDiagnostics):
 
 
 BatchPolicyCache.row_class = PolicyCache
-interop.register_with_mlx_lm(PolicyCache)
+register_with_mlx_lm(PolicyCache)

@@ -15,7 +15,8 @@ references (:meth:`snapshot`) is a complete, cheap snapshot.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Tuple, Union
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 
@@ -38,6 +39,25 @@ class Snapshot(NamedTuple):
     scores: Optional[mx.array]  #: [B, H, n] float32
     n: int  #: valid slots
     log_weights: Optional[mx.array] = None  #: [B, H, n] float32, when tracked
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowState:
+    """The state of one policy-cache row (its batch, for a single cache) as a value, held by reference (MLX arrays
+    are values): ``PolicyCache.row_state()`` gives it and ``set_row_state`` takes it back (a step's all-or-nothing
+    rollback, the stacked rows of a batch, persistence). Change a field with :func:`dataclasses.replace`;
+    ``eq=False``: MLX arrays have no truth value to compare by."""
+
+    slots: Snapshot  #: the slot store's buffers and valid count (:meth:`.slots.SlotStore.snapshot`)
+    offset: int  #: tokens seen: the absolute position of the next token
+    counters: Mapping[str, mx.array]  #: the parts' counters (int32 scalars), summed per layer
+    attended: bool  #: the last update's attention ran through the hook (or none was needed yet)
+    run: Mapping[str, Any]  #: the scorer's state of the current run of prompt chunks (``CacheView.run``)
+    run_open: bool  #: the last update was a prompt chunk and nothing was evicted since
+    lw_used: bool  #: some attention log-weight may be nonzero (the attention adds them from then on)
+    last_S: int  #: tokens of the last update (the window mask of its attention)
+    updates: int  #: updates so far (bounds the counters' lazy graph)
+    track_key_norms: bool  #: the store keeps each slot's key norm (a part read them, or its trait asks)
 
 
 class Token(NamedTuple):

@@ -9,7 +9,7 @@ restore route installs it again, in any process.
 A restored cache continues as the saved one would: the same slots, offset, counters, run of prompt chunks, and
 the same attention hook (re-installed on the modules the meta names, and held by the cache), or it is refused
 before its first update. Every route is checked by :func:`.restore_checks.check_restored`. The functions read and
-write a cache through its public surface and its :class:`~.row_state.RowState`; ``PolicyCache.state``,
+write a cache through its public surface and its :class:`~.slots.RowState`; ``PolicyCache.state``,
 ``meta_state`` and ``from_state`` (what mlx-lm calls) are one-line delegations to them.
 """
 
@@ -28,8 +28,7 @@ from ..runtime.sharding import check_head_shard
 from .diagnostics import LEGACY_COUNTERS
 from .layer_group import check_group_meta, check_run_stats, restored_group
 from .restore_checks import check_restored
-from .row_state import RowState
-from .slots import Snapshot
+from .slots import RowState, Snapshot
 from .storage import QuantizedRows, first_rows, length
 
 

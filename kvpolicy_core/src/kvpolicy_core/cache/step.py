@@ -17,14 +17,24 @@ and finite deltas for finite rows) evaluated for a prompt chunk's eviction and f
 after those, decode steps make no host sync and the slot store's device-side guards
 (:meth:`~.slots.SlotStore.add`) keep any update from writing outside the cache or a non-finite value into a
 finite slot.
+
+*Compiled decode calls.* A decode eviction (one loser per row) of a part with the ``compile_decode`` trait runs as
+one ``mx.compile`` call: the selector's ranks with the choice made from them, and the disposition's update. Their
+shapes stay fixed once the budget is reached, so a graph is traced once per (shape, layout) and shared by every
+layer's cache (:data:`_traces`, keyed weakly by the part: the traces go with the policy). The offset enters as the
+int32 array [B, 1, 1] every view gives; a part must not sync with the host inside. A traced output of the wrong
+type or shape makes the eager call run, which reports it.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
+import numpy as np
 
 from ..config.policy import Policy, step_key, step_keys
 from ..errors import MLX_ERRORS, KVPolicyError, ModelError, PluginError, blamed
@@ -36,12 +46,167 @@ from ..parts.base import (
     RemovedForm,
     Scorer,
     Selector,
+    kept_key_norms,
     offset_read,
+    on_key_norms,
+    pick_lowest,
     policy_needs,
 )
-from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, nonfinite_flags
-from .choose import choose
-from .compiled import compiled, compiled_choose
+from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, nonfinite_flags, scalar
+
+_RANK_CAP = 3.0e38  # ranks are clipped to +-this: protected (+inf, NaN) ranks take float32's max, dead slots -inf
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def choose(ranked: mx.array, positions: mx.array, n_sink, dead: Optional[mx.array], n_evict: int) -> mx.array:
+    """Losers [B, H, E] int32 from a selector's ranks [B, H, L]: the E lowest of ::
+
+        r_j = -inf if dead_j  else  +inf if pos_j < n_sink  else  max32 if rank_j in {+inf, NaN}
+              else clip(rank_j, -3e38, 3e38)
+
+    four strict tiers: window-dead slots go first, then the selector's finite ranks (lowest first), then the
+    slots it protects, and a sink never unless window-dead. Distinct indices in ``[0, L)`` by construction
+    (:func:`pick_lowest`), whatever the ranks are."""
+    protected = mx.isnan(ranked) | mx.isposinf(ranked)
+    r = mx.where(protected, mx.array(_FLOAT32_MAX, dtype=mx.float32), mx.clip(ranked, -_RANK_CAP, _RANK_CAP))
+    r = mx.where(positions < n_sink, mx.array(math.inf, dtype=mx.float32), r)
+    if dead is not None:
+        r = mx.where(dead, mx.array(-math.inf, dtype=mx.float32), r)
+    return pick_lowest(r, n_evict)
+
+
+#: the compiled decode calls of each part, shared by every layer's cache, in a map keyed weakly by the part: once no
+#: cache uses a policy, its parts and their traces are freed (a server building caches per request)
+_traces: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_FIELDS = ("targets", "d_keys", "d_values", "d_scores", "d_log_weights")
+_OPTIONAL_VIEW = ("dead", "log_weights", "key_norms")
+
+
+def _traced(part, kind: str, make: Callable):
+    """The compiled call ``kind`` of ``part``, ``make(ref)`` on first use (``ref()`` gives the part: weakly, so that
+    the call in the map does not keep its key alive); a new one per use for a part that cannot be a weak key."""
+    try:
+        per = _traces.get(part)
+        if per is None:
+            per = _traces[part] = {}
+    except TypeError:
+        return make(lambda: part)
+    if kind not in per:
+        per[kind] = make(weakref.ref(part))
+    return per[kind]
+
+
+def _layout(view: CacheView):
+    """(the view's static layout, its arrays) for a compiled call's key and inputs."""
+    optional = [kept_key_norms(view) if f == "key_norms" else getattr(view, f) for f in _OPTIONAL_VIEW]
+    present = tuple(x is not None for x in optional)
+    arrays = [view.keys, view.values, view.positions, view.scores, view.offset] + [x for x in optional if x is not None]
+    return (view.head_offset, view.heads_total, view.n_new, present), arrays
+
+
+def _view(arrays, layout, read: list) -> CacheView:
+    """The traced view; ``read`` gets True appended when the part reads key norms the view lacks."""
+    keys, values, positions, scores, offset, *optional = arrays
+    head_offset, heads_total, n_new, present = layout
+    extra = dict(zip([f for f, p in zip(_OPTIONAL_VIEW, present) if p], optional))
+    view = CacheView(
+        keys, values, positions, scores, offset, n_new, extra.get("dead"), head_offset, heads_total,
+        extra.get("log_weights"), key_norms=extra.get("key_norms"),
+    )  # fmt: skip
+    if "key_norms" not in extra:  # computed in the graph; the cache keeps them from then on
+        on_key_norms(view, lambda keys: read.append(True))
+    return view
+
+
+def _run_traced(fns: dict, build: Callable, view: CacheView, *inputs):
+    """Run the trace of ``view``'s layout (``build(layout, read)`` on first use) on ``inputs`` and the view's arrays:
+    (its outputs, the layout). A traced part that read key norms the view lacks makes the eager view's first read
+    (the cache keeps them)."""
+    layout, arrays = _layout(view)
+    if layout not in fns:
+        read: list = []
+        fns[layout] = (mx.compile(build(layout, read)), read)
+    fn, read = fns[layout]
+    out = fn(*inputs, *arrays)
+    if read and kept_key_norms(view) is None:
+        view.key_norms  # noqa: B018
+    return out, layout
+
+
+def compiled_choose(selector) -> Callable:
+    """``f(view, n_sink) -> losers [B, H, 1] int32``: the compiled decode choice of ``selector``."""
+
+    def make(ref):
+        fns: dict = {}
+
+        def build(layout, read):
+            def fn(n_sink, *arrays):
+                v = _view(arrays, layout, read)
+                ranked = ref().rank(v)
+                if not isinstance(ranked, mx.array) or ranked.shape != v.scores.shape:
+                    raise TypeError("ranks of the wrong type or shape")  # the eager call reports what they are
+                if not (mx.issubdtype(ranked.dtype, mx.floating) or mx.issubdtype(ranked.dtype, mx.integer)):
+                    raise TypeError("ranks of a non-real dtype")
+                return choose(ranked.astype(mx.float32), v.positions, n_sink, v.dead, 1)
+
+            return fn
+
+        return lambda view, n_sink: _run_traced(fns, build, view, scalar(n_sink))[0]
+
+    return _traced(selector, "choose", make)
+
+
+class _Traced(NamedTuple):
+    """What a traced ``dispose`` returned, to read the compiled call's flat outputs back into a MergeUpdate."""
+
+    fields: List[str]  #: the MergeUpdate fields set, in output order
+    stat_names: List[str]  #: counters returned as arrays, in output order (after the fields)
+    constants: dict  #: counters returned as Python values
+    no_stats: bool  #: ``stats`` was None
+
+
+def compiled(disposition) -> Callable:
+    """``f(view, losers, key) -> MergeUpdate`` (None: the part returned something else; the eager call then reports
+    it): the compiled ``dispose`` of ``disposition``."""
+
+    def make(ref):
+        fns: dict = {}
+        specs: dict = {}  # layout -> [_Traced or None], filled while tracing
+
+        def build(layout, read):
+            spec = specs[layout] = [None]
+
+            def fn(losers, key, *arrays):
+                u = ref().dispose(_view(arrays, layout, read), losers, key)
+                if not isinstance(u, MergeUpdate) or (u.stats is not None and not isinstance(u.stats, dict)):
+                    spec[0] = None
+                    return [mx.array(0)]
+                fields = [f for f in _FIELDS if getattr(u, f) is not None]
+                stats = [
+                    (k, v.astype(mx.int32).reshape(()) if v.size == 1 and v.dtype != mx.complex64 else v)
+                    for k, v in (u.stats or {}).items()
+                    if isinstance(v, mx.array)
+                ]  # counters as int32 scalars
+                constants = {k: v for k, v in (u.stats or {}).items() if not isinstance(v, mx.array)}
+                spec[0] = _Traced(fields, [k for k, _ in stats], constants, u.stats is None)
+                return [getattr(u, f) for f in fields] + [v for _, v in stats]
+
+            return fn
+
+        def call(view, losers, key):
+            out, layout = _run_traced(fns, build, view, losers, key)
+            traced = specs[layout][0]
+            if traced is None:
+                return None
+            fields, names = traced.fields, traced.stat_names
+            n = len(fields) + len(names)
+            stats = None if traced.no_stats else {**traced.constants, **dict(zip(names, out[len(fields) : n]))}
+            return MergeUpdate(**dict(zip(fields, out[: len(fields)])), stats=stats)
+
+        return call
+
+    return _traced(disposition, "dispose", make)
+
 
 Counters = Dict[str, mx.array]
 _INT32_MAX = 2**31 - 1

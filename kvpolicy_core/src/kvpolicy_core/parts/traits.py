@@ -4,7 +4,7 @@ Every part's outputs go through the same checks (:mod:`kvpolicy_core.cache.step`
 fast the part's own code runs:
 
 - ``compile_decode``: its decode steps (one loser per row) are pure MLX functions of their inputs, so the
-  engine runs them as one ``mx.compile`` graph (:mod:`kvpolicy_core.cache.compiled`: one call instead of a
+  engine runs them as one ``mx.compile`` graph (:mod:`kvpolicy_core.cache.step`: one call instead of a
   dispatch per op). A part that keeps Python state or reads values on the host must not declare it; if tracing fails
   the engine falls back to the eager call.
 - ``key_norms``: it reads ``view.key_norms`` at every eviction, so the cache keeps them from the first token

@@ -133,11 +133,12 @@ class PolicyCache(CacheDiagnostics):
     # ------------------------------------------------------------------ mlx-lm contract
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         """keys [B, H, S, D], values [B, H, S, Dv] -> all keys/values this step attends to."""
-        self._slots.check_input(keys, values, self.layer)
+        sl = self._slots
+        sl.check_input(keys, values, self.layer)
         self._last_S = keys.shape[2]
         self._check_observation()
         S = keys.shape[2]
-        steps = undo.is_steps(self, S)  # decode steps at once (speculative decoding's verify step), not a chunk
+        steps = 1 < S <= undo.UNDO_TOKENS and self._verify_next  # decode steps at once (a verify step), not a chunk
         chunk = S > 1 and not steps  # a prompt chunk
         saved, record, rows = self.row_state(), None, self.storage
         try:
@@ -150,11 +151,12 @@ class PolicyCache(CacheDiagnostics):
                 self._run = dict(self._run)
             else:  # an eviction inside a held prompt (its hold, a window) ends the run, not the prompt's statistic
                 self._run = prompt_statistic(self._run)
-            if n_evict == 1 and S == 1 and not cut:
-                self._evict(1, Token(keys, values, self.offset))
+            if n_evict == 1 and S == 1 and not cut:  # decode: the loser's slot takes the new token (one write)
+                losers, update = self._evicted(self._step.evict(self._view(0), 1, self.offset))
+                self._slots.write(Token(keys, values, self.offset), losers, update, compiled=self.n == sl.capacity)
             else:
                 if n_evict > 0:
-                    self._slots.compact(self._evict(n_evict, cut=cut, steps=steps))  # an eviction ends the run
+                    self._evict(n_evict, cut=cut, steps=steps)
                 self._hold_storage(keys, values, chunk)
                 record = undo.start(self, S, steps, keys)
                 self._slots.append(keys, values, self.offset, self.budget + 1)
@@ -348,7 +350,7 @@ class PolicyCache(CacheDiagnostics):
         if n_evict > 0:
             saved, rows = self.row_state(), self.storage
             try:
-                self._slots.compact(self._evict(n_evict, cut=self.holds_prompt and self._run_open))
+                self._evict(n_evict, cut=self.holds_prompt and self._run_open)
                 self._use_rows(self._kept_rows)
             except BaseException:
                 self._use_rows(rows, encode=False)
@@ -581,25 +583,26 @@ class PolicyCache(CacheDiagnostics):
         pos = self.positions
         return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
 
-    def _evict(self, n_evict: int, token: Optional[Token] = None, cut: bool = False, steps: bool = False) -> mx.array:
-        """Choose ``n_evict`` losers [B, H, E] and apply the disposition's update to the survivors
-        (:meth:`~.step.PolicyStep.evict`, the one route of every eviction).
-
-        ``token``: decode's new token, written into the loser's slot with the update (:meth:`SlotStore.write`, one
-        compiled call once the store is full)."""
-        sl = self._slots
-        self._run, self._run_open = prompt_statistic(self._run) if not cut else {}, False  # an eviction ends the run
-        losers, update, counts = self._step.evict(self._view(0), n_evict, self.offset, cut, steps)
+    def _evicted(self, evicted, cut: bool = False):
+        """Book an eviction (:meth:`~.step.PolicyStep.evict`'s losers, update and counters): it ends the run of prompt
+        chunks (a cut also its statistic), the counters add up; returns (losers, update) for the caller to write."""
+        losers, update, counts = evicted
+        self._run, self._run_open = prompt_statistic(self._run) if self._run and not cut else {}, False
         if update is not None:
             self._lw_used = self._lw_used or update.d_log_weights is not None
         if counts:
             zero = mx.array(0, dtype=mx.int32)
             self._counters = {**self._counters, **{k: self._counters.get(k, zero) + v for k, v in counts.items()}}
-        if token is not None:
-            sl.write(token, losers, update, compiled=self.n == sl.capacity)
-        elif update is not None:
-            sl.add(update)
-        return losers
+        return losers, update
+
+    def _evict(self, n_evict: int, cut: bool = False, steps: bool = False) -> None:
+        """Evict ``n_evict`` slots outside decode's one-for-one write (a prompt chunk over its hold or window, the
+        cut, a verify step's overflow, :meth:`settle`): the update added, the survivors compacted in temporal
+        order."""
+        losers, update = self._evicted(self._step.evict(self._view(0), n_evict, self.offset, cut, steps), cut)
+        if update is not None:
+            self._slots.add(update)
+        self._slots.compact(losers)
 
     def _check_observation(self) -> None:
         """Refuse (before anything changes) a step that needs the attention hook when the hook cannot run: the

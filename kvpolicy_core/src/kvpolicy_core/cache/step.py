@@ -224,8 +224,8 @@ def wrong_output(owner: str, what: str, x, expected: Tuple[int, ...]) -> PluginE
     return PluginError(f"{owner} returned {what} of shape {tuple(x.shape)}, expected {tuple(expected)}")
 
 
-#: decode evictions of each cache whose disposition update is value-checked (one host sync each); later ones are
-#: guarded on the device (:meth:`~.slots.SlotStore.add`) and make no host sync
+#: decode evictions of each cache that are value-checked (one host sync each); later ones are guarded on the device
+#: (:meth:`~.slots.SlotStore.add`) and make no host sync
 CHECKED_DECODE_EVICTIONS = 4
 
 
@@ -267,11 +267,10 @@ class PolicyStep:
         #: MLX evaluates it (e.g. a gather with float indices) is caught inside the transaction (prefill and
         #: the first decode steps, where a sync costs nothing noticeable); later steps add no host sync
         self.eager_checks = 4
-        #: decode evictions left whose disposition update is value-checked (:data:`CHECKED_DECODE_EVICTIONS`)
+        #: decode evictions left that are value-checked (:data:`CHECKED_DECODE_EVICTIONS`; every other eviction is):
+        #: each part's output evaluated on its own (a selector whose ranks only fail when MLX evaluates them is
+        #: named, not the disposition that consumes its losers), then the update's values
         self.checked_decode = CHECKED_DECODE_EVICTIONS
-        #: decode evictions left whose choice is evaluated on its own (every prompt chunk's is): a selector whose
-        #: ranks only fail when MLX evaluates them is named, not the disposition that consumes its losers
-        self.checked_choices = CHECKED_DECODE_EVICTIONS
         #: the selector may evict more than the overflow (its own ``evict_count``)
         self.counts_more = getattr(sel, "evict_count", Selector.evict_count) is not Selector.evict_count
         self.compiling = Compiling()
@@ -425,26 +424,33 @@ class PolicyStep:
         survivors (or None) and the counters it reports (:meth:`dispose`). Nothing is written here: the caller
         writes the update and removes (or overwrites) the losers. ``cut``: the end-of-prompt cut of a held prompt
         (``when="prompt_end"``), chosen by the policy's ``cut_selector`` where it has one. ``steps``: the overflow of
-        a verify step (:mod:`.undo`), checked as decode evictions are (the first ones only: no host sync after)."""
-        losers = self.choose(view, n_evict, cut)
-        decode = (n_evict == 1 or steps) and not cut
-        if not decode or self.checked_choices > 0:  # value-checked: each part's output evaluated on its own
-            self.checked_choices -= decode and self.checked_choices > 0
-            self.evaluated("scorer", "scores", view.scores)
-            self.evaluated("selector", "ranks", losers)
-        update, counts = self.dispose(view, losers, offset, steps and not cut)
-        return losers, update, counts
+        a verify step (:mod:`.undo`), a decode eviction as a one-token step's is.
 
-    def choose(self, view: CacheView, n_evict: int, cut: bool = False) -> mx.array:
-        """The selector's ranks, checked, and the losers chosen from them (:func:`choose`): one compiled call at
-        decode for a selector with the ``compile_decode`` trait (the eager call reports a part's error)."""
-        selector = self.policy.cut_selector if cut and self.policy.cut_selector is not None else self.policy.selector
+        A decode eviction (one loser per row, or a verify step's) runs compiled where the part allows
+        (``compile_decode``; one that fails to trace runs eager from then on); it and every other eviction are
+        value-checked (each part's output evaluated on its own, then the update's values in one host sync) except
+        the decode evictions past a cache's first :data:`CHECKED_DECODE_EVICTIONS`: those make no host sync."""
+        decode = n_evict == 1 or (steps and not cut)  # one loser per row (a cut of one too), a verify step's overflow
+        check = not decode or self.checked_decode > 0
+        self.checked_decode -= decode and check
+        losers = None
         if n_evict == 1 and not cut and self.needs.compile_selector and self.compiling.choose:
             try:
                 with blamed("compiled"):  # the selector's code, traced
-                    return compiled_choose(selector)(view, self.n_sink)
+                    losers = compiled_choose(self.policy.selector)(view, self.n_sink)
             except PluginError:  # not compilable (or a part error): the eager call below decides
                 self.compiling.choose = False
+        if losers is None:
+            losers = self.choose(view, n_evict, cut)
+        if check:
+            self.evaluated("scorer", "scores", view.scores)
+            self.evaluated("selector", "ranks", losers)
+        update, counts = self.dispose(view, losers, offset, check)
+        return losers, update, counts
+
+    def choose(self, view: CacheView, n_evict: int, cut: bool = False) -> mx.array:
+        """The selector's ranks, checked, and the losers chosen from them (:func:`choose`), eager."""
+        selector = self.policy.cut_selector if cut and self.policy.cut_selector is not None else self.policy.selector
         ranked = self.call("selector", selector.rank, view)
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
         shape = view.scores.shape
@@ -456,14 +462,14 @@ class PolicyStep:
         return choose(ranked, view.positions, self.n_sink, view.dead, n_evict)
 
     def dispose(
-        self, view: CacheView, losers: mx.array, offset, steps: bool = False
+        self, view: CacheView, losers: mx.array, offset, check: bool = True
     ) -> Tuple[Optional[MergeUpdate], Counters]:
         """The disposition's update for the survivors (or None) and the counters it reports.
 
         ``offset``: the cache's tokens seen (one key, counters summed), or a list of B per-row offsets for a view
-        of B stacked rows (:mod:`.batch_rows`: keys [B, 2], counters [B]). A prompt chunk's update and the first
-        :data:`CHECKED_DECODE_EVICTIONS` decode updates are value-checked in one host sync here, before the cache
-        writes anything; later decode updates are guarded on the device as the store adds them.
+        of B stacked rows (:mod:`.batch_rows`: keys [B, 2], counters [B]). ``check``: the update is value-checked
+        in one host sync here, before the cache writes anything (else it is compiled where the part allows, and
+        guarded on the device as the store adds it).
         """
         rows = len(offset) if isinstance(offset, (list, tuple)) else None
         disposition = self.policy.disposition
@@ -471,10 +477,6 @@ class PolicyStep:
             return None, {}
         seed = self.policy.config.seed
         key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
-        decode = losers.shape[-1] == 1 or steps  # a verify step's overflow is checked as decode evictions are
-        check = not decode or self.checked_decode > 0
-        if decode and check:
-            self.checked_decode -= 1
         update = None
         if losers.shape[-1] == 1 and not check and self.needs.compile_disposition and self.compiling.dispose:
             try:

@@ -348,7 +348,7 @@ def at_context(model, spec: str, N: int):
             c.offset = N
             pos = mx.broadcast_to(mx.arange(N - n, N, dtype=mx.int32), (1, H, n))
             scores = mx.random.uniform(shape=(1, H, n), key=mx.random.key(2000 + i))
-            c.state = (K, V, pos, scores, c._meta_json())
+            c.state = (K, V, pos, scores, c.meta_state[0])
         else:
             c.keys, c.values, c.offset = K, V, N
             if isinstance(c, RotatingKVCache):

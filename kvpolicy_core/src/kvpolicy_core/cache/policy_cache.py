@@ -381,9 +381,6 @@ class PolicyCache(CacheDiagnostics):
     def meta_state(self):
         return (meta_json(self),)
 
-    def _meta_json(self) -> str:  # benchmarks/real_shapes.py's name for meta_state[0]
-        return meta_json(self)
-
     @classmethod
     def from_state(cls, state, meta_state=None, *, model=None):
         """A cache rebuilt from ``state`` (config, hook and all): :func:`.state.from_state`."""

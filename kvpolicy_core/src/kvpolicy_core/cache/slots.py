@@ -253,14 +253,6 @@ class SlotStore:
         """Restore a :meth:`snapshot`, field for field."""
         self.keys, self._values, self.positions, self.scores, self.n, self.log_weights = snap
 
-    def load(self, keys, values, positions, scores, log_weights=None) -> None:
-        """Take the ``n = keys.shape[2]`` slots of a restored state (checked afterwards by
-        :func:`.restore_checks.check_restored`); tracked log-weights not given are all zero."""
-        if log_weights is None and self.track_log_weights and scores is not None:
-            log_weights = mx.zeros(scores.shape, mx.float32)
-        self.restore(Snapshot(keys, values, positions, scores, 0 if keys is None else length(keys), log_weights))
-        self.dtypes = None
-
     def check_input(self, keys: mx.array, values: mx.array, layer: int) -> None:
         """Raise ValueError unless keys/values [B, H, S, D(v)] fit these buffers (same B, H, D, Dv, dtype).
 

@@ -52,7 +52,7 @@ from ..parts.base import (
     pick_lowest,
     policy_needs,
 )
-from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, nonfinite_flags, scalar
+from .checks import NONFINITE, TARGET_OUT_OF_RANGE, checked_update, nonfinite_flags
 
 _RANK_CAP = 3.0e38  # ranks are clipped to +-this: protected (+inf, NaN) ranks take float32's max, dead slots -inf
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -151,7 +151,7 @@ def compiled_choose(selector) -> Callable:
 
             return fn
 
-        return lambda view, n_sink: _run_traced(fns, build, view, scalar(n_sink))[0]
+        return lambda view, n_sink: _run_traced(fns, build, view, mx.array(n_sink, dtype=mx.int32))[0]
 
     return _traced(selector, "choose", make)
 

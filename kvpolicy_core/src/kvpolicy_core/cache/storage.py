@@ -49,7 +49,7 @@ def update_rows(s: Stored, rows: Stored, at: int) -> Stored:
 
 def first_rows(s: Stored, n: int) -> Stored:
     """The first ``n`` rows of ``s`` (``s`` itself when it holds exactly ``n``)."""
-    return s if length(s) == n else tree_map(lambda x: x[..., :n, :], s)
+    return s if (s[0] if isinstance(s, tuple) else s).shape[2] == n else tree_map(lambda x: x[..., :n, :], s)
 
 
 def concat_rows(a: Stored, b: Stored) -> Stored:

@@ -1,6 +1,6 @@
 """A prompt chunk's attention by blocks of query rows (``kvpolicy_core.attention.blocks``): the logits bit for bit
-those of one block on the path that takes it (quantized rows: ``kv_bits``, a held prompt's ``hold_bits``; global and
-sliding-window masks), and a smaller transient."""
+those of one block on the quantized path (``kv_bits``), within float rounding on a held prompt's decoded rows
+(``hold_bits``: mlx-lm's fused kernel); global and sliding-window masks; and a smaller transient."""
 
 from __future__ import annotations
 
@@ -52,7 +52,10 @@ def test_blocks_of_query_rows_give_the_same_logits(request, monkeypatch, model_n
     monkeypatch.setattr("kvpolicy_core.cache.policy_cache.by_query_blocks", counted)
     by_blocks = logits(model, spec, monkeypatch, 16 * 4 * 4 * 100)  # 16 rows a block at ~100 keys
     assert calls, "no layer took the blocks"
-    assert mx.array_equal(whole, by_blocks)
+    if "hold_bits" in spec:  # decoded rows through mlx-lm's fused kernel: its CPU rows round by block size
+        assert mx.allclose(whole, by_blocks, rtol=1e-4, atol=1e-3), mx.abs(whole - by_blocks).max().item()
+    else:  # quantized rows: quantized_matmul's rows are independent, bit for bit
+        assert mx.array_equal(whole, by_blocks)
 
 
 def test_a_block_bounds_the_transient():

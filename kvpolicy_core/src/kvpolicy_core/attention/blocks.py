@@ -1,4 +1,5 @@
-"""A prompt chunk's attention over quantized rows by blocks of query rows: the same output, a bounded transient.
+"""A prompt chunk's attention over quantized or held rows by blocks of query rows: the same output, a bounded
+transient.
 
 mlx-lm's quantized attention (``quantized_matmul``, softmax, ``quantized_matmul``) materialises a chunk's logits and
 weights, [B, Hq, S, L] each, on every device: S x L floats per query head,
@@ -11,8 +12,10 @@ depends on query ``i`` and the mask's row ``i`` only, so blocks of ``b`` rows co
 evaluated before the next is built, else MLX schedules them together) give the output bit for bit
 (tests/test_attention_blocks.py) with ``b / S`` of the transient. Only prompt chunks (``S > b``) whose weights no
 scorer reads take it, where mlx-lm evaluates every chunk anyway: never a decode step, so no host sync per token (a
-chunk's last layer, whose output mlx-lm never reads, is computed too). Full-precision rows keep mlx-lm's fused kernel:
-on CPU its rows are not bit for bit the same across block sizes (float rounding), on a GPU it holds no [S, L].
+chunk's last layer, whose output mlx-lm never reads, is computed too). A held prompt (``hold_bits``) attends its
+rows decoded through mlx-lm's fused kernel by the same blocks: on CPU that kernel forms [S, L] logits too, and its
+rows agree across block sizes within float rounding, not bit for bit. Other full-precision rows keep mlx-lm's fused
+kernel whole.
 """
 
 from __future__ import annotations

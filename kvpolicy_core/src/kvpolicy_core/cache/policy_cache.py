@@ -503,7 +503,7 @@ class PolicyCache(CacheDiagnostics):
     def decoded_rows(self, rows) -> mx.array:
         """Held quantized rows ``(packed, scales, biases)`` [B, H, L, *] decoded: [B, H, L, D] in the scales' dtype.
 
-        mlx-lm's fused kernel over the decoded rows is ~3x faster than its ``quantized_matmul`` attention on CPU
+        mlx-lm's fused kernel over the decoded rows is faster than its ``quantized_matmul`` attention on CPU
         (``quantized_matmul`` has no BLAS path); the decoded copy is one layer's rows at a time, freed after the
         chunk."""
         return mx.dequantize(*rows, group_size=self.group_size, bits=self.bits)

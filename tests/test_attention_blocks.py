@@ -27,7 +27,11 @@ def gemma():
 
 
 def logits(model, spec, monkeypatch, block_bytes):
-    monkeypatch.setattr(blocks, "BLOCK_BYTES", block_bytes)
+    """The logits of a prompt in two chunks and 10 decode steps; ``block_bytes`` None: every chunk in one block."""
+    if block_bytes is None:
+        monkeypatch.setattr("kvpolicy_core.cache.policy_cache.query_block", lambda *a, **k: None)
+    else:
+        monkeypatch.setattr(blocks, "BLOCK_BYTES", block_bytes)
     caches = KVCacheBuilder.for_model(model, spec)
     out = [model(TOKENS[:, i : i + 50], cache=caches) for i in (0, 50)]
     out += [model(TOKENS[:, t : t + 1], cache=caches) for t in range(100, 110)]
@@ -41,7 +45,8 @@ def logits(model, spec, monkeypatch, block_bytes):
 @pytest.mark.parametrize("model_name", ["llama", "gemma"])
 def test_blocks_of_query_rows_give_the_same_logits(request, monkeypatch, model_name, spec):
     model = request.getfixturevalue(model_name)
-    whole = logits(model, spec, monkeypatch, 2**40)
+    whole = logits(model, spec, monkeypatch, None)
+    monkeypatch.undo()
     calls = []
     original = blocks.by_query_blocks
 
@@ -78,6 +83,35 @@ def test_a_block_bounds_the_transient():
     whole = peak(lambda: attend(q, "causal"))
     by_blocks = peak(lambda: blocks.by_query_blocks(attend, q, "causal", 8192, block))
     assert by_blocks < 0.4 * whole
+
+
+def test_the_held_bytes_cap_a_block():
+    """A block's logits [B, Hq, b, L] (float32) take at most the layer's held bytes, never under 16 rows."""
+    held = 2 * 8 * 8192 * (64 + 2 * 4)  # 8-bit keys and values of 8192 rows, 8 heads of 64, float32 scales
+    assert blocks.query_block(512, 8192, 8) == 128  # BLOCK_BYTES alone
+    assert blocks.query_block(512, 8192, 8, held=held) == held // (8 * 8192 * 4) == 36
+    assert blocks.query_block(512, 8192, 8, held=1024) == 16
+    assert blocks.query_block(512, 8192, 8, held=2**40) == 128  # never above BLOCK_BYTES
+    assert blocks.query_block(30, 8192, 8, held=held) is None  # one block holds them
+
+
+@pytest.mark.parametrize("spec", ["cam:budget=24,hold_bits=8", "h2o:budget=24,kv_bits=4"])
+def test_a_layer_blocks_within_its_held_bytes(llama, monkeypatch, spec):
+    """Through a model: every chunk's blocks over held or quantized rows are bounded by the bytes attention reads."""
+    calls = []
+    original = blocks.query_block
+
+    def recorded(S, L, Hq, B=1, held=None):
+        calls.append((S, L, Hq, B, held, original(S, L, Hq, B, held=held)))
+        return calls[-1][-1]
+
+    monkeypatch.setattr("kvpolicy_core.cache.policy_cache.query_block", recorded)
+    logits(llama, spec, monkeypatch, 2**40)
+    blocked = [c for c in calls if c[-1] is not None]
+    assert blocked, calls
+    for S, L, Hq, B, held, b in blocked:
+        assert held is not None
+        assert b == 16 or b * B * Hq * L * 4 <= held
 
 
 def test_rows_of_a_mask():

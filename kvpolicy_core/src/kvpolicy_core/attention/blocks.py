@@ -16,6 +16,9 @@ chunk's last layer, whose output mlx-lm never reads, is computed too). A held pr
 rows decoded through mlx-lm's fused kernel by the same blocks: on CPU that kernel forms [S, L] logits too, and its
 rows agree across block sizes within float rounding, not bit for bit. Other full-precision rows keep mlx-lm's fused
 kernel whole.
+
+A block's logits are bounded by :data:`BLOCK_BYTES` and by the bytes the layer holds (``query_block(held=)``: its
+stored keys and values before decoding), so a layer's attention transient stays within what the layer keeps.
 """
 
 from __future__ import annotations
@@ -28,9 +31,14 @@ import mlx.core as mx
 BLOCK_BYTES = 32 * 2**20
 
 
-def query_block(S: int, L: int, Hq: int, B: int = 1) -> Optional[int]:
-    """Rows per block for S queries over L keys (``Hq`` query heads, batch B), or None when one block holds them."""
-    b = max(16, BLOCK_BYTES // max(1, B * Hq * L * 4))
+def query_block(S: int, L: int, Hq: int, B: int = 1, held: Optional[int] = None) -> Optional[int]:
+    """Rows per block for S queries over L keys (``Hq`` query heads, batch B), or None when one block holds them.
+
+    ``held``: the bytes of the rows the layer holds (its stored keys and values, before any decoding); a block's
+    logits then take at most that many bytes too (and at most :data:`BLOCK_BYTES`), so the transient of a layer's
+    attention stays within what the layer itself holds. Never fewer than 16 rows a block."""
+    cap = BLOCK_BYTES if held is None else min(BLOCK_BYTES, held)
+    b = max(16, cap // max(1, B * Hq * L * 4))
     return b if S > b else None
 
 

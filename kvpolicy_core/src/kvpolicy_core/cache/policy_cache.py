@@ -40,7 +40,7 @@ import copy
 from typing import Optional, Tuple
 
 import mlx.core as mx
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from ..attention.bias import with_log_weights
 from ..attention.blocks import by_query_blocks, query_block
@@ -456,13 +456,16 @@ class PolicyCache(CacheDiagnostics):
         rows = getattr(self.policy.scorer, "rows_observed", None)
         L = (keys[0] if isinstance(keys, tuple) else keys).shape[2]
         held = self.hold_rows is not None and self.storage is self.hold_rows
+        held_bytes = None  # a prompt chunk over quantized rows: the bytes the layer holds bound its blocks' logits
+        if S > 1 and (held or self.storage.bits is not None):
+            held_bytes = sum(a.nbytes for _, a in tree_flatten([keys, values]))
         if held:  # a held prompt (hold_bits): this chunk attends its rows decoded, dequantize(quantize(x)) (.decoded)
             keys, values = self.decoded_rows(keys), self.decoded_rows(values)
         elif self.storage.bits is not None:  # quantized rows: mlx-lm's quantized attention, masks grouped per KV head
             once = self._weights_once and (rows is None or rows(S) >= S)
             mask = self._attention_mask(queries, mask) if once else self.before_attention(queries, scale, mask)
             gs, bits = self.group_size, self.bits
-            block = None if once else query_block(S, L, Hq, B)
+            block = None if once else query_block(S, L, Hq, B, held=held_bytes)
             if block:  # a prompt chunk whose weights no scorer reads: by blocks of query rows (.attention.blocks)
                 out = by_query_blocks(
                     lambda q, m: quantized_attention_with_weights(q, keys, values, scale, m, gs, bits)[0],
@@ -478,7 +481,7 @@ class PolicyCache(CacheDiagnostics):
             return self.after_attention(out, values)
         if not (self._weights_once and attend_once(S) and (rows is None or rows(S) >= S)):
             mask = self.before_attention(queries, scale, mask)
-            block = query_block(S, L, Hq, B) if held else None
+            block = query_block(S, L, Hq, B, held=held_bytes) if held else None
             if block:  # decoded rows: mlx-lm's kernel by blocks of query rows, its [S, L] logits not the peak
                 out = by_query_blocks(lambda q, m: fused(q, keys, values, None, scale, m), queries, mask, L, block)
             else:
@@ -500,7 +503,7 @@ class PolicyCache(CacheDiagnostics):
     def decoded_rows(self, rows) -> mx.array:
         """Held quantized rows ``(packed, scales, biases)`` [B, H, L, *] decoded: [B, H, L, D] in the scales' dtype.
 
-        mlx-lm's fused kernel over the decoded rows is ~3x faster than its ``quantized_matmul`` attention on CPU
+        mlx-lm's fused kernel over the decoded rows is faster than its ``quantized_matmul`` attention on CPU
         (``quantized_matmul`` has no BLAS path); the decoded copy is one layer's rows at a time, freed after the
         chunk."""
         return mx.dequantize(*rows, group_size=self.group_size, bits=self.bits)

@@ -131,11 +131,11 @@ class ObservationWindowScorer(AttentionScorer):
         for key in ("rows",) + WINDOW_QUERIES:
             run.pop(key, None)
         if source is not None and 0 < self.window == source[0].shape[2]:  # this chunk's own queries fill the window
-            queries, scale, mask = source
-            run["window_queries"], run["window_scale"] = queries, mx.array([scale], dtype=mx.float32)
+            queries, scale, mask = source  # copies: a slice would keep the whole chunk's queries (and mask) alive
+            run["window_queries"], run["window_scale"] = mx.contiguous(queries), mx.array([scale], dtype=mx.float32)
             run["window_keys"] = mx.array([rows.shape[-1]], dtype=mx.int32)  # (arrays of one: a state saves them)
             if isinstance(mask, mx.array):
-                run["window_mask"] = mask
+                run["window_mask"] = mx.contiguous(mask)
             elif mask is not None:
                 run["window_causal"] = mx.array([1], dtype=mx.int32)
         else:

@@ -21,7 +21,10 @@ cache's, and its ratio to the first method's with the paired block-bootstrap int
 
 ``--shares a,b`` registers allocations ``hybrid_s<a>`` (the hybrid rule with share ``a``) in this process and adds
 ``<first method>:allocation=hybrid_s<a>`` to the methods. Writes hybrid_allocation[_<tag>][_smoke].json (after
-every context: a long run can be read while it runs) and .png under benchmarks/results/ (--out).
+every context: a long run can be read while it runs) and .png under benchmarks/results/ (--out). ``--report``
+prints each cell as found/asked with its 95% Wilson interval (the questions counted as independent; a ``twokey``
+context's two are not quite); ``--pool`` one table over several files' rows (more depths asked in a second run
+with ``--seed-offset``: new needles, not the first run's again).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def text_label(t: str) -> str:
     return Path(t).stem
 
 
-def contexts_for(tok, spec, task, lengths, depths, model_name, smoke):
+def contexts_for(tok, spec, task, lengths, depths, model_name, smoke, seed_offset=0):
     from kvpolicy_core.eval.tasks import ruler
 
     fmt = spec[task]
@@ -87,7 +90,7 @@ def contexts_for(tok, spec, task, lengths, depths, model_name, smoke):
                     depth=d,
                 )
                 ctx = ruler.build_context(
-                    tok, TASKS[task], length, text, spec["seed_base"] + i, model=model_name, params=params
+                    tok, TASKS[task], length, text, spec["seed_base"] + seed_offset + i, model=model_name, params=params
                 )
                 out.append((text_label(text), d, ctx))
     return out
@@ -113,17 +116,31 @@ def main(argv=None):
     p.add_argument("--ratios", default="4,8,16")
     p.add_argument("--depths", default="0.05,0.25,0.45,0.65,0.85", help="needle depths in [0, 1], comma list")
     p.add_argument("--texts", type=int, default=0, help="use only the set's first N texts (0: all)")
+    p.add_argument(
+        "--seed-offset",
+        type=int,
+        default=0,
+        help="the i-th depth's needles take seed seed_base + offset + i: --seed-offset 5 with 5 new depths asks "
+        "what the 6th-10th depths of one 10-depth run would (more questions without rerunning the first run's)",
+    )
     p.add_argument("--ppl-tokens", type=int, default=1024, help="tokens per text for perplexity (0: none)")
     p.add_argument("--ppl-ratio", type=float, default=8.0)
     p.add_argument("--ppl-only", action="store_true", help="perplexity only, no retrieval")
     p.add_argument("--prefill-step", type=int, default=2048)
     p.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of result files and stop")
+    p.add_argument("--pool", action="store_true", help="--report: one table over the rows of all the files")
     args = p.parse_args(argv)
     if args.report:
-        for f in args.report:
-            data = json.loads(Path(f).read_text(encoding="utf-8"))
+        files = [(f, json.loads(Path(f).read_text(encoding="utf-8"))) for f in args.report]
+        for f, data in files:
             print(f"{Path(f).name}: {data['config']['model']}, {data['config']['set']} set, {data['seconds']:.0f} s")
-            print(table(data["rows"], data["perplexity"], data["config"]["methods"]) + "\n")
+            if not args.pool:
+                print(table(data["rows"], data["perplexity"], data["config"]["methods"]) + "\n")
+        if args.pool:
+            methods = list(dict.fromkeys(m for _, d in files for m in d["config"]["methods"]))
+            print(
+                table([r for _, d in files for r in d["rows"]], [e for _, d in files for e in d["perplexity"]], methods)
+            )
         return
     try:
         run(args)
@@ -188,6 +205,7 @@ def run(args):
         "lengths": lengths,
         "ratios": ratios,
         "depths": depths,
+        "seed_offset": args.seed_offset,
         "texts": [text_label(t) for t in spec["texts"]],
         "needles": {t: spec[t] for t in tasks},
         "prefill_step": args.prefill_step,
@@ -219,7 +237,9 @@ def run(args):
         print(f"  {k}: {v}", flush=True)
     done = 0
     for task in [] if args.ppl_only else tasks:
-        for text, depth, ctx in contexts_for(tok, spec, task, lengths, depths, model_name, args.smoke):
+        for text, depth, ctx in contexts_for(
+            tok, spec, task, lengths, depths, model_name, args.smoke, args.seed_offset
+        ):
             meta = {"text": text, "depth": depth, "kind": task}
 
             def log(r, extra):
@@ -335,6 +355,14 @@ def same_answers(rows, methods):
     return out
 
 
+def found_cell(found: int, asked: int) -> str:
+    """``found/asked [low-high%]``: the 95% Wilson interval of the share found (questions counted as independent)."""
+    from leaderboard import wilson
+
+    low, high = wilson(found / asked, asked)
+    return f"{found}/{asked} [{100 * low:.0f}-{100 * high:.0f}%]"
+
+
 def table(rows, ppl, methods):
     lines = ["| task | ratio | full | " + " | ".join(methods) + " |", "|" + " --- |" * (3 + len(methods))]
     s = summarize(rows)
@@ -342,8 +370,8 @@ def table(rows, ppl, methods):
         cells = {x["method"]: x for x in s if (x["task"], x["ratio"]) == (task, ratio)}
         any_ = next(iter(cells.values()))
         lines.append(
-            f"| {task} | {ratio:g}x | {any_['full_found']}/{any_['asked']} | "
-            + " | ".join(f"{cells[m]['found']}/{cells[m]['asked']}" if m in cells else "" for m in methods)
+            f"| {task} | {ratio:g}x | {found_cell(any_['full_found'], any_['asked'])} | "
+            + " | ".join(found_cell(cells[m]["found"], cells[m]["asked"]) if m in cells else "" for m in methods)
             + " |"
         )
     if ppl:

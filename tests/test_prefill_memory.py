@@ -13,9 +13,11 @@ import gc
 import mlx.core as mx
 import pytest
 from helpers import SHIPPED_METHODS, tiny_llama, with_fields
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
 from kvpolicy_core.integration.builder import KVCacheBuilder
+from kvpolicy_core.testing.tiny_models import tiny_model
 
 CHUNK, CHUNKS, BUDGET = 48, 10, 16
 
@@ -92,3 +94,27 @@ def test_a_held_prompt_fed_by_a_loop_that_reads_only_the_logits_keeps_no_graph_o
     state = layers * H * (8 + 4) * CHUNK * 4  # the window's 8 rows, scores, positions, norms over the chunk's keys
     growth = (seen[-1] - seen[1]) / (CHUNKS - 2)
     assert growth < 1.5 * (held + state), f"{method}: {growth:.0f} B per chunk, held K/V and state {held + state} B"
+
+
+@pytest.mark.parametrize("fields", ["", "kv_bits=4"])
+def test_nothing_a_cache_held_outlives_it(fields):
+    """Once a generation's caches are dropped, MLX's active memory is back where it was: no compiled call, trace
+    or module keeps a layer's buffers alive (a closure over the first call's arrays once kept one layer's keys and
+    values for the life of the process)."""
+    model = tiny_model("llama", head_dim=64, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    mx.eval(model.parameters())
+    prompt = mx.random.randint(0, 100, (CHUNK * 4,), key=mx.random.key(1))
+    mx.eval(prompt)
+    gc.collect()
+    base = mx.get_active_memory()
+    spec = with_fields("cam", f"budget={BUDGET}" + (f",{fields}" if fields else ""))
+    caches = KVCacheBuilder.for_model(model, spec)
+    gen = generate_step(prompt, model, prompt_cache=caches, max_tokens=12, prefill_step_size=CHUNK)
+    for _ in zip(gen, range(12)):
+        pass
+    gen.close()
+    held = sum(int(a.nbytes) for c in caches for _, a in tree_flatten(list(c.state)[:2]))
+    assert held > 0
+    del caches, gen
+    gc.collect()
+    assert mx.get_active_memory() - base < 4096

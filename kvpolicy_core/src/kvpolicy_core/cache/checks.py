@@ -14,7 +14,7 @@ are clamped into ``[0, L)`` before any gather here, so a check never reads out o
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -104,6 +104,18 @@ def nonfinite_flags(targets: mx.array, last: int, pairs: Sequence[Tuple[mx.array
 _compiled_updates = {}
 
 
+def _flat_checks(n_pairs: int, has_log_weights: bool) -> Callable:
+    """:func:`update_checks` over flat inputs, for ``mx.compile``. It closes over the two counts only: a closure
+    over the first call's arrays would keep them (a layer's whole key and value buffers) alive for the process."""
+    n = 2 * n_pairs
+
+    def flat(targets, last, *xs):
+        lw = xs[n] if has_log_weights else None
+        return update_checks(targets, last, list(zip(xs[0:n:2], xs[1:n:2])), lw)
+
+    return flat
+
+
 def checked_update(
     targets: mx.array, L: int, pairs: List[Tuple[mx.array, mx.array]], d_log_weights: Optional[mx.array]
 ):
@@ -112,12 +124,6 @@ def checked_update(
     key = (len(pairs), d_log_weights is not None)
     fn = _compiled_updates.get(key)
     if fn is None:
-
-        def flat(targets, last, *xs):
-            n = 2 * len(pairs)
-            lw = xs[n] if key[1] else None
-            return update_checks(targets, last, list(zip(xs[0:n:2], xs[1:n:2])), lw)
-
-        fn = _compiled_updates[key] = mx.compile(flat)
+        fn = _compiled_updates[key] = mx.compile(_flat_checks(*key))
     extra = [d_log_weights] if d_log_weights is not None else []
     return UpdateChecks(*fn(targets, scalar(L - 1), *[x for pair in pairs for x in pair], *extra))

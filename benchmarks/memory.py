@@ -3,7 +3,8 @@
 Each row runs in a process of its own (MLX's peak counter is per process): a model, a prompt of ``L`` tokens
 through mlx-lm's ``generate_step`` (prefill step 512), 8 decode tokens. Reported, from MLX's allocator, above
 the model's own memory: ``peak`` (``mx.get_peak_memory``) and ``resident`` after (``mx.get_active_memory``),
-beside what the caches account for (their kept K/V bytes). Rows: mlx-lm's ``KVCache`` (the 1.0x), its
+beside what the caches account for: ``kv_state_bytes`` (their kept K/V rows) and ``cache_bytes`` (a policy cache's
+``nbytes``: its K/V rows and each slot's position, score and per-slot statistics). Rows: mlx-lm's ``KVCache`` (the 1.0x), its
 ``RotatingKVCache`` and ``QuantizedKVCache`` (``kv_bits`` 4 and 8), and kvpolicy methods at ``L / ratio``.
 
 The default shape is KV-dominated (a random-weight 16-layer llama, hidden 512, 8 KV heads of 64, float32), as
@@ -87,7 +88,17 @@ def measure_row(model_name: str, row: str, L: int, ratio: int, step: int) -> dic
     from mlx.utils import tree_flatten
 
     kept = sum(int(a.nbytes) for c in caches for _, a in tree_flatten(list(c.state)[:2]) if isinstance(a, mx.array))
-    return {"row": row, "length": L, "peak": peak, "resident": resident, "kv_state_bytes": kept}
+    # what the caches account for: a policy cache's buffers (K/V rows and each slot's position, score and the parts'
+    # per-slot statistics); mlx-lm's caches hold their K/V only
+    held = sum(int(getattr(c, "nbytes", 0)) for c in caches if hasattr(c, "policy"))
+    held += sum(
+        int(a.nbytes)
+        for c in caches
+        if not hasattr(c, "policy")
+        for _, a in tree_flatten(list(c.state)[:2])
+        if isinstance(a, mx.array)
+    )
+    return {"row": row, "length": L, "peak": peak, "resident": resident, "kv_state_bytes": kept, "cache_bytes": held}
 
 
 def main(argv=None):
@@ -123,7 +134,8 @@ def main(argv=None):
             write_json(result_name(f"memory_{args.model}", args), {"rows": results, "ratio": args.ratio}, args.out)
             print(
                 f"{L:>6} {row:<22} peak {r['peak'] / 2**20:8.1f} MiB  resident {r['resident'] / 2**20:8.1f} MiB  "
-                f"state {r['kv_state_bytes'] / 2**20:8.1f} MiB" + (f"  peak x{r['peak_vs_full']:.2f}" if full else ""),
+                f"state {r['kv_state_bytes'] / 2**20:8.1f} MiB  cache {r.get('cache_bytes', 0) / 2**20:8.1f} MiB"
+                + (f"  peak x{r['peak_vs_full']:.2f}" if full else ""),
                 flush=True,
             )
     print(f"wrote {RESULTS_OF(args)}")

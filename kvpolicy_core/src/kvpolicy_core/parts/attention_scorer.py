@@ -11,6 +11,7 @@ import math
 
 import mlx.core as mx
 
+from ..attention.blocks import rows_of
 from .base import CacheView, Needs, Scorer
 
 SIGNALS = ("proxy", "observed")
@@ -70,6 +71,36 @@ def observed_weights(queries: mx.array, keys: mx.array, scale: float, mask) -> m
     if m.dtype == mx.bool_:
         return masked_softmax(logits, m)
     return masked_softmax(logits + m.astype(mx.float32), mx.array(True))  # -inf in the mask: excluded
+
+
+#: the most bytes one block of :func:`observed_rows` may take ([B, Hq, b, L] float32 logits)
+ROWS_BLOCK_BYTES = 2 * 2**20
+
+
+def observed_rows(queries: mx.array, keys: mx.array, scale: float, mask) -> mx.array:
+    """:func:`observed_weights` summed over each KV head's query heads, [B, H, 1, S, L] float32::
+
+        rows[b, h, 0, i, j] = sum_g softmax(scale * q_{h,g,i} k_h^T + mask_i)_j
+
+    computed by blocks of query rows when the logits of all S rows would take more than
+    :data:`ROWS_BLOCK_BYTES` (each block evaluated before the next is built). A row's softmax reads only that row,
+    and the sum over ``g`` adds the same numbers in the same order, so the result is the unblocked one bit for bit;
+    the transient is one block's logits instead of the [B, Hq, S, L] logits and weights of all rows, which on a long
+    held prompt (an observation window over every held key of a layer) was larger than the layer's rows."""
+    B, Hq, S, D = queries.shape
+    L = keys.shape[2]
+    b = max(1, ROWS_BLOCK_BYTES // max(1, B * Hq * L * 4))
+    if S <= b:
+        return observed_weights(queries, keys, scale, mask).sum(axis=2, keepdims=True)
+    outs = []
+    for lo in range(0, S, b):
+        hi = min(S, lo + b)
+        out = observed_weights(queries[:, :, lo:hi], keys, scale, rows_of(mask, lo, hi, S, L)).sum(
+            axis=2, keepdims=True
+        )
+        mx.eval(out)
+        outs.append(out)
+    return mx.concatenate(outs, axis=3)
 
 
 def proxy_weights(keys: mx.array, positions: mx.array, new_keys: mx.array, new_positions: mx.array) -> mx.array:

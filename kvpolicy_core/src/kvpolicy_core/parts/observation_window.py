@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention_scorer import AttentionScorer, finite_weights, observed_weights, proxy_weights
+from .attention_scorer import AttentionScorer, finite_weights, observed_rows, proxy_weights
 from .base import CacheView
 from .pooling import pool_by_position
 
@@ -112,7 +112,7 @@ class ObservationWindowScorer(AttentionScorer):
     def _add(self, view: CacheView, weights: mx.array, S: int, source=None) -> mx.array:
         """weights [B, H, G, R, L] of this step's window rows -> new scores [B, H, L] (see the class).
 
-        ``source``: (queries [B, Hq, R, D], scale, mask rows) that :func:`observed_weights` computed ``weights``
+        ``source``: (queries [B, Hq, R, D], scale, mask rows) that :func:`observed_rows` computed ``weights``
         from, when it did: a chunk filling the window then keeps these in the run instead of the rows."""
         if S == 1:
             return self.combine(view.scores, weights)
@@ -152,7 +152,7 @@ class ObservationWindowScorer(AttentionScorer):
         L = int(run["window_keys"].item())
         mask = run.get("window_mask", "causal" if "window_causal" in run else None)
         scale = run["window_scale"].item()
-        return observed_weights(run["window_queries"], view.keys[:, :, :L], scale, mask).sum(axis=2)
+        return observed_rows(run["window_queries"], view.keys[:, :, :L], scale, mask)[:, :, 0]
 
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
         if self.signal != "proxy":
@@ -168,7 +168,7 @@ class ObservationWindowScorer(AttentionScorer):
         S = queries.shape[2]
         W = self._rows(S)
         window = (queries[:, :, S - W :], scale, window_rows(mask, S, W))
-        return self._add(view, observed_weights(window[0], view.keys, *window[1:]), S, window)
+        return self._add(view, observed_rows(window[0], view.keys, *window[1:]), S, window)
 
     def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
         """:meth:`on_attention` from the model's weights [B, H, G, S, L] of the step (see the base class)."""

@@ -56,10 +56,9 @@ from .batch import BatchPolicyCache, register_with_mlx_lm
 from .diagnostics import CacheDiagnostics
 from .layer_group import prompt_statistic, record
 from .restore_checks import check_restored
-from .slots import FIELDS, RowState, SlotStore, Token
+from .slots import FIELDS, QuantizedRows, RowState, SlotStore, Token, storage_for
 from .state import from_state, load_state, meta_json, state_of
 from .step import PolicyStep
-from .storage import QuantizedRows, storage_for
 
 
 def _slot(name: str) -> property:

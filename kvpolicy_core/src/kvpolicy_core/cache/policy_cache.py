@@ -358,7 +358,7 @@ class PolicyCache(CacheDiagnostics):
 
     @property
     def storage(self):
-        """How this cache stores its rows (:mod:`.storage`)."""
+        """How this cache stores its rows (:class:`~.slots.Rows`)."""
         return self._slots.rows
 
     @property

@@ -134,9 +134,10 @@ class PolicyCache(CacheDiagnostics):
         """keys [B, H, S, D], values [B, H, S, Dv] -> all keys/values this step attends to."""
         sl = self._slots
         sl.check_input(keys, values, self.layer)
-        self._last_S = keys.shape[2]
-        self._check_observation()
-        S = keys.shape[2]
+        self._last_S = S = keys.shape[2]
+        hook = self.attention_hook
+        if not self._attended or (hook is not None and not hook.active):  # else every hook check passes
+            self._check_observation()
         steps = 1 < S <= undo.UNDO_TOKENS and self._verify_next  # decode steps at once (a verify step), not a chunk
         chunk = S > 1 and not steps  # a prompt chunk
         saved, record, rows = self.row_state(), None, self.storage
@@ -621,7 +622,9 @@ class PolicyCache(CacheDiagnostics):
 
     def _check_observation(self) -> None:
         """Refuse (before anything changes) a step that needs the attention hook when the hook cannot run: the
-        install this cache holds was removed, a restored cache has none, or the last step did not call it."""
+        install this cache holds was removed, a restored cache has none, or the last step did not call it.
+        :meth:`update_and_fetch` calls it only when the last step's attention did not call the hook or the install
+        it holds is gone: otherwise each check below passes (a decode step reads those two, not the four here)."""
         windowed = self.window is not None and self.offset > self.window
         hook = self.attention_hook
         if hook is not None and not hook.active:

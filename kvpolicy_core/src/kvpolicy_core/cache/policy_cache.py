@@ -85,6 +85,11 @@ class PolicyCache(CacheDiagnostics):
     hook_missing = None  #: why a restored cache has no hook it needs (it refuses its next update), or None
     _undo = None  #: the last update's undo record (:mod:`.undo`), or None
     _verify_next = False  #: a trim came last: the next short multi-token update is a verify step
+    #: the last update was decode's (not a prompt chunk) and nothing changed the cache since: no held prompt to cut,
+    #: no run of prompt chunks open, the rows in the kept storage. A one-token update then takes decode's route
+    #: without reading the hold and run state; anything else that sets the state (:meth:`set_row_state`,
+    #: :meth:`_use_rows`, :meth:`trim`, unpickling) clears it
+    _decoding = False
     _trims = False  #: asked is_trimmable() while empty (speculative decoding does): short prompt chunks keep a record
 
     def __init__(
@@ -138,19 +143,23 @@ class PolicyCache(CacheDiagnostics):
         hook = self.attention_hook
         if not self._attended or (hook is not None and not hook.active):  # else every hook check passes
             self._check_observation()
+        decoding = S == 1 and self._decoding  # past the prompt: no held prompt to cut, no run open, kept storage
         steps = 1 < S <= undo.UNDO_TOKENS and self._verify_next  # decode steps at once (a verify step), not a chunk
         chunk = S > 1 and not steps  # a prompt chunk
         saved, record, rows = self.row_state(), None, self.storage
         try:
-            cut = self.holds_prompt and self._run_open and not chunk  # this eviction cuts a held prompt at its end
-            self._cut_budget(S)
-            n_evict = self._n_evict(S)
-            if not (self._run_open and chunk):
-                self._run = {}
-            elif n_evict == 0:
-                self._run = dict(self._run)
-            else:  # an eviction inside a held prompt (its hold, a window) ends the run, not the prompt's statistic
-                self._run = prompt_statistic(self._run)
+            if decoding:
+                cut, n_evict, self._run = False, self._n_evict(1), {}
+            else:
+                cut = self.holds_prompt and self._run_open and not chunk  # this eviction cuts a held prompt at its end
+                self._cut_budget(S)
+                n_evict = self._n_evict(S)
+                if not (self._run_open and chunk):
+                    self._run = {}
+                elif n_evict == 0:
+                    self._run = dict(self._run)
+                else:  # an eviction inside a held prompt (its hold, a window) ends the run, not the prompt's statistic
+                    self._run = prompt_statistic(self._run)
             if n_evict == 1 and S == 1 and not cut:  # decode: the loser's slot takes the new token (one write)
                 losers, update = self._evicted(self._step.evict(self._view(0), 1, self.offset))
                 self._slots.write(Token(keys, values, self.offset), losers, update, compiled=self.n == sl.capacity)
@@ -160,7 +169,7 @@ class PolicyCache(CacheDiagnostics):
                 self._hold_storage(keys, values, chunk)
                 record = undo.start(self, S, steps, keys)
                 self._slots.append(keys, values, self.offset, self.budget + 1)
-            if not chunk and self.storage is not self._kept_rows:  # (a restored hold whose cut wrote in place)
+            if not (decoding or chunk) and self.storage is not self._kept_rows:  # (a restored hold cut in place)
                 self._use_rows(self._kept_rows)
             self._run_open = chunk  # a prompt chunk: a run (re)starts or goes on; held for its cut
             self.offset += S
@@ -174,7 +183,7 @@ class PolicyCache(CacheDiagnostics):
             self._use_rows(rows, encode=False)
             self.set_row_state(saved)
             raise
-        self._undo, self._verify_next = record, False
+        self._undo, self._verify_next, self._decoding = record, False, not chunk
         self._bound_graph()
         return self._slots.valid()
 
@@ -238,7 +247,7 @@ class PolicyCache(CacheDiagnostics):
                     self._slots.log_weights = self._slots.log_weights[..., : self.n]
             else:
                 raise undo.refuse(self, n, can)
-        self._verify_next = True
+        self._verify_next, self._decoding = True, False
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PolicyCache":
@@ -304,6 +313,7 @@ class PolicyCache(CacheDiagnostics):
         sl = self._slots
         if rows is sl.rows:
             return
+        self._decoding = False
         if encode and sl.keys is not None:
             keys, values = sl.decoded(sl.n)
             dtypes = sl.dtypes
@@ -411,7 +421,7 @@ class PolicyCache(CacheDiagnostics):
         self.__dict__.update(d)
         if not isinstance(d.get("_slots"), SlotStore) or not isinstance(d.get("offset"), int):
             raise KVPolicyError("unpickled PolicyCache: not a PolicyCache's pickled state")
-        self._slots.key_norms = None
+        self._slots.key_norms, self._decoding = None, False
         if self.group is not None:
             self.group.join(self)
         check_restored(
@@ -599,11 +609,11 @@ class PolicyCache(CacheDiagnostics):
         pos = self.positions
         return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
 
-    def _evicted(self, evicted, cut: bool = False):
-        """Book an eviction (:meth:`~.step.PolicyStep.evict`'s losers, update and counters): it ends the run of prompt
-        chunks (a cut also its statistic), the counters add up; returns (losers, update) for the caller to write."""
+    def _evicted(self, evicted):
+        """Book an eviction (:meth:`~.step.PolicyStep.evict`'s losers, update and counters): the counters add up;
+        returns (losers, update) for the caller to write. (A decode write's run is empty already; :meth:`_evict`
+        ends the run of prompt chunks.)"""
         losers, update, counts = evicted
-        self._run, self._run_open = prompt_statistic(self._run) if self._run and not cut else {}, False
         if update is not None:
             self._lw_used = self._lw_used or update.d_log_weights is not None
         if counts:
@@ -615,7 +625,9 @@ class PolicyCache(CacheDiagnostics):
         """Evict ``n_evict`` slots outside decode's one-for-one write (a prompt chunk over its hold or window, the
         cut, a verify step's overflow, :meth:`settle`): the update added, the survivors compacted in temporal
         order."""
-        losers, update = self._evicted(self._step.evict(self._view(0), n_evict, self.offset, cut, steps), cut)
+        losers, update = self._evicted(self._step.evict(self._view(0), n_evict, self.offset, cut, steps))
+        # the eviction ends the run of prompt chunks (a cut also its statistic)
+        self._run, self._run_open = prompt_statistic(self._run) if self._run and not cut else {}, False
         if update is not None:
             self._slots.add(update)
         self._slots.compact(losers)
@@ -660,7 +672,7 @@ class PolicyCache(CacheDiagnostics):
     def set_row_state(self, state: RowState) -> None:
         """Take ``state`` (a :meth:`row_state`, or one derived from it with :func:`dataclasses.replace`). The undo
         record of the last update is dropped (it describes the state replaced)."""
-        self._undo = None
+        self._undo, self._decoding = None, False
         self._slots.restore(state.slots)
         self._slots.track_key_norms = state.track_key_norms
         self.offset, self._counters, self._attended = state.offset, dict(state.counters), state.attended

@@ -85,6 +85,12 @@ class PolicyCache(CacheDiagnostics):
     hook_missing = None  #: why a restored cache has no hook it needs (it refuses its next update), or None
     _undo = None  #: the last update's undo record (:mod:`.undo`), or None
     _verify_next = False  #: a trim came last: the next short multi-token update is a verify step
+    #: the last step's attention called the hook and the install this cache holds (if any) is live: set by the
+    #: hook's call (:meth:`before_attention`, :meth:`attend`), cleared by the update, a new install, its removal
+    #: (:meth:`hook_removed`) and :meth:`set_row_state`. While it holds, every check of :meth:`_check_observation`
+    #: passes, so an update reads this one flag for the hook
+    _observed = False
+    _hook = None
     #: the last update was decode's (not a prompt chunk) and nothing changed the cache since: no held prompt to cut,
     #: no run of prompt chunks open, the rows in the kept storage. A one-token update then takes decode's route
     #: without reading the hold and run state; anything else that sets the state (:meth:`set_row_state`,
@@ -140,8 +146,7 @@ class PolicyCache(CacheDiagnostics):
         sl = self._slots
         sl.check_input(keys, values, self.layer)
         self._last_S = S = keys.shape[2]
-        hook = self.attention_hook
-        if not self._attended or (hook is not None and not hook.active):  # else every hook check passes
+        if not self._observed:  # else every hook check passes
             self._check_observation()
         decoding = S == 1 and self._decoding  # past the prompt: no held prompt to cut, no run open, kept storage
         steps = 1 < S <= undo.UNDO_TOKENS and self._verify_next  # decode steps at once (a verify step), not a chunk
@@ -178,7 +183,7 @@ class PolicyCache(CacheDiagnostics):
             elif self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
                 new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
                 self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
-            self._attended = False
+            self._attended = self._observed = False
         except BaseException:
             self._use_rows(rows, encode=False)
             self.set_row_state(saved)
@@ -408,6 +413,8 @@ class PolicyCache(CacheDiagnostics):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        if new._hook is not None:
+            new._hook.hold(new)
         if new.group is not None:
             new.group.join(new)
         return new
@@ -416,12 +423,16 @@ class PolicyCache(CacheDiagnostics):
         """Unpickling: the attention hook re-installs through its handle (:class:`~kvpolicy_core.attention.hook.
         AttentionHook`); the slots are checked like every restored state, and key norms recomputed."""
         d.setdefault("hold_rows", None)  # (pickled before hold_bits)
+        if "attention_hook" in d:  # (pickled before the hook was a property)
+            d["_hook"] = d.pop("attention_hook")
         if isinstance(d.get("_slots"), SlotStore):
             d.setdefault("_kept_rows", d["_slots"].rows)
         self.__dict__.update(d)
         if not isinstance(d.get("_slots"), SlotStore) or not isinstance(d.get("offset"), int):
             raise KVPolicyError("unpickled PolicyCache: not a PolicyCache's pickled state")
-        self._slots.key_norms, self._decoding = None, False
+        self._slots.key_norms, self._decoding, self._observed = None, False, False
+        if self._hook is not None:
+            self._hook.hold(self)
         if self.group is not None:
             self.group.join(self)
         check_restored(
@@ -429,6 +440,23 @@ class PolicyCache(CacheDiagnostics):
         )
 
     # ------------------------------------------------------------------ attention hook
+    @property
+    def attention_hook(self):
+        """The attention hook install this cache keeps alive (an :class:`~kvpolicy_core.attention.hook.
+        AttentionHook`), or None."""
+        return self._hook
+
+    @attention_hook.setter
+    def attention_hook(self, hook) -> None:
+        self._hook, self._observed = hook, False
+        if hook is not None:
+            hook.hold(self)
+
+    def hook_removed(self) -> None:
+        """The install this cache holds was removed: the next update checks the hook again (and refuses a step
+        that needs it)."""
+        self._observed = False
+
     def before_attention(self, queries: mx.array, scale: float, mask):
         """Called by the attention hook with the real queries [B, Hq, S, D]; returns the mask to use.
 
@@ -447,7 +475,8 @@ class PolicyCache(CacheDiagnostics):
             self.scores = self._step.on_attention(self._view(queries.shape[2], run), queries, scale, mask)
             self._run = run
             self._bound_graph()
-        self._attended = True
+        self._attended, hook = True, self._hook
+        self._observed = hook is None or hook.active
         return mask
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, fused):
@@ -529,7 +558,8 @@ class PolicyCache(CacheDiagnostics):
             self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)
             self._run = run
         self._bound_graph()
-        self._attended = True
+        self._attended, hook = True, self._hook
+        self._observed = hook is None or hook.active
 
     def after_attention(self, out: mx.array, values: mx.array) -> mx.array:
         """``out`` [B, Hq, S, Dv], this step's attention output (the hook's); a prompt chunk's is measured for a
@@ -635,8 +665,8 @@ class PolicyCache(CacheDiagnostics):
     def _check_observation(self) -> None:
         """Refuse (before anything changes) a step that needs the attention hook when the hook cannot run: the
         install this cache holds was removed, a restored cache has none, or the last step did not call it.
-        :meth:`update_and_fetch` calls it only when the last step's attention did not call the hook or the install
-        it holds is gone: otherwise each check below passes (a decode step reads those two, not the four here)."""
+        :meth:`update_and_fetch` calls it only when :attr:`_observed` does not hold: otherwise each check below
+        passes (a decode step reads that one flag, not the four here)."""
         windowed = self.window is not None and self.offset > self.window
         hook = self.attention_hook
         if hook is not None and not hook.active:
@@ -672,7 +702,7 @@ class PolicyCache(CacheDiagnostics):
     def set_row_state(self, state: RowState) -> None:
         """Take ``state`` (a :meth:`row_state`, or one derived from it with :func:`dataclasses.replace`). The undo
         record of the last update is dropped (it describes the state replaced)."""
-        self._undo, self._decoding = None, False
+        self._undo, self._decoding, self._observed = None, False, False
         self._slots.restore(state.slots)
         self._slots.track_key_norms = state.track_key_norms
         self.offset, self._counters, self._attended = state.offset, dict(state.counters), state.attended

@@ -18,10 +18,10 @@ mx.random.seed(0)
 cache = PolicyCache(config)
 k, v = mx.random.normal((1, 2, 40, 8)), mx.random.normal((1, 2, 40, 8))
 cache.update_and_fetch(k[:, :, :30], v[:, :, :30])
-cache._attended = True  # driven without a model: the attention hook's part is not measured here
+cache._attended = cache._observed = True  # driven without a model: the attention hook's part is not measured
 for i in range(30, 39):
     cache.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-    cache._attended = True
+    cache._attended = cache._observed = True
     mx.eval(cache.scores)
 frames, depth = [], [0]
 

@@ -77,7 +77,7 @@ def test_no_host_sync_on_a_decode_step_of_a_shipped_method(model, method):
 
 @pytest.mark.parametrize("read", ["item", "tolist", "bool", "if", "int", "float", "numpy", "eval", "str"])
 def test_the_counter_counts_each_kind_of_read_inserted_on_the_decode_path(monkeypatch, model, read):
-    """One read of each kind, made from kvpolicy's decode path (the attention-hook check every cache step runs),
+    """One read of each kind, made from kvpolicy's decode path (the eviction every cache step runs past its budget),
     is counted once per layer per step; mlx-lm's own read of the sampled token is not (it is outside kvpolicy)."""
     reads = {
         "item": lambda a: a.item(),
@@ -90,13 +90,13 @@ def test_the_counter_counts_each_kind_of_read_inserted_on_the_decode_path(monkey
         "eval": lambda a: mx.eval(a),
         "str": str,
     }
-    real = PolicyStep.check_observed
+    real = PolicyStep.evict
 
-    def check_observed(self, *args):
+    def evict(self, *args, **kwargs):
         reads[read](mx.array(1))
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(PolicyStep, "check_observed", check_observed)
+    monkeypatch.setattr(PolicyStep, "evict", evict)
     caches = KVCacheBuilder.for_model(model, with_fields("h2o", FIELDS))
     layers = sum(isinstance(c, PolicyCache) for c in caches)
     assert single_syncs(model, caches) == [layers] * STEPS

@@ -103,7 +103,7 @@ def test_the_package_import_registers_both_classes_whichever_is_imported_first()
         "import kvpolicy_core; import mlx_lm",
         "import mlx_lm; import kvpolicy_core",
         "import kvpolicy_core.cache.batch",
-        "import kvpolicy_core.cache.storage; from mlx_lm import load",
+        "import kvpolicy_core.cache.slots; from mlx_lm import load",
     ):
         proc = subprocess.run([sys.executable, "-c", f"{first}; {check}"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (first, proc.stderr[-2000:])

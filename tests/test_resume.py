@@ -144,6 +144,21 @@ def test_a_cache_whose_hook_was_removed_refuses_the_next_step(llama_model):
     assert caches[0].offset == 4
 
 
+def test_a_decoding_cache_and_its_copies_refuse_the_next_step_once_the_hook_they_hold_is_removed(llama_model):
+    """A cache reads one flag for the hook at a decode step; removing the install clears it in every holder."""
+    caches = KVCacheBuilder.for_model(llama_model, "h2o:budget=8,n_sink=2")
+    llama_model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]), cache=caches)
+    for t in (11, 12):
+        llama_model(mx.array([[t]]), cache=caches)  # decode steps past the cut, each through the hook
+    copies = copy.deepcopy(caches)
+    assert copies[0].attention_hook is caches[0].attention_hook
+    caches[0].attention_hook.remove()
+    for held in (caches, copies):
+        with pytest.raises(ModelError, match="was removed"):
+            llama_model(mx.array([[13]]), cache=held)
+        assert held[0].offset == 12
+
+
 def test_copies_hold_the_hook_after_the_original_is_gone(llama_model):
     import gc
 

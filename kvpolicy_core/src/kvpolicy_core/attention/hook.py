@@ -82,14 +82,21 @@ class AttentionHook:
     def __init__(self, modules: List[str]) -> None:
         self.modules = modules
         self._finalizer = weakref.finalize(self, _release, modules)
+        self._holders = weakref.WeakSet()  # the caches holding this install: told when it is removed
+
+    def hold(self, cache) -> None:
+        """``cache`` holds this install: :meth:`remove` tells it (its next update checks the hook again)."""
+        self._holders.add(cache)
 
     @property
     def active(self) -> bool:
         return self._finalizer.alive
 
     def remove(self) -> None:
-        """Undo this install now (idempotent)."""
+        """Undo this install now (idempotent); the caches holding it check the hook again at their next update."""
         self._finalizer()
+        for cache in list(getattr(self, "_holders", ())):
+            cache.hook_removed()
 
     def __copy__(self) -> "AttentionHook":
         return self  # a copied cache holds the same install (a copied finalizer would be dead)
@@ -108,6 +115,7 @@ def _removed(modules: List[str]) -> AttentionHook:
     hook.modules = modules
     hook._finalizer = weakref.finalize(hook, lambda: None)
     hook._finalizer.detach()
+    hook._holders = weakref.WeakSet()
     return hook
 
 

@@ -56,10 +56,9 @@ from .batch import BatchPolicyCache, register_with_mlx_lm
 from .diagnostics import CacheDiagnostics
 from .layer_group import prompt_statistic, record
 from .restore_checks import check_restored
-from .slots import FIELDS, RowState, SlotStore, Token
+from .slots import FIELDS, QuantizedRows, RowState, SlotStore, Token, storage_for
 from .state import from_state, load_state, meta_json, state_of
 from .step import PolicyStep
-from .storage import QuantizedRows, storage_for
 
 
 def _slot(name: str) -> property:
@@ -86,6 +85,17 @@ class PolicyCache(CacheDiagnostics):
     hook_missing = None  #: why a restored cache has no hook it needs (it refuses its next update), or None
     _undo = None  #: the last update's undo record (:mod:`.undo`), or None
     _verify_next = False  #: a trim came last: the next short multi-token update is a verify step
+    #: the last step's attention called the hook and the install this cache holds (if any) is live: set by the
+    #: hook's call (:meth:`before_attention`, :meth:`attend`), cleared by the update, a new install, its removal
+    #: (:meth:`hook_removed`) and :meth:`set_row_state`. While it holds, every check of :meth:`_check_observation`
+    #: passes, so an update reads this one flag for the hook
+    _observed = False
+    _hook = None
+    #: the last update was decode's (not a prompt chunk) and nothing changed the cache since: no held prompt to cut,
+    #: no run of prompt chunks open, the rows in the kept storage. A one-token update then takes decode's route
+    #: without reading the hold and run state; anything else that sets the state (:meth:`set_row_state`,
+    #: :meth:`_use_rows`, :meth:`trim`, unpickling) clears it
+    _decoding = False
     _trims = False  #: asked is_trimmable() while empty (speculative decoding does): short prompt chunks keep a record
 
     def __init__(
@@ -135,22 +145,26 @@ class PolicyCache(CacheDiagnostics):
         """keys [B, H, S, D], values [B, H, S, Dv] -> all keys/values this step attends to."""
         sl = self._slots
         sl.check_input(keys, values, self.layer)
-        self._last_S = keys.shape[2]
-        self._check_observation()
-        S = keys.shape[2]
+        self._last_S = S = keys.shape[2]
+        if not self._observed:  # else every hook check passes
+            self._check_observation()
+        decoding = S == 1 and self._decoding  # past the prompt: no held prompt to cut, no run open, kept storage
         steps = 1 < S <= undo.UNDO_TOKENS and self._verify_next  # decode steps at once (a verify step), not a chunk
         chunk = S > 1 and not steps  # a prompt chunk
         saved, record, rows = self.row_state(), None, self.storage
         try:
-            cut = self.holds_prompt and self._run_open and not chunk  # this eviction cuts a held prompt at its end
-            self._cut_budget(S)
-            n_evict = self._n_evict(S)
-            if not (self._run_open and chunk):
-                self._run = {}
-            elif n_evict == 0:
-                self._run = dict(self._run)
-            else:  # an eviction inside a held prompt (its hold, a window) ends the run, not the prompt's statistic
-                self._run = prompt_statistic(self._run)
+            if decoding:
+                cut, n_evict, self._run = False, self._n_evict(1), {}
+            else:
+                cut = self.holds_prompt and self._run_open and not chunk  # this eviction cuts a held prompt at its end
+                self._cut_budget(S)
+                n_evict = self._n_evict(S)
+                if not (self._run_open and chunk):
+                    self._run = {}
+                elif n_evict == 0:
+                    self._run = dict(self._run)
+                else:  # an eviction inside a held prompt (its hold, a window) ends the run, not the prompt's statistic
+                    self._run = prompt_statistic(self._run)
             if n_evict == 1 and S == 1 and not cut:  # decode: the loser's slot takes the new token (one write)
                 losers, update = self._evicted(self._step.evict(self._view(0), 1, self.offset))
                 self._slots.write(Token(keys, values, self.offset), losers, update, compiled=self.n == sl.capacity)
@@ -160,7 +174,7 @@ class PolicyCache(CacheDiagnostics):
                 self._hold_storage(keys, values, chunk)
                 record = undo.start(self, S, steps, keys)
                 self._slots.append(keys, values, self.offset, self.budget + 1)
-            if not chunk and self.storage is not self._kept_rows:  # (a restored hold whose cut wrote in place)
+            if not (decoding or chunk) and self.storage is not self._kept_rows:  # (a restored hold cut in place)
                 self._use_rows(self._kept_rows)
             self._run_open = chunk  # a prompt chunk: a run (re)starts or goes on; held for its cut
             self.offset += S
@@ -169,12 +183,12 @@ class PolicyCache(CacheDiagnostics):
             elif self._step.appends:  # else the scorer's on_append returns the scores as they are (observed signals)
                 new_positions = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
                 self.scores = self._step.on_append(self._view(S, self._run), keys, new_positions)
-            self._attended = False
+            self._attended = self._observed = False
         except BaseException:
             self._use_rows(rows, encode=False)
             self.set_row_state(saved)
             raise
-        self._undo, self._verify_next = record, False
+        self._undo, self._verify_next, self._decoding = record, False, not chunk
         self._bound_graph()
         return self._slots.valid()
 
@@ -238,7 +252,7 @@ class PolicyCache(CacheDiagnostics):
                     self._slots.log_weights = self._slots.log_weights[..., : self.n]
             else:
                 raise undo.refuse(self, n, can)
-        self._verify_next = True
+        self._verify_next, self._decoding = True, False
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PolicyCache":
@@ -304,6 +318,7 @@ class PolicyCache(CacheDiagnostics):
         sl = self._slots
         if rows is sl.rows:
             return
+        self._decoding = False
         if encode and sl.keys is not None:
             keys, values = sl.decoded(sl.n)
             dtypes = sl.dtypes
@@ -359,7 +374,7 @@ class PolicyCache(CacheDiagnostics):
 
     @property
     def storage(self):
-        """How this cache stores its rows (:mod:`.storage`)."""
+        """How this cache stores its rows (:class:`~.slots.Rows`)."""
         return self._slots.rows
 
     @property
@@ -398,6 +413,8 @@ class PolicyCache(CacheDiagnostics):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        if new._hook is not None:
+            new._hook.hold(new)
         if new.group is not None:
             new.group.join(new)
         return new
@@ -406,12 +423,16 @@ class PolicyCache(CacheDiagnostics):
         """Unpickling: the attention hook re-installs through its handle (:class:`~kvpolicy_core.attention.hook.
         AttentionHook`); the slots are checked like every restored state, and key norms recomputed."""
         d.setdefault("hold_rows", None)  # (pickled before hold_bits)
+        if "attention_hook" in d:  # (pickled before the hook was a property)
+            d["_hook"] = d.pop("attention_hook")
         if isinstance(d.get("_slots"), SlotStore):
             d.setdefault("_kept_rows", d["_slots"].rows)
         self.__dict__.update(d)
         if not isinstance(d.get("_slots"), SlotStore) or not isinstance(d.get("offset"), int):
             raise KVPolicyError("unpickled PolicyCache: not a PolicyCache's pickled state")
-        self._slots.key_norms = None
+        self._slots.key_norms, self._decoding, self._observed = None, False, False
+        if self._hook is not None:
+            self._hook.hold(self)
         if self.group is not None:
             self.group.join(self)
         check_restored(
@@ -419,6 +440,23 @@ class PolicyCache(CacheDiagnostics):
         )
 
     # ------------------------------------------------------------------ attention hook
+    @property
+    def attention_hook(self):
+        """The attention hook install this cache keeps alive (an :class:`~kvpolicy_core.attention.hook.
+        AttentionHook`), or None."""
+        return self._hook
+
+    @attention_hook.setter
+    def attention_hook(self, hook) -> None:
+        self._hook, self._observed = hook, False
+        if hook is not None:
+            hook.hold(self)
+
+    def hook_removed(self) -> None:
+        """The install this cache holds was removed: the next update checks the hook again (and refuses a step
+        that needs it)."""
+        self._observed = False
+
     def before_attention(self, queries: mx.array, scale: float, mask):
         """Called by the attention hook with the real queries [B, Hq, S, D]; returns the mask to use.
 
@@ -437,7 +475,8 @@ class PolicyCache(CacheDiagnostics):
             self.scores = self._step.on_attention(self._view(queries.shape[2], run), queries, scale, mask)
             self._run = run
             self._bound_graph()
-        self._attended = True
+        self._attended, hook = True, self._hook
+        self._observed = hook is None or hook.active
         return mask
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, fused):
@@ -519,7 +558,8 @@ class PolicyCache(CacheDiagnostics):
             self.scores = self._step.on_attention_weights(self._view(queries.shape[2], run), weights)
             self._run = run
         self._bound_graph()
-        self._attended = True
+        self._attended, hook = True, self._hook
+        self._observed = hook is None or hook.active
 
     def after_attention(self, out: mx.array, values: mx.array) -> mx.array:
         """``out`` [B, Hq, S, Dv], this step's attention output (the hook's); a prompt chunk's is measured for a
@@ -599,11 +639,11 @@ class PolicyCache(CacheDiagnostics):
         pos = self.positions
         return outside_window(pos if pos.shape[-1] == self.n else pos[..., : self.n], self.offset, self.window)
 
-    def _evicted(self, evicted, cut: bool = False):
-        """Book an eviction (:meth:`~.step.PolicyStep.evict`'s losers, update and counters): it ends the run of prompt
-        chunks (a cut also its statistic), the counters add up; returns (losers, update) for the caller to write."""
+    def _evicted(self, evicted):
+        """Book an eviction (:meth:`~.step.PolicyStep.evict`'s losers, update and counters): the counters add up;
+        returns (losers, update) for the caller to write. (A decode write's run is empty already; :meth:`_evict`
+        ends the run of prompt chunks.)"""
         losers, update, counts = evicted
-        self._run, self._run_open = prompt_statistic(self._run) if self._run and not cut else {}, False
         if update is not None:
             self._lw_used = self._lw_used or update.d_log_weights is not None
         if counts:
@@ -615,14 +655,18 @@ class PolicyCache(CacheDiagnostics):
         """Evict ``n_evict`` slots outside decode's one-for-one write (a prompt chunk over its hold or window, the
         cut, a verify step's overflow, :meth:`settle`): the update added, the survivors compacted in temporal
         order."""
-        losers, update = self._evicted(self._step.evict(self._view(0), n_evict, self.offset, cut, steps), cut)
+        losers, update = self._evicted(self._step.evict(self._view(0), n_evict, self.offset, cut, steps))
+        # the eviction ends the run of prompt chunks (a cut also its statistic)
+        self._run, self._run_open = prompt_statistic(self._run) if self._run and not cut else {}, False
         if update is not None:
             self._slots.add(update)
         self._slots.compact(losers)
 
     def _check_observation(self) -> None:
         """Refuse (before anything changes) a step that needs the attention hook when the hook cannot run: the
-        install this cache holds was removed, a restored cache has none, or the last step did not call it."""
+        install this cache holds was removed, a restored cache has none, or the last step did not call it.
+        :meth:`update_and_fetch` calls it only when :attr:`_observed` does not hold: otherwise each check below
+        passes (a decode step reads that one flag, not the four here)."""
         windowed = self.window is not None and self.offset > self.window
         hook = self.attention_hook
         if hook is not None and not hook.active:
@@ -658,7 +702,7 @@ class PolicyCache(CacheDiagnostics):
     def set_row_state(self, state: RowState) -> None:
         """Take ``state`` (a :meth:`row_state`, or one derived from it with :func:`dataclasses.replace`). The undo
         record of the last update is dropped (it describes the state replaced)."""
-        self._undo = None
+        self._undo, self._decoding, self._observed = None, False, False
         self._slots.restore(state.slots)
         self._slots.track_key_norms = state.track_key_norms
         self.offset, self._counters, self._attended = state.offset, dict(state.counters), state.attended

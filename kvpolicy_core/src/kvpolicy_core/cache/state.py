@@ -28,8 +28,7 @@ from ..runtime.sharding import check_head_shard
 from .diagnostics import LEGACY_COUNTERS
 from .layer_group import check_group_meta, check_run_stats, restored_group
 from .restore_checks import check_restored
-from .slots import RowState, Snapshot
-from .storage import QuantizedRows, first_rows, length
+from .slots import QuantizedRows, RowState, Snapshot, first_rows, length
 
 
 def counters_from_meta(stats) -> Dict[str, mx.array]:

@@ -30,8 +30,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..cache.policy_cache import PolicyCache
+from ..cache.slots import first_rows, length
 from ..cache.state import from_meta, load_state, meta_json, open_run
-from ..cache.storage import first_rows, length
 from ..errors import KVPolicyError, ModelError
 from ..runtime.distributed import check_shard, missing_rank_file, rank_path, resolve_shard
 from ..runtime.files import check_output_target, check_writable

@@ -4,8 +4,9 @@ Each row runs in a process of its own (MLX's peak counter is per process): a mod
 through mlx-lm's ``generate_step`` (prefill step 512), 8 decode tokens. Reported, from MLX's allocator, above
 the model's own memory: ``peak`` (``mx.get_peak_memory``) and ``resident`` after (``mx.get_active_memory``),
 beside what the caches account for: ``kv_state_bytes`` (their kept K/V rows) and ``cache_bytes`` (a policy cache's
-``nbytes``: its K/V rows and each slot's position, score and per-slot statistics). Rows: mlx-lm's ``KVCache`` (the 1.0x), its
-``RotatingKVCache`` and ``QuantizedKVCache`` (``kv_bits`` 4 and 8), and kvpolicy methods at ``L / ratio``.
+``nbytes``: its K/V rows and each slot's position, score and per-slot statistics). Rows: mlx-lm's ``KVCache``
+(the 1.0x), its ``RotatingKVCache`` and ``QuantizedKVCache`` (``kv_bits`` 4 and 8), and kvpolicy methods at
+``L / ratio``.
 
 The default shape is KV-dominated (a random-weight 16-layer llama, hidden 512, 8 KV heads of 64, float32), as
 in the measurement that opened this work; ``--model default|smollm2`` runs a real model instead.

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple, Union
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from ..parts.base import CacheView, MergeUpdate, key_norm
+from ..parts.base import CacheView, MergeUpdate, key_norm, on_key_rows
 
 #: a stored K or V buffer: an array [B, H, L, D], or a tuple of arrays [B, H, L, *] (quantized rows)
 Stored = Union[mx.array, Tuple[mx.array, ...]]
@@ -488,9 +488,13 @@ class SlotStore:
         if n != positions.shape[-1]:  # a full buffer (decode's steady state) is viewed whole: no slice nodes
             positions = positions[..., :n]
             norms = None if norms is None else norms[..., :n]
-        return CacheView(
+        view = CacheView(
             keys, values, positions, self.scores, offset, n_new, dead, rank * H, size * H, self.log_weights, run, norms
         )
+        if self.rows.bits is not None:  # quantized rows: a long pass may decode the keys a block at a time
+            stored, kd = self._keys, self.dtypes[0]
+            on_key_rows(view, lambda lo, hi: self.rows.decode(tree_map(lambda x: x[..., lo:hi, :], stored), kd))
+        return view
 
     def valid(self):
         """(keys, values) of the n valid slots as attention reads them (:meth:`Rows.for_attention`: the

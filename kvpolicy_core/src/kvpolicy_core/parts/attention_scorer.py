@@ -45,20 +45,36 @@ def last_row(mask):
     return mask[..., -1:, :]
 
 
-def observed_weights(queries: mx.array, keys: mx.array, scale: float, mask) -> mx.array:
+#: keys decoded per block by :func:`observed_weights` when it is given ``key_rows``
+KEY_BLOCK = 1024
+
+
+def observed_weights(queries: mx.array, keys: mx.array, scale: float, mask, key_rows=None) -> mx.array:
     """The model's attention weights grouped by KV head.
 
     queries [B, Hq, S, D], keys [B, H, L, D] -> weights [B, H, Hq/H, S, L] float32,
     softmax(scale * q k^T + mask) exactly as the model computes it (mask: None,
     "causal", a bool array or an additive array broadcastable to [B, Hq, S, L]), except that
     non-finite logits (from a NaN/Inf key or query) are excluded rather than poisoning the row.
+
+    ``key_rows(lo, hi)``: the keys of slots ``lo .. hi - 1`` decoded (engine use: quantized rows). A prompt chunk's
+    pass (S > 1) then forms the logits by blocks of :data:`KEY_BLOCK` slots, each evaluated before the next block
+    is decoded, so ``keys`` (read for its shape only) is never decoded whole; a decode step (S = 1) reads ``keys``
+    and never syncs.
     """
     B, Hq, S, D = queries.shape
     H, L = keys.shape[1], keys.shape[2]
     rep = Hq // H
-    q = queries.astype(mx.float32).reshape(B, H, rep, S, D)
-    k = keys.astype(mx.float32)[:, :, None]
-    logits = (q * scale) @ k.swapaxes(-1, -2)  # [B, H, rep, S, L]
+    q = queries.astype(mx.float32).reshape(B, H, rep, S, D) * scale
+    if key_rows is None or L <= KEY_BLOCK or S == 1:
+        logits = q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)  # [B, H, rep, S, L]
+    else:  # a prompt chunk's pass: each block's logits evaluated before the next block is decoded
+        pieces = []
+        for lo in range(0, L, KEY_BLOCK):
+            k = key_rows(lo, min(L, lo + KEY_BLOCK)).astype(mx.float32)
+            pieces.append(q @ k[:, :, None].swapaxes(-1, -2))
+            mx.eval(pieces[-1])
+        logits = mx.concatenate(pieces, axis=-1)
     if mask is None:
         return masked_softmax(logits, mx.array(True))
     if isinstance(mask, str):
@@ -77,7 +93,7 @@ def observed_weights(queries: mx.array, keys: mx.array, scale: float, mask) -> m
 ROWS_BLOCK_BYTES = 2 * 2**20
 
 
-def observed_rows(queries: mx.array, keys: mx.array, scale: float, mask) -> mx.array:
+def observed_rows(queries: mx.array, keys: mx.array, scale: float, mask, key_rows=None) -> mx.array:
     """:func:`observed_weights` summed over each KV head's query heads, [B, H, 1, S, L] float32::
 
         rows[b, h, 0, i, j] = sum_g softmax(scale * q_{h,g,i} k_h^T + mask_i)_j
@@ -86,18 +102,18 @@ def observed_rows(queries: mx.array, keys: mx.array, scale: float, mask) -> mx.a
     :data:`ROWS_BLOCK_BYTES` (each block evaluated before the next is built). A row's softmax reads only that row,
     and the sum over ``g`` adds the same numbers in the same order, so the result is the unblocked one bit for bit;
     the transient is one block's logits instead of the [B, Hq, S, L] logits and weights of all rows, which on a long
-    held prompt (an observation window over every held key of a layer) was larger than the layer's rows."""
+    held prompt (an observation window over every held key of a layer) was larger than the layer's rows.
+    ``key_rows``: as for :func:`observed_weights` (each block decodes the keys again, a block at a time)."""
     B, Hq, S, D = queries.shape
     L = keys.shape[2]
     b = max(1, ROWS_BLOCK_BYTES // max(1, B * Hq * L * 4))
     if S <= b:
-        return observed_weights(queries, keys, scale, mask).sum(axis=2, keepdims=True)
+        return observed_weights(queries, keys, scale, mask, key_rows).sum(axis=2, keepdims=True)
     outs = []
     for lo in range(0, S, b):
         hi = min(S, lo + b)
-        out = observed_weights(queries[:, :, lo:hi], keys, scale, rows_of(mask, lo, hi, S, L)).sum(
-            axis=2, keepdims=True
-        )
+        out = observed_weights(queries[:, :, lo:hi], keys, scale, rows_of(mask, lo, hi, S, L), key_rows)
+        out = out.sum(axis=2, keepdims=True)
         mx.eval(out)
         outs.append(out)
     return mx.concatenate(outs, axis=3)

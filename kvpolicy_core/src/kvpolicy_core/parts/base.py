@@ -243,6 +243,18 @@ def on_key_norms(view: CacheView, demand) -> CacheView:
     return view
 
 
+def on_key_rows(view: CacheView, key_rows) -> CacheView:
+    """Give ``view`` a decoder of its keys by slots, ``key_rows(lo, hi)`` -> [B, H, hi - lo, D] (engine use: rows
+    stored quantized, whose keys a part's long pass may decode a block at a time instead of whole)."""
+    view.__dict__["_key_rows"] = key_rows
+    return view
+
+
+def key_rows_of(view: CacheView):
+    """The decoder :func:`on_key_rows` gave ``view``, or None (then ``view.keys`` are the keys to read)."""
+    return view.__dict__.get("_key_rows")
+
+
 def offset_read(view: CacheView) -> bool:
     """Whether a part has read ``view.offset`` (as the array) (engine use: it names the offset in a part's error)."""
     return "_offset" in view.__dict__

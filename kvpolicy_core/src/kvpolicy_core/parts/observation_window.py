@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .attention_scorer import AttentionScorer, finite_weights, observed_rows, proxy_weights
-from .base import CacheView
+from .base import CacheView, key_rows_of
 from .pooling import pool_by_position
 
 #: the run's keys that recompute a filled window's rows (:meth:`ObservationWindowScorer._earlier_rows`)
@@ -152,7 +152,7 @@ class ObservationWindowScorer(AttentionScorer):
         L = int(run["window_keys"].item())
         mask = run.get("window_mask", "causal" if "window_causal" in run else None)
         scale = run["window_scale"].item()
-        return observed_rows(run["window_queries"], view.keys[:, :, :L], scale, mask)[:, :, 0]
+        return observed_rows(run["window_queries"], view.keys[:, :, :L], scale, mask, key_rows_of(view))[:, :, 0]
 
     def on_append(self, view: CacheView, new_keys: mx.array, new_positions: mx.array) -> mx.array:
         if self.signal != "proxy":
@@ -168,7 +168,7 @@ class ObservationWindowScorer(AttentionScorer):
         S = queries.shape[2]
         W = self._rows(S)
         window = (queries[:, :, S - W :], scale, window_rows(mask, S, W))
-        return self._add(view, observed_rows(window[0], view.keys, *window[1:]), S, window)
+        return self._add(view, observed_rows(window[0], view.keys, *window[1:], key_rows_of(view)), S, window)
 
     def on_attention_weights(self, view: CacheView, weights: mx.array) -> mx.array:
         """:meth:`on_attention` from the model's weights [B, H, G, S, L] of the step (see the base class)."""

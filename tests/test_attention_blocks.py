@@ -122,3 +122,49 @@ def test_rows_of_a_mask():
     assert blocks.rows_of(arr, 2, 4, 8, 10).shape == (1, 1, 2, 10)
     with pytest.raises(ValueError, match="causal"):
         blocks.rows_of("sliding", 0, 1, 8, 10)
+
+
+def test_window_rows_by_blocks_of_queries_and_of_keys_are_the_window_weights(monkeypatch):
+    """``observed_rows``: the observation window's weights summed over each KV head's query heads, computed by
+    blocks of query rows and (quantized rows) of decoded keys, are the whole pass's numbers (float rounding)."""
+    from kvpolicy_core.parts import attention_scorer as a
+
+    q = mx.random.normal((1, 4, 12, 64), key=mx.random.key(1))
+    packed = mx.quantize(mx.random.normal((1, 2, 90, 64), key=mx.random.key(2)), group_size=64, bits=4)
+    keys = mx.dequantize(*packed, group_size=64, bits=4)
+    calls = []
+
+    def key_rows(lo, hi):
+        calls.append((lo, hi))
+        return mx.dequantize(*[x[..., lo:hi, :] for x in packed], group_size=64, bits=4)
+
+    for mask in (None, "causal", mx.random.uniform(shape=(12, 90), key=mx.random.key(3)) > 0.3):
+        whole = a.observed_weights(q, keys, 0.125, mask).sum(axis=2, keepdims=True)
+        monkeypatch.setattr(a, "ROWS_BLOCK_BYTES", 4 * 4 * 90 * 5)  # blocks of 5 query rows
+        monkeypatch.setattr(a, "KEY_BLOCK", 32)  # keys decoded 32 slots at a time
+        calls.clear()
+        by_blocks = a.observed_rows(q, keys, 0.125, mask, key_rows)
+        assert calls and all(hi - lo <= 32 for lo, hi in calls)
+        assert by_blocks.shape == (1, 2, 1, 12, 90)
+        assert mx.allclose(by_blocks, whole, rtol=1e-5, atol=1e-6).item()
+        assert mx.allclose(a.observed_rows(q, keys, 0.125, mask), whole, rtol=1e-5, atol=1e-6).item()
+        monkeypatch.undo()
+
+
+def test_a_quantized_prompt_is_scored_alike_with_its_keys_decoded_by_blocks(llama, monkeypatch):
+    """A held prompt of 4-bit rows scored with its keys decoded 16 slots at a time keeps what the whole pass
+    keeps: the same slots and the same logits after the cut (within float rounding)."""
+    from kvpolicy_core.parts import attention_scorer as a
+
+    def run():
+        caches = KVCacheBuilder.for_model(llama, "cam:budget=24,kv_bits=4")
+        out = [llama(TOKENS[:, i : i + 50], cache=caches) for i in (0, 50)]
+        out += [llama(TOKENS[:, t : t + 1], cache=caches) for t in range(100, 106)]
+        return mx.concatenate(out, axis=1), [mx.sort(c.positions, axis=-1) for c in caches]
+
+    whole, kept = run()
+    monkeypatch.setattr(a, "KEY_BLOCK", 16)
+    monkeypatch.setattr(a, "ROWS_BLOCK_BYTES", 1024)
+    blocked, kept_b = run()
+    assert all(mx.array_equal(x, y).item() for x, y in zip(kept, kept_b))
+    assert mx.allclose(whole, blocked, rtol=1e-4, atol=1e-4).item()

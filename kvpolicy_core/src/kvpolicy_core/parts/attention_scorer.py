@@ -110,10 +110,11 @@ def observed_rows(queries: mx.array, keys: mx.array, scale: float, mask, key_row
         rows[b, h, 0, i, j] = sum_g softmax(scale * q_{h,g,i} k_h^T + mask_i)_j
 
     computed by blocks of query rows when the logits of all S rows would take more than
-    :data:`ROWS_BLOCK_BYTES` (each block evaluated before the next is built). A row's softmax reads only that row,
-    and the sum over ``g`` adds the same numbers in the same order, so the result is the unblocked one bit for bit;
-    the transient is one block's logits instead of the [B, Hq, S, L] logits and weights of all rows, which on a long
-    held prompt (an observation window over every held key of a layer) was larger than the layer's rows.
+    :data:`ROWS_BLOCK_BYTES` (each block evaluated before the next is built). A row's softmax reads only that row
+    and the sum over ``g`` adds the same terms, so the result is the unblocked one up to float rounding (a BLAS may
+    round a block's matrix product differently; tests/test_attention_blocks.py); the transient is one block's logits
+    instead of the [B, Hq, S, L] logits and weights of all rows, which on a long held prompt (an observation window
+    over every held key of a layer) was larger than the layer's rows.
     ``key_rows``: as for :func:`observed_weights` (each block decodes the keys again, a block at a time)."""
     B, Hq, S, D = queries.shape
     L = keys.shape[2]

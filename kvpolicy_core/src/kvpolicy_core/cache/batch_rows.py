@@ -142,7 +142,7 @@ class StackedRows:
         try:
             offs = self._offsets()
             view = self._view(0, offs)
-            losers, update, counts = self.step.evict(view, 1, list(self.offsets))
+            losers, update, counts = self.step.decode(view, list(self.offsets))
             if counts:
                 zero = mx.zeros((len(self.rows),), mx.int32)
                 self.counters = {**self.counters, **{k: self.counters.get(k, zero) + v for k, v in counts.items()}}

@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..attention.bias import with_log_weights
+from ..attention.window import outside_window
 from ..parts.base import on_key_norms
 from .slots import SlotStore, Snapshot, Token
 
@@ -110,10 +111,10 @@ class StackedRows:
         return self.window is not None and any(o > self.window for o in self.offsets)
 
     def _view(self, n_new: int, offs: mx.array, run: Optional[dict] = None):
-        dead = None
-        if n_new == 0 and self._windowed():  # per row: only once the row is past its window
+        dead = None  # per row, the row's rule (PolicyCache._window_dead): from the step its offset reaches the window
+        if n_new == 0 and self.window is not None and any(o >= self.window for o in self.offsets):
             pos = self.slots.positions[..., : self.slots.n]
-            dead = (pos <= offs - self.window) & (offs > self.window)
+            dead = outside_window(pos, offs, self.window) & (offs >= self.window)
         view = self.slots.view(offs, n_new, dead, self.head_shard, run)
         return view if self.slots.key_norms is not None else on_key_norms(view, self.slots.norms_read)
 

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..attention.bias import with_log_weights
-from ..attention.window import outside_window
+from ..attention.window import outside_window, window_mask
 from ..parts.base import on_key_norms
 from .slots import SlotStore, Snapshot, Token
 
@@ -165,12 +165,8 @@ class StackedRows:
     def before_attention(self, queries: mx.array, scale: float, mask):
         """queries [B, Hq, 1, D]; returns the mask: per-row window masks and log-weights, when used."""
         n = self.slots.n
-        if self._windowed():
-            q = self._offsets()[..., None] - 1  # [B, 1, 1, 1]: each row's query position
-            kpos = self.slots.positions[:, :, None, :n]
-            allowed = (kpos <= q) & (kpos > q - self.window)  # [B, H, 1, L]
-            H, Hq = allowed.shape[1], queries.shape[1]
-            mask = mx.repeat(allowed, Hq // H, axis=1) if Hq != H else allowed
+        if self._windowed():  # each row's window (the row's mask, at its own query position)
+            mask = window_mask(self.slots.positions[..., :n], self._offsets(), 1, self.window, queries.shape[1])
         if self.uses_log_weights:
             mask = with_log_weights(mask, self.slots.log_weights[..., :n], queries)
         if self.step.needs.attention:

@@ -27,6 +27,8 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from ..parts.attention_scorer import rows_of
+
 #: the most bytes one block's logits may take ([B, Hq, b, L] in float32)
 BLOCK_BYTES = 32 * 2**20
 
@@ -40,18 +42,6 @@ def query_block(S: int, L: int, Hq: int, B: int = 1, held: Optional[int] = None)
     cap = BLOCK_BYTES if held is None else min(BLOCK_BYTES, held)
     b = max(16, cap // max(1, B * Hq * L * 4))
     return b if S > b else None
-
-
-def rows_of(mask, lo: int, hi: int, S: int, L: int):
-    """The mask of query rows ``lo .. hi - 1`` of S over L keys: None, a causal bool array [hi - lo, L] for
-    ``"causal"`` (query ``i`` sees keys ``j <= L - S + i``), or the array's rows (a row axis of 1 broadcasts)."""
-    if mask is None:
-        return None
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"attention mask must be None, 'causal' or an array (got {mask!r})")
-        return mx.arange(L - S + lo, L - S + hi)[:, None] >= mx.arange(L)[None]
-    return mask if mask.ndim < 2 or mask.shape[-2] == 1 else mask[..., lo:hi, :]
 
 
 def by_query_blocks(attend: Callable, queries: mx.array, mask, L: int, block: int) -> mx.array:

@@ -11,7 +11,6 @@ import math
 
 import mlx.core as mx
 
-from ..attention.blocks import rows_of
 from .base import CacheView, Needs, Scorer
 
 SIGNALS = ("proxy", "observed")
@@ -36,6 +35,18 @@ def causal_allowed(n_queries: int, n_keys: int) -> mx.array:
     """mlx-lm's "causal" mask for S queries at the end of L keys: bool [S, L]."""
     q = mx.arange(n_keys - n_queries, n_keys)[:, None]
     return q >= mx.arange(n_keys)[None]
+
+
+def rows_of(mask, lo: int, hi: int, S: int, L: int):
+    """The mask of query rows ``lo .. hi - 1`` of S over L keys: None, a causal bool array [hi - lo, L] for
+    ``"causal"`` (query ``i`` sees keys ``j <= L - S + i``), or the array's rows (a row axis of 1 broadcasts)."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"attention mask must be None, 'causal' or an array (got {mask!r})")
+        return mx.arange(L - S + lo, L - S + hi)[:, None] >= mx.arange(L)[None]
+    return mask if mask.ndim < 2 or mask.shape[-2] == 1 else mask[..., lo:hi, :]
 
 
 def last_row(mask):

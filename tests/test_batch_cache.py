@@ -261,3 +261,29 @@ def test_stacked_rows_answer_the_contract_without_unstacking():
     assert [r.offset for r in b.rows] == [11, 11] and [r.tokens_kept for r in b.rows] == [6, 6]
     assert b._stacked is None  # split back into its rows
     detach(model)
+
+
+def test_a_stacked_row_at_its_window_evicts_what_it_evicts_alone():
+    """A row whose offset equals its layer's window has window-dead slots (position <= offset - window: the next
+    query no longer reaches position 0, a sink included); stacked with a row past its window it evicts the same."""
+    import copy
+
+    from kvpolicy_core.cache.batch_rows import StackedRows, can_stack
+
+    def row(n, seed):  # a prompt of n - 1 tokens, then one decode step: offset n, budget + 1 slots
+        c = PolicyCache("h2o:budget=4,n_sink=1,signal=proxy", window=6)
+        kv = mx.random.normal((1, 2, n, 8), key=mx.random.key(seed))
+        for s in (slice(0, n - 1), slice(n - 1, n)):
+            c.update_and_fetch(kv[:, :, s], kv[:, :, s])
+            c._attended = c._observed = True
+        return c
+
+    rows = [row(6, 1), row(9, 3)]  # offsets 6 (= the window) and 9
+    assert can_stack(rows) and [r.offset for r in rows] == [6, 9]
+    alone = [copy.deepcopy(r) for r in rows]
+    stacked = StackedRows(rows)
+    kv = mx.random.normal((2, 2, 1, 8), key=mx.random.key(9))
+    stacked.update_and_fetch(kv, kv)
+    for b, (mine, theirs) in enumerate(zip(stacked.split(), alone)):
+        theirs.update_and_fetch(kv[b : b + 1], kv[b : b + 1])
+        assert mine.positions[..., : mine.n].tolist() == theirs.positions[..., : theirs.n].tolist(), f"row {b}"

@@ -90,13 +90,13 @@ def test_the_counter_counts_each_kind_of_read_inserted_on_the_decode_path(monkey
         "eval": lambda a: mx.eval(a),
         "str": str,
     }
-    real = PolicyStep.evict
+    real = PolicyStep._decode_steady  # the route a decode step takes past the checked evictions
 
-    def evict(self, *args, **kwargs):
+    def steady(self, *args, **kwargs):
         reads[read](mx.array(1))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(PolicyStep, "evict", evict)
+    monkeypatch.setattr(PolicyStep, "_decode_steady", steady)
     caches = KVCacheBuilder.for_model(model, with_fields("h2o", FIELDS))
     layers = sum(isinstance(c, PolicyCache) for c in caches)
     assert single_syncs(model, caches) == [layers] * STEPS

@@ -444,3 +444,32 @@ def test_a_shipped_merge_whose_delta_exceeds_the_cache_dtype_still_merges_finite
     cache._step.checked_decode = 0  # as after the checked decode evictions
     feed(cache, keys[:, :, 9:], values[:, :, 9:], [1] * 3)
     assert cache.offset == 12 and cache.merges > 0 and mx.all(mx.isfinite(cache.values)).item()
+
+
+@pytest.mark.parametrize("config", ["h2o:budget=8,n_sink=1", "cam:budget=8,n_sink=1,min_sim=-1,signal=proxy"])
+def test_the_decode_route_is_picked_when_the_steps_state_changes(config):
+    """PolicyStep.decode is the checked route for a cache's first CHECKED_DECODE_EVICTIONS decode evictions, then the
+    steady one, whose choice and update were picked with it: no flag is read per step. A compiled call given up
+    re-routes at once; a copy and an unpickled cache pick their own routes (bound to their own step)."""
+    import copy
+    import pickle
+
+    from kvpolicy_core.cache.step import CHECKED_DECODE_EVICTIONS
+
+    keys, values = random_kv(S=20)
+    cache = PolicyCache(config)
+    step = cache._step
+    feed(cache, keys[:, :, :9], values[:, :, :9], [9])  # budget + 1 slots
+    assert step.decode == step._decode_checked and step.n_evict == step._overflow
+    feed(cache, keys[:, :, 9:], values[:, :, 9:], [1] * CHECKED_DECODE_EVICTIONS)
+    drop = config.startswith("h2o")
+    assert step.checked_decode == 0 and step.decode == step._decode_steady
+    assert step._losers == step._choose_compiled
+    assert step._update == (step._no_update if drop else step._dispose_compiled)
+    for other in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        s = other._step
+        assert s.decode == s._decode_steady and s._losers.__self__ is s and s.compiling.step is s
+    step.compiling.choose = step.compiling.dispose = False
+    assert step._losers == step._choose_one and step._update == (step._no_update if drop else step._disposed)
+    step.checked_decode = 1
+    assert step.decode == step._decode_checked

@@ -9,9 +9,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-def window_mask(positions: mx.array, offset: int, n_queries: int, window: int, n_q_heads: int) -> mx.array:
-    """positions [B, H, L] -> bool [B, Hq, S, L] for the S queries at ``offset - S .. offset - 1``."""
-    qpos = mx.arange(offset - n_queries, offset, dtype=mx.int32)[None, None, :, None]
+def window_mask(positions: mx.array, offset, n_queries: int, window: int, n_q_heads: int) -> mx.array:
+    """positions [B, H, L] -> bool [B, Hq, S, L] for the S queries at ``offset - S .. offset - 1``; ``offset`` an int,
+    or for one query per row (stacked rows) the int32 array [B, 1, 1] of each row's."""
+    if isinstance(offset, int):
+        qpos = mx.arange(offset - n_queries, offset, dtype=mx.int32)[None, None, :, None]
+    else:
+        qpos = offset[..., None] - 1  # [B, 1, 1, 1]
     kpos = positions[:, :, None, :]
     allowed = (kpos <= qpos) & (kpos > qpos - window)
     H = positions.shape[1]

@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..attention.bias import with_log_weights
+from ..attention.window import outside_window, window_mask
 from ..parts.base import on_key_norms
 from .slots import SlotStore, Snapshot, Token
 
@@ -110,10 +111,10 @@ class StackedRows:
         return self.window is not None and any(o > self.window for o in self.offsets)
 
     def _view(self, n_new: int, offs: mx.array, run: Optional[dict] = None):
-        dead = None
-        if n_new == 0 and self._windowed():  # per row: only once the row is past its window
+        dead = None  # per row, the row's rule (PolicyCache._window_dead): from the step its offset reaches the window
+        if n_new == 0 and self.window is not None and any(o >= self.window for o in self.offsets):
             pos = self.slots.positions[..., : self.slots.n]
-            dead = (pos <= offs - self.window) & (offs > self.window)
+            dead = outside_window(pos, offs, self.window) & (offs >= self.window)
         view = self.slots.view(offs, n_new, dead, self.head_shard, run)
         return view if self.slots.key_norms is not None else on_key_norms(view, self.slots.norms_read)
 
@@ -142,7 +143,7 @@ class StackedRows:
         try:
             offs = self._offsets()
             view = self._view(0, offs)
-            losers, update, counts = self.step.evict(view, 1, list(self.offsets))
+            losers, update, counts = self.step.decode(view, list(self.offsets))
             if counts:
                 zero = mx.zeros((len(self.rows),), mx.int32)
                 self.counters = {**self.counters, **{k: self.counters.get(k, zero) + v for k, v in counts.items()}}
@@ -164,12 +165,8 @@ class StackedRows:
     def before_attention(self, queries: mx.array, scale: float, mask):
         """queries [B, Hq, 1, D]; returns the mask: per-row window masks and log-weights, when used."""
         n = self.slots.n
-        if self._windowed():
-            q = self._offsets()[..., None] - 1  # [B, 1, 1, 1]: each row's query position
-            kpos = self.slots.positions[:, :, None, :n]
-            allowed = (kpos <= q) & (kpos > q - self.window)  # [B, H, 1, L]
-            H, Hq = allowed.shape[1], queries.shape[1]
-            mask = mx.repeat(allowed, Hq // H, axis=1) if Hq != H else allowed
+        if self._windowed():  # each row's window (the row's mask, at its own query position)
+            mask = window_mask(self.slots.positions[..., :n], self._offsets(), 1, self.window, queries.shape[1])
         if self.uses_log_weights:
             mask = with_log_weights(mask, self.slots.log_weights[..., :n], queries)
         if self.step.needs.attention:

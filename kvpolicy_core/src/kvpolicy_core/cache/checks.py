@@ -28,25 +28,8 @@ class UpdateChecks(NamedTuple):
     d_log_weights: Optional[mx.array]  #: the log-weight deltas made finite, or None
 
 
-def _out_of_range(idx: mx.array, last: mx.array, distinct: bool) -> mx.array:
-    bad = mx.any((idx < 0) | (idx > last))
-    if distinct and idx.shape[-1] > 1:
-        ordered = mx.sort(idx, axis=-1)
-        bad = bad | mx.any(ordered[..., 1:] == ordered[..., :-1])
-    return bad
-
-
 def _rows(x: mx.array, safe: mx.array) -> mx.array:
     return mx.take_along_axis(x, safe[..., None] if x.ndim == 4 else safe, axis=2)
-
-
-def _target_flags(targets: mx.array, last: mx.array, pairs: Sequence[Tuple[mx.array, mx.array]]) -> mx.array:
-    """[1 + len(pairs)] bool: (a target outside [0, L), then per (delta, base) a non-finite delta for a finite row)."""
-    safe = mx.clip(targets, 0, last)
-    flags = [_out_of_range(targets, last, False)]
-    for delta, base in pairs:
-        flags.append(mx.any(~mx.isfinite(delta) & mx.isfinite(_rows(base, safe))))
-    return mx.stack(flags)
 
 
 def scalar(x: int) -> mx.array:
@@ -96,9 +79,10 @@ def nonfinite_flags(targets: mx.array, last: int, pairs: Sequence[Tuple[mx.array
     """Per (delta, base) of ``pairs``: whether the delta, in float32, has a NaN or inf where its target
     row of ``base`` is finite (the broken rule; a non-finite delta on a non-finite element is allowed). Host-side,
     on the rare path where :func:`update_checks` reported a non-finite delta; targets are clamped before the gather."""
-    flags = _target_flags(targets, scalar(last), [(_as_written(d, b), b) for d, b in pairs])[1:]
+    safe = mx.clip(targets, 0, last)
+    flags = [mx.any(~mx.isfinite(_as_written(d, b)) & mx.isfinite(_rows(b, safe))) for d, b in pairs]
     mx.eval(flags)
-    return [bool(f) for f in flags.tolist()]
+    return [bool(f.item()) for f in flags]
 
 
 _compiled_updates = {}

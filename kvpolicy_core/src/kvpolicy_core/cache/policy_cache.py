@@ -166,7 +166,7 @@ class PolicyCache(CacheDiagnostics):
                 else:  # an eviction inside a held prompt (its hold, a window) ends the run, not the prompt's statistic
                     self._run = prompt_statistic(self._run)
             if n_evict == 1 and S == 1 and not cut:  # decode: the loser's slot takes the new token (one write)
-                losers, update = self._evicted(self._step.evict(self._view(0), 1, self.offset))
+                losers, update = self._evicted(self._step.decode(self._view(0), self.offset))
                 self._slots.write(Token(keys, values, self.offset), losers, update, compiled=self.n == sl.capacity)
             else:
                 if n_evict > 0:

@@ -2,12 +2,13 @@
 boundary.
 
 Every path that evicts (a decode step, a prompt chunk over budget, the end-of-prompt cut, a batch's stacked rows,
-compress-once's cut) calls :meth:`PolicyStep.evict`: the selector *ranks* and the engine chooses (window-dead slots
-first, sinks never, the lowest ranks of the rest: valid slot indices by construction), then the disposition's
-update is checked. The parts are plain objects shared by every layer (:class:`~kvpolicy_core.config.policy.
-Policy`); everything per layer (the layer index in error messages, the PRNG key of each eviction) is added here.
-A part that raises, or returns the wrong shape or type, becomes a :class:`~kvpolicy_core.errors.PluginError`
-naming the part and its plugin.
+compress-once's cut) calls :meth:`PolicyStep.evict`, or for a decode step's one loser per row its
+:attr:`~PolicyStep.decode` (the same eviction, by the route the step picked when its state last changed): the selector
+*ranks* and the engine chooses (window-dead slots first, sinks never, the lowest ranks of the rest: valid slot indices
+by construction), then the disposition's update is checked. The parts are plain objects shared by every layer
+(:class:`~kvpolicy_core.config.policy.Policy`); everything per layer (the layer index in error messages, the PRNG key
+of each eviction) is added here. A part that raises, or returns the wrong shape or type, becomes a
+:class:`~kvpolicy_core.errors.PluginError` naming the part and its plugin.
 
 Checks, the same for every part (no part is trusted): output metadata (types, shapes, dtypes) at every call, on
 the host without a sync; output values (the scores and the losers chosen from the selector's ranks, each evaluated
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
@@ -96,14 +97,6 @@ def _traced(part, kind: str, make: Callable):
     return per[kind]
 
 
-def _layout(view: CacheView):
-    """(the view's static layout, its arrays) for a compiled call's key and inputs."""
-    optional = [kept_key_norms(view) if f == "key_norms" else getattr(view, f) for f in _OPTIONAL_VIEW]
-    present = tuple(x is not None for x in optional)
-    arrays = [view.keys, view.values, view.positions, view.scores, view.offset] + [x for x in optional if x is not None]
-    return (view.head_offset, view.heads_total, view.n_new, present), arrays
-
-
 def _view(arrays, layout, read: list) -> CacheView:
     """The traced view; ``read`` gets True appended when the part reads key norms the view lacks."""
     keys, values, positions, scores, offset, *optional = arrays
@@ -121,8 +114,10 @@ def _view(arrays, layout, read: list) -> CacheView:
 def _run_traced(fns: dict, build: Callable, view: CacheView, *inputs):
     """Run the trace of ``view``'s layout (``build(layout, read)`` on first use) on ``inputs`` and the view's arrays:
     (its outputs, the layout). A traced part that read key norms the view lacks makes the eager view's first read
-    (the cache keeps them)."""
-    layout, arrays = _layout(view)
+    (the cache keeps them). The layout (the view's static fields, which optional arrays it has) keys the trace."""
+    optional = [kept_key_norms(view) if f == "key_norms" else getattr(view, f) for f in _OPTIONAL_VIEW]
+    arrays = [view.keys, view.values, view.positions, view.scores, view.offset] + [x for x in optional if x is not None]
+    layout = (view.head_offset, view.heads_total, view.n_new, tuple(x is not None for x in optional))
     if layout not in fns:
         read: list = []
         fns[layout] = (mx.compile(build(layout, read)), read)
@@ -247,6 +242,17 @@ class Compiling:
 
     choose: bool = True  #: the selector's rank and the choice
     dispose: bool = True  #: the disposition's update
+    step: Optional["PolicyStep"] = field(default=None, compare=False, repr=False)  #: re-routed on a change
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name != "step" and self.__dict__.get("step") is not None:
+            self.step._route()
+
+
+#: the step's attributes that hold its routes (bound methods picked by :meth:`PolicyStep._route`): not pickled,
+#: picked again when unpickled
+_ROUTES = ("decode", "n_evict", "_losers", "_update")
 
 
 class PolicyStep:
@@ -267,24 +273,63 @@ class PolicyStep:
         #: MLX evaluates it (e.g. a gather with float indices) is caught inside the transaction (prefill and
         #: the first decode steps, where a sync costs nothing noticeable); later steps add no host sync
         self.eager_checks = 4
-        #: decode evictions left that are value-checked (:data:`CHECKED_DECODE_EVICTIONS`; every other eviction is):
-        #: each part's output evaluated on its own (a selector whose ranks only fail when MLX evaluates them is
-        #: named, not the disposition that consumes its losers), then the update's values
-        self.checked_decode = CHECKED_DECODE_EVICTIONS
+        self._checked = CHECKED_DECODE_EVICTIONS
         #: the selector may evict more than the overflow (its own ``evict_count``)
         self.counts_more = getattr(sel, "evict_count", Selector.evict_count) is not Selector.evict_count
-        self.compiling = Compiling()
+        #: the disposition is drop's (the base class's ``dispose``): no update, no key to draw
+        self.drops = type(policy.disposition).dispose is Disposition.dispose
         #: whether the scorer's on_append can change the scores (not the base class's: it returns them as they are)
         self.appends = type(policy.scorer).on_append is not Scorer.on_append
         self.n_sink = getattr(policy.config.policy, "n_sink", 0)
+        self.compiling = Compiling(step=self)
+        self._route()
 
-    def n_evict(self, over: int, L: int) -> int:
-        """How many of ``L`` slots an eviction removes for an overflow of ``over > 0``: the selector's
-        ``evict_count(over, L)`` (:meth:`~kvpolicy_core.parts.base.Selector.evict_count`), checked to be an int
-        in ``[over, L - 1]``, then clamped to ``min(E, L - n_sink)`` (at least ``over``): the sinks never leave,
-        so a count that would reach them evicts every other slot it may and no more."""
-        if not self.counts_more:
-            return over
+    def _route(self) -> None:
+        """Pick the routes from the step's state, once when it changes (a new step, the last checked decode
+        eviction, a compiled call that failed, unpickling) rather than at every step: :attr:`decode` (checked or
+        steady), :meth:`n_evict` (the overflow, or the selector's count), the one-loser choice (compiled or eager)
+        and the one-loser update past the checked evictions (none for drop, compiled or eager). The steady decode
+        route reads none of the flags that picked it."""
+        compiling = self.compiling
+        self.n_evict = self._evict_count if self.counts_more else self._overflow
+        self._losers = self._choose_compiled if self.needs.compile_selector and compiling.choose else self._choose_one
+        compiled_update = self.needs.compile_disposition and compiling.dispose
+        self._update = self._no_update if self.drops else self._dispose_compiled if compiled_update else self._disposed
+        #: one decode eviction (one loser per row): ``decode(view, offset) -> (losers, update, counters)``
+        self.decode = self._decode_checked if self._checked > 0 else self._decode_steady
+
+    @property
+    def checked_decode(self) -> int:
+        """Decode evictions left that are value-checked (:data:`CHECKED_DECODE_EVICTIONS`; every other eviction
+        is): each part's output evaluated on its own (a selector whose ranks only fail when MLX evaluates them is
+        named, not the disposition that consumes its losers), then the update's values."""
+        return self._checked
+
+    @checked_decode.setter
+    def checked_decode(self, n: int) -> None:
+        self._checked = n
+        self._route()
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in _ROUTES}
+
+    def __setstate__(self, d: dict) -> None:
+        d = dict(d)
+        d.setdefault("_checked", d.pop("checked_decode", 0))  # (pickled before the routes)
+        self.__dict__.update(d)
+        self.drops = type(self.policy.disposition).dispose is Disposition.dispose
+        object.__setattr__(self.compiling, "step", self)
+        self._route()
+
+    def _overflow(self, over: int, L: int) -> int:
+        return over
+
+    def _evict_count(self, over: int, L: int) -> int:
+        """How many of ``L`` slots an eviction removes for an overflow of ``over > 0`` (:meth:`n_evict` where the
+        selector counts more): the selector's ``evict_count(over, L)`` (:meth:`~kvpolicy_core.parts.base.Selector.
+        evict_count`), checked to be an int in ``[over, L - 1]``, then clamped to ``min(E, L - n_sink)`` (at least
+        ``over``): the sinks never leave, so a count that would reach them evicts every other slot it may and no
+        more. Otherwise :meth:`n_evict` is the overflow."""
         owner = f"layer {self.layer}: {self.policy.owners['selector']}"
         E = self.call("selector", lambda _view: self.policy.selector.evict_count(over, L), None)
         if isinstance(E, bool) or not isinstance(E, int) or not over <= E <= L - 1:
@@ -429,24 +474,44 @@ class PolicyStep:
         A decode eviction (one loser per row, or a verify step's) runs compiled where the part allows
         (``compile_decode``; one that fails to trace runs eager from then on); it and every other eviction are
         value-checked (each part's output evaluated on its own, then the update's values in one host sync) except
-        the decode evictions past a cache's first :data:`CHECKED_DECODE_EVICTIONS`: those make no host sync."""
+        the decode evictions past a cache's first :data:`CHECKED_DECODE_EVICTIONS`: those make no host sync.
+        Which of these routes a one-loser eviction takes is picked by :meth:`_route` (:attr:`decode`)."""
         decode = n_evict == 1 or (steps and not cut)  # one loser per row (a cut of one too), a verify step's overflow
-        check = not decode or self.checked_decode > 0
-        self.checked_decode -= decode and check
-        losers = None
-        if n_evict == 1 and not cut and self.needs.compile_selector and self.compiling.choose:
-            try:
-                with blamed("compiled"):  # the selector's code, traced
-                    losers = compiled_choose(self.policy.selector)(view, self.n_sink)
-            except PluginError:  # not compilable (or a part error): the eager call below decides
-                self.compiling.choose = False
-        if losers is None:
-            losers = self.choose(view, n_evict, cut)
+        check = not decode or self._checked > 0
+        if n_evict == 1 and not cut and not check:
+            return self._decode_steady(view, offset)
+        if decode and check:
+            self.checked_decode -= 1  # (the last one re-routes)
+        losers = self._losers(view) if n_evict == 1 and not cut else self.choose(view, n_evict, cut)
         if check:
             self.evaluated("scorer", "scores", view.scores)
             self.evaluated("selector", "ranks", losers)
         update, counts = self.dispose(view, losers, offset, check)
         return losers, update, counts
+
+    def _decode_checked(self, view: CacheView, offset) -> Tuple[mx.array, Optional[MergeUpdate], Counters]:
+        """:attr:`decode` while checked decode evictions are left: :meth:`evict` of one loser."""
+        return self.evict(view, 1, offset)
+
+    def _decode_steady(self, view: CacheView, offset) -> Tuple[mx.array, Optional[MergeUpdate], Counters]:
+        """:attr:`decode` past the checked decode evictions: the choice and the update :meth:`_route` picked, no
+        host sync."""
+        losers = self._losers(view)
+        update, counts = self._update(view, losers, offset)
+        return losers, update, counts
+
+    def _choose_compiled(self, view: CacheView) -> mx.array:
+        """One loser per row, compiled (``compile_decode``); a trace that fails makes the eager choice decide, now
+        and from then on."""
+        try:
+            with blamed("compiled"):  # the selector's code, traced
+                return compiled_choose(self.policy.selector)(view, self.n_sink)
+        except PluginError:  # not compilable (or a part error): the eager call decides
+            self.compiling.choose = False  # (re-routes)
+        return self.choose(view, 1)
+
+    def _choose_one(self, view: CacheView) -> mx.array:
+        return self.choose(view, 1)
 
     def choose(self, view: CacheView, n_evict: int, cut: bool = False) -> mx.array:
         """The selector's ranks, checked, and the losers chosen from them (:func:`choose`), eager."""
@@ -471,21 +536,37 @@ class PolicyStep:
         in one host sync here, before the cache writes anything (else it is compiled where the part allows, and
         guarded on the device as the store adds it).
         """
-        rows = len(offset) if isinstance(offset, (list, tuple)) else None
-        disposition = self.policy.disposition
-        if type(disposition).dispose is Disposition.dispose:  # drop (H2O): no update, no key to draw
+        if self.drops:  # drop (H2O): no update, no key to draw
             return None, {}
-        seed = self.policy.config.seed
-        key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
-        update = None
-        if losers.shape[-1] == 1 and not check and self.needs.compile_disposition and self.compiling.dispose:
-            try:
-                with blamed("compiled"):  # the disposition's code, traced
-                    update = compiled(disposition)(view, losers, key)
-            except PluginError:  # not compilable (or a part error): the eager call below decides
-                self.compiling.dispose = False
+        if losers.shape[-1] == 1 and not check:
+            return self._update(view, losers, offset)
+        return self._disposed(view, losers, offset, check)
+
+    def _no_update(self, view: CacheView, losers: mx.array, offset) -> Tuple[None, Counters]:
+        return None, {}
+
+    def _dispose_compiled(self, view: CacheView, losers: mx.array, offset) -> Tuple[Optional[MergeUpdate], Counters]:
+        """One loser per row past the checked evictions, compiled (``compile_decode``); a trace that fails makes the
+        eager call decide, now and from then on (one that returned something else, now)."""
+        seed, rows = self.policy.config.seed, isinstance(offset, (list, tuple))
+        key = step_keys(seed, self.layer, offset) if rows else step_key(seed, self.layer, offset)
+        try:
+            with blamed("compiled"):  # the disposition's code, traced
+                update = compiled(self.policy.disposition)(view, losers, key)
+        except PluginError:  # not compilable (or a part error): the eager call decides
+            self.compiling.dispose, update = False, None  # (re-routes)
+        return self._disposed(view, losers, offset, False, key, update)
+
+    def _disposed(
+        self, view: CacheView, losers: mx.array, offset, check: bool = False, key=None, update=None
+    ) -> Tuple[Optional[MergeUpdate], Counters]:
+        """The disposition's update (``update``, or its eager call with ``key``, drawn when None), checked."""
+        rows = len(offset) if isinstance(offset, (list, tuple)) else None
         if update is None:
-            update = self.call("disposition", disposition.dispose, view, losers, key)
+            if key is None:
+                seed = self.policy.config.seed
+                key = step_key(seed, self.layer, offset) if rows is None else step_keys(seed, self.layer, offset)
+            update = self.call("disposition", self.policy.disposition.dispose, view, losers, key)
         if update is None:
             return None, {}
         update, pending = self._checked_update(view, update, check_values=check)

@@ -56,18 +56,6 @@ def last_row(mask):
     return mask[..., -1:, :]
 
 
-def rows_of(mask, lo: int, hi: int, S: int, L: int):
-    """The mask of query rows ``lo .. hi - 1`` of S over L keys: None, a causal bool array [hi - lo, L] for
-    ``"causal"`` (query ``i`` sees keys ``j <= L - S + i``), or the array's rows (a row axis of 1 broadcasts)."""
-    if mask is None:
-        return None
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"attention mask must be None, 'causal' or an array (got {mask!r})")
-        return mx.arange(L - S + lo, L - S + hi)[:, None] >= mx.arange(L)[None]
-    return mask if mask.ndim < 2 or mask.shape[-2] == 1 else mask[..., lo:hi, :]
-
-
 #: keys decoded per block by :func:`observed_weights` when it is given ``key_rows``
 KEY_BLOCK = 1024
 

@@ -141,16 +141,52 @@ SERVER_OPTIONS = {
 STALL_SECONDS = 600.0
 
 
-def request_memory(model, config, provider) -> int:
-    """The kept bytes of one request under ``kvpolicy serve --kv-memory M``: the requests in flight (at most ``R =
-    --decode-concurrency + --prompt-concurrency``, what mlx-lm's batch holds at once) share ``M``, and each
-    request's most, ``max(k * b, b + S) * c`` (``b`` its budget, ``c`` its bytes per token over the layers, ``S``
-    the prefill step, ``k`` the method's ``hold``, 1 when it streams), stays within ``M / R``::
+def prefill_transient(model, rows: int, S: int, decode_rows: int = 1) -> int:
+    """Bytes one prefill step of ``rows`` prompts of ``S`` tokens takes beyond the K/V it writes, measured by MLX's
+    allocator on mlx-lm's own caches as mlx-lm prefills: the caches' state evaluated, so the chunk's hidden states,
+    MLP activations and attention over itself count and its unread logits do not; or one decode step's logits for
+    every row in flight, if more. (A chunk's attention over a longer cache is counted by :func:`request_memory`.)"""
+    import gc
 
-        kept = b * c = min(M / (R * k), M / R - S * c)
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    tokens = mx.zeros((rows, S), dtype=mx.int32)
+    mx.eval(tokens)
+    gc.collect()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    model(tokens, cache=caches)
+    mx.eval([c.state for c in caches])
+    peak = mx.get_peak_memory() - before
+    kv = [getattr(c, n, None) for c in caches for n in ("keys", "values")]
+    chunk = peak - sum(int(a.nbytes) for a in kv if isinstance(a, mx.array))
+    caches = make_prompt_cache(model)
+    step = mx.zeros((decode_rows, 1), dtype=mx.int32)
+    mx.eval(step)
+    gc.collect()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(model(step, cache=caches))
+    return max(0, int(chunk), int(mx.get_peak_memory() - before))
+
+
+def request_memory(model, config, provider) -> int:
+    """The kept bytes of one request under ``kvpolicy serve --kv-memory M``: ``M`` bounds the KV caches of the
+    requests in flight (at most ``R = --decode-concurrency + --prompt-concurrency``, what mlx-lm's batch holds at
+    once) together with the prefill step's own memory: ``A`` (:func:`prefill_transient`, measured at start-up for
+    ``P = --prompt-concurrency`` prompts of ``S = --prefill-step-size`` tokens, or a decode step of ``R`` rows) and
+    the chunk's attention logits over a held cache, ``a = P * Hq * S * 4 * k`` bytes per budget token (one layer at a
+    time, ``Hq`` query heads). Each request's most is ``max(k * b, b + S) * c`` (``b`` its budget, ``c`` its bytes
+    per token over the layers, ``k`` the method's ``hold``, 1 when it streams), so::
+
+        R * max(k * b, b + S) * c + a * b + A <= M
+        kept = b * c,  b = min((M - A) / (R * k * c + a), (M - A - R * S * c) / (R * c + a))
 
     A method that holds whole prompts (``when="prompt_end"`` without ``hold``) has no such bound and is refused;
-    so is a limit whose share cannot hold the method's least cache (the builder names ``kv_memory``)."""
+    so is a limit that cannot hold the prefill step and one chunk per request, or whose share cannot hold the
+    method's least cache (the builder names ``kv_memory``)."""
     import mlx.core as mx
 
     from ..errors import ConfigError
@@ -163,20 +199,23 @@ def request_memory(model, config, provider) -> int:
             "--kv-memory: this method holds each prompt whole until its cut (when='prompt_end'), so no limit bounds "
             "it: give hold=k (the held prompt counts k x the budget) or when=stream in --method"
         )
-    R = args.decode_concurrency + args.prompt_concurrency
+    R, P, S = args.decode_concurrency + args.prompt_concurrency, args.prompt_concurrency, args.prefill_step_size
     k = policy.hold if policy.when == "prompt_end" else 1.0
     shapes, itemsize = model_kv_layout(model)
     if config.kv_dtype is not None:
         itemsize = getattr(mx, config.kv_dtype).size
     c = sum(bytes_per_token(shapes, itemsize, config.kv_bits, config.kv_group_size))  # the stored rows' bytes
-    share = provider.kv_memory / R
-    kept = int(min(share / k, share - args.prefill_step_size * c))
+    A = prefill_transient(model, P, S, R)
+    Hq = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 0)
+    a = P * Hq * S * 4 * k
+    M = provider.kv_memory - A
+    kept = int(min(M / (R * k * c + a), (M - R * S * c) / (R * c + a)) * c) if M > 0 else 0
     if kept <= 0:
         raise ConfigError(
-            f"--kv-memory: {provider.kv_memory} bytes shared by {R} requests in flight (--decode-concurrency "
-            f"{args.decode_concurrency} + --prompt-concurrency {args.prompt_concurrency}) leave {int(share)} bytes "
-            f"each, less than one prefill chunk ({args.prefill_step_size} tokens x {c} bytes): give more memory, fewer "
-            "requests in flight or a smaller --prefill-step-size"
+            f"--kv-memory: {provider.kv_memory} bytes cannot hold {R} requests in flight (--decode-concurrency "
+            f"{args.decode_concurrency} + --prompt-concurrency {P}), one prefill chunk each ({S} tokens x {c} bytes), "
+            f"beside the prefill step's own memory ({A} bytes measured for {P} prompts of {S} tokens: its logits and "
+            "activations): give more memory, fewer requests in flight or a smaller --prefill-step-size"
         )
     return kept
 

@@ -11,7 +11,7 @@ from server_kit import Server
 
 KV_ROOM = 64_000  # bytes for the caches of --decode-concurrency 2 + --prompt-concurrency 2 requests
 OPTIONS = ["--decode-concurrency", "2", "--prompt-concurrency", "2", "--prefill-step-size", "16", "--max-tokens", "6"]
-PROMPTS = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 3 for i in range(4)]
+PROMPTS = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 7 for i in range(4)]
 
 
 def _ids(server, prompt):
@@ -31,7 +31,7 @@ def _prefill_bytes(tiny_dir) -> int:
 
 @pytest.mark.slow
 def test_concurrent_requests_share_the_limit_and_answer_as_alone(tiny_dir):
-    limit = 2 * _prefill_bytes(tiny_dir) + KV_ROOM  # room for the prefill step (measured again by the server)
+    limit = _prefill_bytes(tiny_dir) + KV_ROOM  # the prefill step's room (the server measures it again, within ~1%)
     server = Server(
         ["--model", str(tiny_dir), "--method", "cam:n_sink=2,when=stream", "--kv-memory", str(limit), *OPTIONS]
     )
@@ -49,7 +49,7 @@ def test_concurrent_requests_share_the_limit_and_answer_as_alone(tiny_dir):
     assert together == alone, log
     share = limit / 4
     recent = stats["recent"]
-    assert len(recent) == 4 and 2 < stats["budget"] < 512  # the budget the limit chose (the default, 512, holds all)
+    assert len(recent) == 4 and 2 < stats["budget"] < 60  # the budget the limit chose (the default, 512, holds all)
     assert all(0 < r["kv_bytes_kept"] <= share and r["max_tokens_kept"] == stats["budget"] for r in recent)
     assert stats["memory"]["active_bytes"] > 0
 

@@ -1481,7 +1481,8 @@ def bytes_rows(board: dict, ppl_rows, suite_rows) -> list:
                 "ppl_delta_mean_pct": None if b["method"] == "full" else b.get("ppl_delta_mean_pct"),
             }
         )
-    return out
+    bits = lambda r: 0 if r["storage"] == "full precision" else 100 - int(r["storage"].split("-")[0])  # noqa: E731
+    return sorted(out, key=lambda r: (sort_key(r["method"]), bits(r), r["ratio"]))  # full precision, 8, 4 bits
 
 
 def bytes_markdown(rows, files, seconds=None) -> str:
@@ -1498,7 +1499,7 @@ def bytes_markdown(rows, files, seconds=None) -> str:
             if "low" in pr:
                 dppl += f" [{100 * (pr['low'] - 1):+.0f}, {100 * (pr['high'] - 1):+.0f}]"
         name = "**full cache**" if r["method"] == "full" else r["method"]
-        peak = fmt_bytes(r["peak_suite_bytes"]) + (" (r)" if r["replayed"] and r["method"] != "full" else "")
+        peak = fmt_bytes(r["peak_suite_bytes"]) + (" (r)" if r["replayed"] else "")
         cells = [name, fmt_ratio(r["ratio"]), r["storage"], fmt_bytes(r["kv_bytes_kept"])]
         cells += [fmt_bytes(r["active_memory_bytes"]), peak, fmt_bytes(r["peak_ppl_bytes"])]
         cells += [_with_ci(r["score"], r["score_ci"]), dppl]
@@ -1529,6 +1530,7 @@ def bytes_plot(path: Path, rows, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
 
     fig, ax = plt.subplots(figsize=(8.5, 4.8))
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "full"]
@@ -1548,6 +1550,7 @@ def bytes_plot(path: Path, rows, title: str) -> None:
         ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], elinewidth=0.6, capsize=2, alpha=0.85, **style)
         ax.annotate(fmt_ratio(r["ratio"]), (x, y), xytext=(4, 3), textcoords="offset points", fontsize=7)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("KV bytes kept (MiB, log)")
     ax.set_ylabel("score (0-100)")
     ax.set_ylim(-5, 105)

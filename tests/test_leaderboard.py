@@ -332,7 +332,7 @@ def test_report_builds_the_quality_per_byte_table_and_plot(tmp_path):
     text = page.read_text()
     assert "<!-- leaderboard:tiny -->\nkept\n" in text  # the leaderboard's own section left as it is
     assert "## Quality per byte" in text and "<!-- leaderboard-bytes:tiny -->" in text
-    assert "| **full cache** | 1x | full precision | 7.81 KiB | 23.4 KiB | 70.3 KiB | 39.1 KiB | 75 [" in text
+    assert "| **full cache** | 1x | full precision | 7.81 KiB | 23.4 KiB | 70.3 KiB (r) | 39.1 KiB | 75 [" in text
     assert re.search(r"\| h2o \| 8x \| full precision \| 1000 B \| 2\.93 KiB \| 8\.79 KiB \(r\) \| ", text)
     assert re.search(r"\| h2o \| 8x \| 4-bit \| 160 B \| 480 B \| 1\.41 KiB \| 800 B \| 75 \[\d+, \d+\] \| \+", text)
     png = tmp_path / "leaderboard_bytes_tiny.png"

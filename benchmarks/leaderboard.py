@@ -1485,9 +1485,11 @@ def bytes_rows(board: dict, ppl_rows, suite_rows) -> list:
     return sorted(out, key=lambda r: (sort_key(r["method"]), bits(r), r["ratio"]))  # full precision, 8, 4 bits
 
 
-def bytes_markdown(rows, files, seconds=None) -> str:
-    """The "Quality per byte" table of one model: every method x ratio x storage with its measured bytes."""
-    src = ", ".join(f"`{Path(f).name}`" for f in files)
+def bytes_markdown(rows, files, seconds=None, page: Path | None = None) -> str:
+    """The "Quality per byte" table of one model: every method x ratio x storage with its measured bytes; the
+    result files linked relative to ``page`` where it is given."""
+    rel = lambda f: Path(os.path.relpath(Path(f).resolve(), page.resolve().parent)).as_posix()  # noqa: E731
+    src = ", ".join(f"[`{Path(f).name}`]({rel(f)})" if page else f"`{Path(f).name}`" for f in files)
     lines = [f"Result files: {src}" + (f" ({seconds:.0f} s)." if seconds else "."), ""]
     head = ["method", "ratio", "storage", "KV kept", "resident", "peak, suite", "peak, ppl", "score", "Δppl [95%]"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -1524,7 +1526,8 @@ BITS_COLORS = {"full precision": "tab:blue", "8-bit": "tab:orange", "4-bit": "ta
 
 def bytes_plot(path: Path, rows, title: str) -> None:
     """Score against the KV bytes kept (log axis): a marker per method, a colour per storage, each ratio's
-    point labelled, 95% error bars; the full cache a black star."""
+    point labelled, 95% error bars; the full cache a black star. The methods' points at one byte count are
+    nudged apart sideways (a few percent) so that equal scores do not hide each other."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1543,6 +1546,8 @@ def bytes_plot(path: Path, rows, title: str) -> None:
         ci = r["score_ci"] or {}
         y, lo, hi = r["score"], ci.get("low", r["score"]), ci.get("high", r["score"])
         x = r["kv_bytes_kept"] / 2**20
+        if r["method"] != "full":  # the methods at one byte count side by side, not on top of each other
+            x *= 1.07 ** (methods.index(r["method"]) - (len(methods) - 1) / 2)
         if r["method"] == "full":
             ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], marker="*", ms=13, color="black", capsize=2)
             continue
@@ -1551,7 +1556,7 @@ def bytes_plot(path: Path, rows, title: str) -> None:
         ax.annotate(fmt_ratio(r["ratio"]), (x, y), xytext=(4, 3), textcoords="offset points", fontsize=7)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_xlabel("KV bytes kept (MiB, log)")
+    ax.set_xlabel("KV bytes kept (MiB, log; the methods nudged apart at each byte count)")
     ax.set_ylabel("score (0-100)")
     ax.set_ylim(-5, 105)
     ax.grid(alpha=0.3)
@@ -1579,7 +1584,7 @@ def bytes_section(key: str, m: dict, page: Path, plots: Path) -> None:
     name = MODEL_NAMES.get(key, key)
     bytes_plot(png, rows, name)
     rel = Path(os.path.relpath(Path(png).resolve(), page.resolve().parent)).as_posix()
-    body = bytes_markdown(rows, m["files"], m["seconds"])
+    body = bytes_markdown(rows, m["files"], m["seconds"], page)
     body += f"\n\n![Quality per byte of {name}: score against the KV bytes kept, per method and storage]({rel})"
     begin, end = f"<!-- leaderboard-bytes:{key} -->", f"<!-- /leaderboard-bytes:{key} -->"
     section = f"{begin}\n{body}\n{end}"

@@ -337,5 +337,6 @@ def test_report_builds_the_quality_per_byte_table_and_plot(tmp_path):
     assert re.search(r"\| h2o \| 8x \| 4-bit \| 160 B \| 480 B \| 1\.41 KiB \| 800 B \| 75 \[\d+, \d+\] \| \+", text)
     png = tmp_path / "leaderboard_bytes_tiny.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](leaderboard_bytes_tiny.png)" in text
+    assert "Result files: [`leaderboard_qpb_tiny.json`](leaderboard_qpb_tiny.json) (12 s)." in text  # linked
     lb.report([str(f)], tmp_path / "leaderboard-{model}.md", tmp_path)  # rewritten in place, not appended
     assert page.read_text() == text

@@ -1442,7 +1442,8 @@ def fmt_bytes(n) -> str:
         return ""
     for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
-            return f"{n / size:.3g} {unit}"
+            v = n / size
+            return f"{v:.0f} {unit}" if v >= 999.5 else f"{v:.3g} {unit}"  # 1000 KiB, not 1e+03 KiB
     return f"{n:.0f} B"
 
 

@@ -53,6 +53,22 @@ line). ``--report FILE...`` runs nothing (no model is loaded): it merges result 
 benchmarks/results). ``--docs`` is one page, or a page per model where it holds ``{model}`` (the default,
 docs/results/leaderboard-{model}.md: a page per model keeps each results page under 300 lines).
 
+**Quality per byte** (``--kv-bits none,8,4``): each bounded method runs at each ratio at each storage, as a row of
+its own named by its config string (``cam``, ``cam:kv_bits=8``, ``cam:kv_bits=4``: kvpolicy's quantized rows,
+``kv_group_size`` 64); ``full`` and ``rotating`` (mlx-lm's caches) stay in full precision (mlx-lm's
+``QuantizedKVCache`` is not run: its rows could not be replayed nor counted by the same code). A quantized cache
+attends to its stored rows, so its one-chunk prefill runs for real, not replayed (the estimate counts it so).
+Every run records what it measured: ``kv_bytes_kept`` / ``kv_bytes_full`` (the caches' K/V rows after the run,
+quantized parts included, and what a full cache would hold; per text in a perplexity batch), and MLX's allocator
+read against a mark taken just before the run (:func:`memory_mark`: ``mx.get_active_memory()``, the peak counter
+reset): ``peak_memory_bytes`` (``mx.get_peak_memory()`` above the mark) and ``active_memory_bytes``
+(``mx.get_active_memory()`` above it with the run's caches still alive; a perplexity row's are its batch's, a
+suite row's from the start of its prefill, query-agnostic's resident read after the context's cut).
+``--report`` given the files of a ``--kv-bits`` run (``config.kv_bits``) writes a "Quality per byte" section on
+the model's page (a table of method, ratio, storage, bytes kept, resident and peak memory, score with its interval
+and perplexity change) and ``leaderboard_bytes_<model>.png`` (score against the bytes kept, log axis), and leaves
+the leaderboard's own section as it is.
+
 Sizes: ``smoke`` (a tiny random-weight model, a few methods, tiny lengths: seconds); ``quick`` (one text, 1024
 tokens of perplexity, the 4k suite on one haystack with one context per task, ratios 4 and 8, a few
 methods); ``headline`` (every method, ratios 2, 4, 8, 16, two texts of 128 tokens, the 2k suite on niah_single
@@ -76,6 +92,7 @@ import time
 from pathlib import Path
 
 from _common import RESULTS, parser, result_name, with_budget, write_json
+from bytes_quality import method_of, storage_of
 
 ROOT = Path(__file__).resolve().parents[1]
 #: --report's pages, one per model (``{model}``: the result files' model key)
@@ -180,6 +197,42 @@ def spec_for(name: str, budget: int) -> str:
     return "full" if name == "full" else with_budget(name, max(8, int(budget)))
 
 
+def parse_kv_bits(text: str) -> list:
+    """``--kv-bits``: ``none,8,4`` -> ``[None, 8, 4]`` (none: the cache's own dtype)."""
+    out = []
+    for x in (t.strip().lower() for t in text.split(",")):
+        if not x:
+            continue
+        if x in ("none", "full", "fp"):
+            out.append(None)
+        elif x.isdigit() and 2 <= int(x) <= 8:
+            out.append(int(x))
+        else:
+            raise ValueError(f"--kv-bits: none or a bit width 2-8 (got {x!r})")
+    if not out:
+        raise ValueError("--kv-bits: at least one of none, 8, 4, ...")
+    return list(dict.fromkeys(out))
+
+
+def with_kv_bits(methods, bits) -> list:
+    """Each bounded method at each storage of ``bits`` as its own row, in that order per method (``cam`` ->
+    ``cam``, ``cam:kv_bits=8``, ``cam:kv_bits=4``); ``full`` and ``rotating`` (mlx-lm's caches) and a method
+    that names its own ``kv_bits`` stay as they are."""
+    out = []
+    for m in methods:
+        if m.partition(":")[0] in ("full", "rotating") or "kv_bits=" in m:
+            out.append(m)
+            continue
+        out += [m if b is None else f"{m}{',' if ':' in m else ':'}kv_bits={b}" for b in bits]
+    return list(dict.fromkeys(out))
+
+
+def runs_for_real(name: str) -> bool:
+    """A method whose one-chunk prefill cannot be replayed (:func:`kvpolicy_core.eval.tasks.needle.replayable`):
+    mlx-lm's rotating cache and a cache storing quantized rows (``kv_bits``)."""
+    return name.partition(":")[0] == "rotating" or storage_of(name) != "full precision"
+
+
 def budget_for(tokens: int, ratio: float) -> int:
     return max(8, int(tokens / ratio))
 
@@ -256,8 +309,8 @@ def estimate(plan: dict, costs: dict, questions: dict) -> dict:
     specs = 1 + len(bounded) * n_r
     ppl = (plan["ppl_tokens"] - 1) * specs * costs["ppl_step"] if plan["texts"] else 0.0
     scale = plan["length"] / costs.get("length", plan["length"])
-    real = sum(n_r for m in bounded if m.partition(":")[0] == "rotating")
-    group = sum(n_r for m in bounded if m.partition(":")[0] in GROUP_METHODS)
+    real = sum(n_r for m in bounded if runs_for_real(m))
+    group = sum(n_r for m in bounded if m.partition(":")[0] in GROUP_METHODS and not runs_for_real(m))
     replay = 1 + len(bounded) * n_r - real - group
     per_record = costs["record"] + replay * costs["replay"] + group * costs["replay_group"] + real * costs["real"]
     n_ctx = plan["seeds"] * len(plan["haystacks"])
@@ -357,6 +410,11 @@ def main(argv=None):
         "or in --prefill-step chunks through each method's caches (mlx-lm's generate_step, no sharing past the "
         "first chunk)",
     )
+    p.add_argument(
+        "--kv-bits",
+        help="comma list of none (full precision), 8, 4, ...: each bounded method (not full, rotating) at each, "
+        "as its own row (cam, cam:kv_bits=8, ...); the quality-per-byte table and plot of --report",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate, run nothing")
     p.add_argument("--resume", metavar="JSON", help="a result file of a run cut short: its perplexity rows kept")
     p.add_argument("--no-suite", action="store_true", help="perplexity only")
@@ -400,6 +458,9 @@ def resolve_plan(args, model_key: str, model_name: str) -> dict:
         "prefill_step": 128 if args.smoke else args.prefill_step,
         "prefill": args.prefill,
     }
+    if getattr(args, "kv_bits", None):
+        plan["kv_bits"] = parse_kv_bits(args.kv_bits)
+        plan["methods"] = with_kv_bits(plan["methods"], plan["kv_bits"])
     if any(r < 1 for r in plan["ratios"]) or not plan["ratios"]:
         raise ValueError(f"--ratios: compression ratios >= 1 (got {plan['ratios']})")
     if any(x not in PROTOCOL_ORDER for x in plan["protocols"]):
@@ -503,6 +564,28 @@ def run(args):
     print(f"wrote {out / (name + '.json')}, {stem}.md and .png in {state['seconds']:.0f} s", flush=True)
 
 
+def memory_mark() -> int:
+    """MLX's active memory now, its peak counter reset: the mark a run's memory is read against."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    mx.reset_peak_memory()
+    return mx.get_active_memory()
+
+
+def memory_since(mark: int) -> dict:
+    """MLX's allocator since :func:`memory_mark`: ``peak_memory_bytes`` (``mx.get_peak_memory``) and
+    ``active_memory_bytes`` (``mx.get_active_memory``: what is still held, the caches included while they are
+    alive), both above the active memory at the mark (the model's weights and anything held before are left out)."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    return {
+        "peak_memory_bytes": max(0, mx.get_peak_memory() - mark),
+        "active_memory_bytes": max(0, mx.get_active_memory() - mark),
+    }
+
+
 def lm_head(model):
     """The model's last projection (hidden state -> logits): its ``lm_head``, or the tied embedding."""
     return model["lm_head"] if "lm_head" in model else model.model.embed_tokens.as_linear
@@ -519,6 +602,7 @@ def batched_perplexity(model, rows, spec) -> list:
 
     from kvpolicy_core.eval.perplexity import kv_bytes, make_caches, spec_label
 
+    mark = memory_mark()
     caches = make_caches(model, spec)
     tokens = mx.array([list(r) for r in rows], dtype=mx.int32)
     B, T = tokens.shape
@@ -536,6 +620,8 @@ def batched_perplexity(model, rows, spec) -> list:
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         nll[:, a:b] = np.array(-mx.take_along_axis(logp, tokens[:, a + 1 : b + 1, None], axis=-1)[..., 0])
     seconds = time.perf_counter() - start
+    del hidden, logits, logp
+    memory = memory_since(mark)  # the caches still alive: resident is mostly theirs
     kept, full = kv_bytes(caches)
     return [
         {
@@ -547,6 +633,7 @@ def batched_perplexity(model, rows, spec) -> list:
             "kv_bytes_kept": kept // B,
             "kv_bytes_full": full // B,
             "nan": bool(np.isnan(nll[k]).any()),
+            **memory,
         }
         for k in range(B)
     ]
@@ -595,6 +682,8 @@ def run_perplexity(model, tok, plan, state, save):
                 "batch": len(texts),
                 "kv_bytes_kept": r["kv_bytes_kept"],
                 "kv_bytes_full": r["kv_bytes_full"],
+                "peak_memory_bytes": r["peak_memory_bytes"],
+                "active_memory_bytes": r["active_memory_bytes"],
                 "nan": r["nan"],
                 "nll": [round(float(x), 5) for x in r["nll"]],
             }
@@ -766,13 +855,17 @@ def one_chunk_context(model, tok, ctx, spec, items, step: int) -> list:
     def ask(caches, ids, q):
         return greedy(model, tok, caches, ids, q.max_new_tokens, ctx.stop_ids, step, q.answers, ctx.metric)
 
-    def row(protocol, i, got, caches, start_s, answer_s, extra):
+    def row(protocol, i, got, caches, start_s, answer_s, extra, mark):
         seconds = answer_s + (start_s if protocol == "question-in-prompt" else 0.0)
         timing = {"start_seconds": round(start_s, 2), "answer_seconds": round(answer_s, 2)}
-        more = {"prefill": "one-chunk", "replayed": replayed, **timing, **extra}
+        memory = memory_since(mark)  # question-in-prompt: after the answer, its caches alive
+        if protocol == "query-agnostic":  # resident: the context's caches after the cut, before any copy
+            memory["active_memory_bytes"] = extra["context_active_memory_bytes"]
+        more = {"prefill": "one-chunk", "replayed": replayed, **timing, **memory, **extra}
         rows.append(result_row(ctx, label, protocol, i, got, caches, seconds, more))
 
     for proto, i, ids, rec in items:
+        mark = memory_mark()  # the recorded forward (shared by every method) is held before it
         t = time.perf_counter()
         caches = start(ids, rec)
         if proto == "query-agnostic":  # the context's last token: its own step, before any question exists
@@ -785,17 +878,18 @@ def one_chunk_context(model, tok, ctx, spec, items, step: int) -> list:
                 "statements_kept": needle_kept(caches, statements) if ctx.spans else None,
                 "context_kv_bytes_kept": ctx_kept,
                 "context_kv_bytes_full": ctx_full,
+                "context_active_memory_bytes": memory_since(mark)["active_memory_bytes"],
             }
             for qi, q in enumerate(ctx.questions):
                 t = time.perf_counter()
                 asked = copy_caches(caches)
                 got = ask(asked, q.question_ids, q)
-                row(proto, qi, got, asked, start_s, time.perf_counter() - t, extra)
+                row(proto, qi, got, asked, start_s, time.perf_counter() - t, extra, mark)
         else:
             start_s = time.perf_counter() - t
             t = time.perf_counter()
             got = ask(caches, ids[-1:], ctx.questions[i])
-            row(proto, i, got, caches, start_s, time.perf_counter() - t, {})
+            row(proto, i, got, caches, start_s, time.perf_counter() - t, {}, mark)
         del caches
     return rows
 
@@ -1342,6 +1436,169 @@ def plot(path: Path, board: dict, title: str) -> None:
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- quality per byte
+def fmt_bytes(n) -> str:
+    if n is None:
+        return ""
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            v = n / size
+            return f"{v:.0f} {unit}" if v >= 999.5 else f"{v:.3g} {unit}"  # 1000 KiB, not 1e+03 KiB
+    return f"{n:.0f} B"
+
+
+def bytes_rows(board: dict, ppl_rows, suite_rows) -> list:
+    """One row per (method, ratio) of a ``--kv-bits`` run: the eviction method, its storage (full precision,
+    8-bit, ...), the suite's score with its interval and the pooled perplexity ratio (from ``board``), and the
+    measured bytes: ``kv_bytes_kept`` (the suite's caches after each answer, mean), ``active_memory_bytes`` (MLX's
+    active memory above the mark before the row, its caches alive, median over the suite's rows),
+    ``peak_suite_bytes`` and ``peak_ppl_bytes`` (``mx.get_peak_memory`` above that mark: the largest over the
+    suite's rows, and the perplexity batch's)."""
+    suite, ppl = {}, {}
+    for r in suite_rows:
+        suite.setdefault((r["name"], r["ratio"]), []).append(r)
+    for r in ppl_rows:
+        ppl.setdefault((r["method"], r["ratio"]), []).append(r)
+    out = []
+    for b in board["rows"]:
+        key = (b["method"], b["ratio"])
+        got = [r for r in suite.get(key, []) if r.get("kv_bytes_kept") is not None]
+        act = sorted(r["active_memory_bytes"] for r in got if r.get("active_memory_bytes") is not None)
+        peaks = [r["peak_memory_bytes"] for r in got if r.get("peak_memory_bytes") is not None]
+        ppeaks = [r["peak_memory_bytes"] for r in ppl.get(key, []) if r.get("peak_memory_bytes") is not None]
+        out.append(
+            {
+                "method": method_of(b["method"]),
+                "storage": storage_of(b["method"]),
+                "ratio": b["ratio"],
+                "kv_bytes_kept": round(statistics.mean(r["kv_bytes_kept"] for r in got)) if got else None,
+                "active_memory_bytes": act[len(act) // 2] if act else None,
+                "peak_suite_bytes": max(peaks) if peaks else None,
+                "peak_ppl_bytes": max(ppeaks) if ppeaks else None,
+                "replayed": all(r.get("replayed") for r in got) if got else None,
+                "score": b["score"],
+                "score_ci": b["score_ci"],
+                "ppl_ratio_pooled": b.get("ppl_ratio_pooled"),
+                "ppl_delta_mean_pct": None if b["method"] == "full" else b.get("ppl_delta_mean_pct"),
+            }
+        )
+    bits = lambda r: 0 if r["storage"] == "full precision" else 100 - int(r["storage"].split("-")[0])  # noqa: E731
+    return sorted(out, key=lambda r: (sort_key(r["method"]), bits(r), r["ratio"]))  # full precision, 8, 4 bits
+
+
+def bytes_markdown(rows, files, seconds=None, page: Path | None = None) -> str:
+    """The "Quality per byte" table of one model: every method x ratio x storage with its measured bytes; the
+    result files linked relative to ``page`` where it is given."""
+    rel = lambda f: Path(os.path.relpath(Path(f).resolve(), page.resolve().parent)).as_posix()  # noqa: E731
+    src = ", ".join(f"[`{Path(f).name}`]({rel(f)})" if page else f"`{Path(f).name}`" for f in files)
+    lines = [f"Result files: {src}" + (f" ({seconds:.0f} s)." if seconds else "."), ""]
+    head = ["method", "ratio", "storage", "KV kept", "resident", "peak, suite", "peak, ppl", "score", "Δppl [95%]"]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        pr = r["ppl_ratio_pooled"]
+        dppl = "" if r["ppl_delta_mean_pct"] is None else f"{r['ppl_delta_mean_pct']:+.1f}%"
+        if pr:
+            dppl = f"{100 * (pr['ratio'] - 1):+.1f}%"
+            if "low" in pr:
+                dppl += f" [{100 * (pr['low'] - 1):+.0f}, {100 * (pr['high'] - 1):+.0f}]"
+        name = "**full cache**" if r["method"] == "full" else r["method"]
+        peak = fmt_bytes(r["peak_suite_bytes"]) + (" (r)" if r["replayed"] else "")
+        cells = [name, fmt_ratio(r["ratio"]), r["storage"], fmt_bytes(r["kv_bytes_kept"])]
+        cells += [fmt_bytes(r["active_memory_bytes"]), peak, fmt_bytes(r["peak_ppl_bytes"])]
+        cells += [_with_ci(r["score"], r["score_ci"]), dppl]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "KV kept: the K/V rows the caches hold after each answer (quantized parts included), mean over the suite's "
+        "questions. Resident and peak: MLX's allocator (`mx.get_active_memory`, `mx.get_peak_memory`) above its "
+        "active memory before the row (the model's weights left out); resident is read with the row's caches alive "
+        "(the full cache and kvpolicy's caches allocate ahead of what they keep). Peak, suite: (r) marks rows whose "
+        "one-chunk prefill was replayed from a forward recorded once (its activations not counted); quantized rows "
+        "run that forward themselves. Peak, ppl: the token-by-token perplexity batch, the same path for every row. "
+        "Score: the suite's, 95% Wilson interval; Δppl: perplexity over the full cache's, pooled over the texts "
+        "(paired block bootstrap; without an interval: the mean "
+        "change over the texts, too few tokens to pool).",
+    ]
+    return "\n".join(lines)
+
+
+BITS_COLORS = {"full precision": "tab:blue", "8-bit": "tab:orange", "4-bit": "tab:red"}
+
+
+def bytes_plot(path: Path, rows, title: str) -> None:
+    """Score against the KV bytes kept (log axis): a marker per method, a colour per storage, each ratio's
+    point labelled, 95% error bars; the full cache a black star. The methods' points at one byte count are
+    nudged apart sideways (a few percent) so that equal scores do not hide each other."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "full"]
+    storages = list(dict.fromkeys(r["storage"] for r in rows if r["method"] != "full"))
+    extra = iter(("tab:green", "tab:purple", "tab:brown", "tab:gray"))
+    colors = {s: BITS_COLORS.get(s) or next(extra) for s in storages}
+    for r in rows:
+        if r["score"] is None or not r["kv_bytes_kept"]:
+            continue
+        ci = r["score_ci"] or {}
+        y, lo, hi = r["score"], ci.get("low", r["score"]), ci.get("high", r["score"])
+        x = r["kv_bytes_kept"] / 2**20
+        if r["method"] != "full":  # the methods at one byte count side by side, not on top of each other
+            x *= 1.07 ** (methods.index(r["method"]) - (len(methods) - 1) / 2)
+        if r["method"] == "full":
+            ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], marker="*", ms=13, color="black", capsize=2)
+            continue
+        style = dict(marker=MARKERS[methods.index(r["method"]) % len(MARKERS)], color=colors[r["storage"]], ms=7)
+        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], elinewidth=0.6, capsize=2, alpha=0.85, **style)
+        ax.annotate(fmt_ratio(r["ratio"]), (x, y), xytext=(4, 3), textcoords="offset points", fontsize=7)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("KV bytes kept (MiB, log; the methods nudged apart at each byte count)")
+    ax.set_ylabel("score (0-100)")
+    ax.set_ylim(-5, 105)
+    ax.grid(alpha=0.3)
+    handles = [Line2D([], [], marker="*", color="black", ls="none", ms=11, label="full cache")]
+    handles += [
+        Line2D([], [], marker=MARKERS[i % len(MARKERS)], color="grey", ls="none", label=m)
+        for i, m in enumerate(methods)
+    ]
+    handles += [Line2D([], [], marker="s", color=colors[s], ls="none", label=s) for s in storages]
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    ax.set_title(f"kvpolicy leaderboard, quality per byte: {title} (95% Wilson interval)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def bytes_section(key: str, m: dict, page: Path, plots: Path) -> None:
+    """Rewrite the "Quality per byte" section of ``page`` (between its markers; added at the end, with its
+    heading, where it has none) and write ``leaderboard_bytes_<model>.png`` under ``plots``."""
+    from kvpolicy_core.eval.tasks.cli_options import atomic_write_text
+
+    board = build_board(m["ppl_rows"], m["suite_rows"], m["min_full"])
+    rows = bytes_rows(board, m["ppl_rows"], m["suite_rows"])
+    png = plots / f"leaderboard_bytes_{key}.png"
+    name = MODEL_NAMES.get(key, key)
+    bytes_plot(png, rows, name)
+    rel = Path(os.path.relpath(Path(png).resolve(), page.resolve().parent)).as_posix()
+    body = bytes_markdown(rows, m["files"], m["seconds"], page)
+    body += f"\n\n![Quality per byte of {name}: score against the KV bytes kept, per method and storage]({rel})"
+    begin, end = f"<!-- leaderboard-bytes:{key} -->", f"<!-- /leaderboard-bytes:{key} -->"
+    section = f"{begin}\n{body}\n{end}"
+    text = page.read_text(encoding="utf-8") if page.is_file() else f"# Leaderboard: {name}\n"
+    if begin in text and end in text:
+        text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: section, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + f"\n\n## Quality per byte\n\n{section}\n"
+    page.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(page, text, "--docs")
+    print(f"wrote {png} and {page}", flush=True)
+
+
 # ----------------------------------------------------------------------------- --report
 def read_result(f) -> dict:
     path = Path(f)
@@ -1384,8 +1641,18 @@ def merge(files) -> dict:
 
 def report(files, docs: Path, plots: Path) -> None:
     """Rewrite each model's section of ``docs`` (between its markers) and its plot under ``plots``; where ``docs``
-    holds ``{model}``, each model's section is on a page of its own (``{model}`` replaced by its key)."""
+    holds ``{model}``, each model's section is on a page of its own (``{model}`` replaced by its key). Files of a
+    ``--kv-bits`` run go to the model's "Quality per byte" section instead (:func:`bytes_section`), the
+    leaderboard's own section left as it is."""
     plots.mkdir(parents=True, exist_ok=True)
+    bits = [f for f in files if read_result(f)["config"].get("kv_bits")]
+    if bits:
+        for key, m in merge(bits).items():
+            page = Path(str(docs).replace("{model}", key))
+            bytes_section(key, m, page, plots)
+    files = [f for f in files if f not in bits]
+    if not files:
+        return
     if "{model}" in str(docs):
         for key, m in merge(files).items():
             page = Path(str(docs).replace("{model}", key))

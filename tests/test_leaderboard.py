@@ -5,6 +5,7 @@ installed method's caches gives the logits of the real forward; the batched perp
 ``perplexity``). Benchmarks are programs, not timed tests: no time is checked here."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -260,3 +261,82 @@ def test_smoke_without_out_writes_outside_the_results(monkeypatch, tmp_path):
     seen.clear()
     lb.main([])
     assert Path(seen["out"]).resolve() == (BENCH / "results").resolve()
+
+
+def test_kv_bits_plans_each_bounded_method_at_each_storage(capsys):
+    """``--kv-bits none,8,4``: a row per bounded method per storage (config strings of their own), full and
+    mlx-lm's rotating cache in full precision; the estimate counts the quantized rows' prefills as real forwards."""
+    lb = _lb()
+    assert lb.parse_kv_bits("none,8,4") == [None, 8, 4]
+    with pytest.raises(ValueError, match="kv-bits"):
+        lb.parse_kv_bits("16")
+    got = lb.with_kv_bits(["full", "rotating", "h2o", "cam:merge=drop", "snapkv:kv_bits=8"], [None, 8, 4])
+    assert got == [
+        "full",
+        "rotating",
+        "h2o",
+        "h2o:kv_bits=8",
+        "h2o:kv_bits=4",
+        "cam:merge=drop",
+        "cam:merge=drop,kv_bits=8",
+        "cam:merge=drop,kv_bits=4",
+        "snapkv:kv_bits=8",
+    ]
+    assert lb.runs_for_real("h2o:kv_bits=4") and lb.runs_for_real("rotating") and not lb.runs_for_real("cam")
+    lb.main(["--smoke", "--dry-run", "--methods", "full,rotating,h2o,cam", "--kv-bits", "none,8,4"])
+    out = capsys.readouterr().out
+    assert "8 methods x 2 ratios = 15 caches" in out  # full + rotating + (h2o, cam) x 3 storages, at 4x and 8x
+    plan = dict(methods=["full", "h2o"], ratios=[8.0], texts=[], ppl_tokens=2, length=2048, tasks=["niah_single"])
+    plan.update(haystacks=["noise"], protocols=["question-in-prompt"], seeds=1, prefill="one-chunk")
+    costs = lb.ONE_CHUNK_COSTS["smollm2"]
+    replayed = lb.estimate(plan, costs, {"niah_single": 1})["suite_s"]
+    quantized = lb.estimate({**plan, "methods": ["full", "h2o:kv_bits=4"]}, costs, {"niah_single": 1})["suite_s"]
+    assert quantized > replayed
+
+
+def _bytes_result(tmp_path):
+    """A small synthetic ``--kv-bits`` result: the full cache, h2o at 8x in full precision and at 4 bits."""
+    import random
+
+    rnd = random.Random(0)
+    nll = [rnd.uniform(1, 3) for _ in range(95)]
+    specs = [("full", 1.0, 8000, True), ("h2o", 8.0, 1000, True), ("h2o:kv_bits=4", 8.0, 160, False)]
+    ppl_rows, suite_rows = [], []
+    for name, ratio, kept, replayed in specs:
+        bump = 0.0 if name == "full" else (0.2 if "kv_bits" in name else 0.1)
+        row_nll = [x + bump for x in nll]
+        ppl_rows.append(
+            dict(text="pydoc", tokens=96, method=name, ratio=ratio, perplexity=math.exp(sum(row_nll) / 95))
+            | dict(nll=row_nll, kv_bytes_kept=kept // 8, peak_memory_bytes=5 * kept, active_memory_bytes=2 * kept)
+        )
+        for i in range(4):
+            suite_rows.append(
+                dict(name=name, method=name, ratio=ratio, protocol="question-in-prompt", task="niah_single")
+                | dict(id=f"niah_single-noise-640-{i}", question=0, model="tiny", replayed=replayed)
+                | dict(score=1.0 if i < 3 else 0.0, kv_bytes_kept=kept, peak_memory_bytes=9 * kept)
+                | dict(active_memory_bytes=3 * kept)
+            )
+    data = dict(config=dict(model="tiny", kv_bits=[None, 4], min_full=0.0), seconds=12.0)
+    data.update(ppl_rows=ppl_rows, suite_rows=suite_rows)
+    f = tmp_path / "leaderboard_qpb_tiny.json"
+    f.write_text(json.dumps(data))
+    return f
+
+
+def test_report_builds_the_quality_per_byte_table_and_plot(tmp_path):
+    lb = _lb()
+    f = _bytes_result(tmp_path)
+    page = tmp_path / "leaderboard-tiny.md"
+    page.write_text("# Leaderboard: tiny\n\n<!-- leaderboard:tiny -->\nkept\n<!-- /leaderboard:tiny -->\n")
+    lb.report([str(f)], tmp_path / "leaderboard-{model}.md", tmp_path)
+    text = page.read_text()
+    assert "<!-- leaderboard:tiny -->\nkept\n" in text  # the leaderboard's own section left as it is
+    assert "## Quality per byte" in text and "<!-- leaderboard-bytes:tiny -->" in text
+    assert "| **full cache** | 1x | full precision | 7.81 KiB | 23.4 KiB | 70.3 KiB (r) | 39.1 KiB | 75 [" in text
+    assert re.search(r"\| h2o \| 8x \| full precision \| 1000 B \| 2\.93 KiB \| 8\.79 KiB \(r\) \| ", text)
+    assert re.search(r"\| h2o \| 8x \| 4-bit \| 160 B \| 480 B \| 1\.41 KiB \| 800 B \| 75 \[\d+, \d+\] \| \+", text)
+    png = tmp_path / "leaderboard_bytes_tiny.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](leaderboard_bytes_tiny.png)" in text
+    assert "Result files: [`leaderboard_qpb_tiny.json`](leaderboard_qpb_tiny.json) (12 s)." in text  # linked
+    lb.report([str(f)], tmp_path / "leaderboard-{model}.md", tmp_path)  # rewritten in place, not appended
+    assert page.read_text() == text

@@ -143,9 +143,9 @@ STALL_SECONDS = 600.0
 
 def prefill_transient(model, rows: int, S: int, decode_rows: int = 1) -> int:
     """Bytes one prefill step of ``rows`` prompts of ``S`` tokens takes beyond the K/V it writes, measured by MLX's
-    allocator on mlx-lm's own caches as mlx-lm prefills: the caches' state evaluated, so the chunk's hidden states,
-    MLP activations and attention over itself count and its unread logits do not; or one decode step's logits for
-    every row in flight, if more. (A chunk's attention over a longer cache is counted by :func:`request_memory`.)"""
+    allocator on mlx-lm's own caches: the chunk's logits (a prompt's last chunk computes them for each of its tokens,
+    ``rows x S x vocab``), hidden states, MLP activations and attention over itself; or one decode step of
+    ``decode_rows`` rows, if more. (A chunk's attention over a longer cache is counted by :func:`request_memory`.)"""
     import gc
 
     import mlx.core as mx
@@ -157,8 +157,7 @@ def prefill_transient(model, rows: int, S: int, decode_rows: int = 1) -> int:
     gc.collect()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    model(tokens, cache=caches)
-    mx.eval([c.state for c in caches])
+    mx.eval(model(tokens, cache=caches))
     peak = mx.get_peak_memory() - before
     kv = [getattr(c, n, None) for c in caches for n in ("keys", "values")]
     chunk = peak - sum(int(a.nbytes) for a in kv if isinstance(a, mx.array))

@@ -49,7 +49,7 @@ from ..attention.window import outside_window, window_mask
 from ..config.policy import Policy, build_policy
 from ..errors import KVPolicyError, ModelError
 from ..parts.attention_scorer import causal_allowed
-from ..parts.base import CacheView, on_key_norms
+from ..parts.base import DEMAND_NORMS, CacheView
 from ..runtime.sharding import check_head_shard
 from . import undo
 from .batch import BatchPolicyCache, register_with_mlx_lm
@@ -592,7 +592,9 @@ class PolicyCache(CacheDiagnostics):
         ``key_norms`` makes the store keep them, when it does not yet."""
         sl = self._slots
         view = sl.view(self.offset, n_new, self._window_dead() if n_new == 0 else None, self.head_shard, run)
-        return view if sl.key_norms is not None else on_key_norms(view, sl.norms_read)
+        if sl.key_norms is None:  # on_key_norms(view, sl.norms_read), set here: no parts code on decode's route
+            view.__dict__[DEMAND_NORMS] = sl.norms_read
+        return view
 
     def _cut_budget(self, S: int) -> None:
         """Before a held prompt's cut (the next update is one token), take the budget a data-driven allocation gives

@@ -40,6 +40,8 @@ import numpy as np
 from ..config.policy import Policy, step_key, step_keys
 from ..errors import MLX_ERRORS, KVPolicyError, ModelError, PluginError, blamed
 from ..parts.base import (
+    KEY_NORMS,
+    OFFSET,
     CacheView,
     Disposition,
     MergeUpdate,
@@ -47,7 +49,6 @@ from ..parts.base import (
     RemovedForm,
     Scorer,
     Selector,
-    kept_key_norms,
     offset_read,
     on_key_norms,
     pick_lowest,
@@ -115,17 +116,26 @@ def _run_traced(fns: dict, build: Callable, view: CacheView, *inputs):
     """Run the trace of ``view``'s layout (``build(layout, read)`` on first use) on ``inputs`` and the view's arrays:
     (its outputs, the layout). A traced part that read key norms the view lacks makes the eager view's first read
     (the cache keeps them). The layout (the view's static fields, which optional arrays it has) keys the trace."""
-    optional = [kept_key_norms(view) if f == "key_norms" else getattr(view, f) for f in _OPTIONAL_VIEW]
-    arrays = [view.keys, view.values, view.positions, view.scores, view.offset] + [x for x in optional if x is not None]
+    optional = [view[KEY_NORMS] if f == "key_norms" else getattr(view, f) for f in _OPTIONAL_VIEW]  # norms as kept
+    offset = view[OFFSET]  # a cache's int: CacheView.offset's array, made here (no parts code on decode's route)
+    offset = mx.full((view.keys.shape[0], 1, 1), offset, dtype=mx.int32) if isinstance(offset, int) else view.offset
+    arrays = [view.keys, view.values, view.positions, view.scores, offset] + [x for x in optional if x is not None]
     layout = (view.head_offset, view.heads_total, view.n_new, tuple(x is not None for x in optional))
     if layout not in fns:
         read: list = []
         fns[layout] = (mx.compile(build(layout, read)), read)
     fn, read = fns[layout]
     out = fn(*inputs, *arrays)
-    if read and kept_key_norms(view) is None:
+    if read and view[KEY_NORMS] is None:
         view.key_norms  # noqa: B018
     return out, layout
+
+
+def _blame(what: str, exc: BaseException, passes: tuple = ()) -> None:
+    """Raise what ``with blamed(what, passes)`` around the code that raised ``exc`` raises: a call's failure is named
+    only when it fails, so that a call that succeeds runs no code of ``errors.py`` (decode's route)."""
+    with blamed(what, passes):
+        raise exc
 
 
 def compiled_choose(selector) -> Callable:
@@ -371,10 +381,17 @@ class PolicyStep:
     def call(self, kind: str, fn, view: CacheView, *args):
         """``fn(view, *args)`` of the part ``kind``, called once; what it raises becomes a PluginError naming the
         part (and, when it read ``view.offset`` and then failed on a type, that the offset is an array)."""
+        try:
+            return fn(view, *args)
+        except BaseException as exc:  # named on failure only (errors.blamed): a call that succeeds runs no errors.py
+            self._raise_named(kind, view, exc)
+            raise
+
+    def _raise_named(self, kind: str, view: CacheView, exc: BaseException) -> None:
+        """What :meth:`call` raises for ``exc``, raised by the part ``kind``."""
         owner = f"layer {self.layer}: {self.policy.owners[kind]}"
         try:
-            with blamed(f"{owner} raised", passes=(KVPolicyError, RemovedForm)):
-                return fn(view, *args)
+            _blame(f"{owner} raised", exc, passes=(KVPolicyError, RemovedForm))
         except RemovedForm as exc:  # a removed form: named as such, not as a type error of the part's own code
             raise PluginError(f"{owner} built a removed form: {exc}") from exc
         except PluginError as exc:
@@ -504,8 +521,11 @@ class PolicyStep:
         """One loser per row, compiled (``compile_decode``); a trace that fails makes the eager choice decide, now
         and from then on."""
         try:
-            with blamed("compiled"):  # the selector's code, traced
+            try:
                 return compiled_choose(self.policy.selector)(view, self.n_sink)
+            except BaseException as exc:  # the selector's code, traced: named on failure only (errors.blamed)
+                _blame("compiled", exc)
+                raise
         except PluginError:  # not compilable (or a part error): the eager call decides
             self.compiling.choose = False  # (re-routes)
         return self.choose(view, 1)
@@ -551,8 +571,11 @@ class PolicyStep:
         seed, rows = self.policy.config.seed, isinstance(offset, (list, tuple))
         key = step_keys(seed, self.layer, offset) if rows else step_key(seed, self.layer, offset)
         try:
-            with blamed("compiled"):  # the disposition's code, traced
+            try:
                 update = compiled(self.policy.disposition)(view, losers, key)
+            except BaseException as exc:  # the disposition's code, traced: named on failure only (errors.blamed)
+                _blame("compiled", exc)
+                raise
         except PluginError:  # not compilable (or a part error): the eager call decides
             self.compiling.dispose, update = False, None  # (re-routes)
         return self._disposed(view, losers, offset, False, key, update)

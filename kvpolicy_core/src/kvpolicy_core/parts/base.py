@@ -167,7 +167,11 @@ class _ViewFields(NamedTuple):
     key_norms: Optional[mx.array] = None
 
 
-_OFFSET, _KEY_NORMS = _ViewFields._fields.index("offset"), _ViewFields._fields.index("key_norms")
+#: (engine use) the view's fields by index, as built (``view[OFFSET]``: an int or an array, not the property's array),
+#: and the key under which :func:`on_key_norms` keeps the demand: the cache's decode route reads and sets them itself,
+#: so that no code of this module runs on it
+OFFSET, KEY_NORMS = _ViewFields._fields.index("offset"), _ViewFields._fields.index("key_norms")
+DEMAND_NORMS = "_demand_norms"
 
 
 def offset_array(offset, rows: int) -> mx.array:
@@ -216,16 +220,16 @@ class CacheView(_ViewFields):
     def offset(self) -> mx.array:
         got = self.__dict__.get("_offset")
         if got is None:
-            got = self.__dict__["_offset"] = offset_array(tuple.__getitem__(self, _OFFSET), self.keys.shape[0])
+            got = self.__dict__["_offset"] = offset_array(tuple.__getitem__(self, OFFSET), self.keys.shape[0])
         return got
 
     @property
     def key_norms(self) -> mx.array:
-        got = tuple.__getitem__(self, _KEY_NORMS)
+        got = tuple.__getitem__(self, KEY_NORMS)
         if got is None:
             got = self.__dict__.get("_norms")
         if got is None:
-            demand = self.__dict__.get("_demand_norms")
+            demand = self.__dict__.get(DEMAND_NORMS)
             got = None if demand is None else demand(self.keys)
             got = self.__dict__["_norms"] = key_norm(self.keys) if got is None else got
         return got
@@ -233,13 +237,13 @@ class CacheView(_ViewFields):
 
 def kept_key_norms(view: CacheView) -> Optional[mx.array]:
     """The key norms ``view`` was built with (None: not kept yet), without computing any (engine use)."""
-    return tuple.__getitem__(view, _KEY_NORMS)
+    return tuple.__getitem__(view, KEY_NORMS)
 
 
 def on_key_norms(view: CacheView, demand) -> CacheView:
     """Make the first read of ``view.key_norms`` (when built without them) call ``demand(keys)``, which
     returns the norms [B, H, L] or None (then they are computed from the keys) (engine use)."""
-    view.__dict__["_demand_norms"] = demand
+    view.__dict__[DEMAND_NORMS] = demand
     return view
 
 

@@ -106,12 +106,27 @@ def test_a_layer_blocks_within_its_held_bytes(llama, monkeypatch, spec):
         return calls[-1][-1]
 
     monkeypatch.setattr("kvpolicy_core.cache.policy_cache.query_block", recorded)
+    monkeypatch.setattr("kvpolicy_core.cache.policy_cache.HELD_BLOCK_FLOOR", 0)  # (a tiny model holds less)
     logits(llama, spec, monkeypatch, 2**40)
     blocked = [c for c in calls if c[-1] is not None]
     assert blocked, calls
     for S, L, Hq, B, held, b in blocked:
         assert held is not None
         assert b == 16 or b * B * Hq * L * 4 <= held
+
+
+def test_a_held_prompts_blocks_are_never_capped_below_the_floor(llama, monkeypatch):
+    """Over a held prompt's decoded rows a block's cap is at least HELD_BLOCK_FLOOR (fewer, larger kernel calls)."""
+    caps = []
+    original = blocks.query_block
+
+    def recorded(S, L, Hq, B=1, held=None):
+        caps.append(held)
+        return original(S, L, Hq, B, held=held)
+
+    monkeypatch.setattr("kvpolicy_core.cache.policy_cache.query_block", recorded)
+    logits(llama, "cam:budget=24,hold_bits=8", monkeypatch, 2**40)
+    assert caps and all(c >= blocks.HELD_BLOCK_FLOOR for c in caps)
 
 
 def test_rows_of_a_mask():

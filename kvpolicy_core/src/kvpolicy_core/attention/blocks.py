@@ -31,6 +31,10 @@ from ..parts.attention_scorer import rows_of
 
 #: the most bytes one block's logits may take ([B, Hq, b, L] in float32)
 BLOCK_BYTES = 32 * 2**20
+#: the least byte cap of a block over a held prompt's decoded rows (``hold_bits``): blocks capped at a small layer's
+#: held bytes were a few dozen query rows, each its own evaluation of mlx-lm's kernel, and slowed the prefill
+#: against ``hold_bits=none`` (docs/memory.md has the measurement); the floor trades a larger block for fewer calls
+HELD_BLOCK_FLOOR = 16 * 2**20
 
 
 def query_block(S: int, L: int, Hq: int, B: int = 1, held: Optional[int] = None) -> Optional[int]:

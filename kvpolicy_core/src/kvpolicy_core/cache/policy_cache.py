@@ -43,7 +43,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from ..attention.bias import with_log_weights
-from ..attention.blocks import by_query_blocks, query_block
+from ..attention.blocks import HELD_BLOCK_FLOOR, by_query_blocks, query_block
 from ..attention.weights import attend_once, attention_with_weights, quantized_attention_with_weights
 from ..attention.window import outside_window, window_mask
 from ..config.policy import Policy, build_policy
@@ -520,7 +520,7 @@ class PolicyCache(CacheDiagnostics):
             return self.after_attention(out, values)
         if not (self._weights_once and attend_once(S) and (rows is None or rows(S) >= S)):
             mask = self.before_attention(queries, scale, mask)
-            block = query_block(S, L, Hq, B, held=held_bytes) if held else None
+            block = query_block(S, L, Hq, B, held=max(held_bytes, HELD_BLOCK_FLOOR)) if held else None
             if block:  # decoded rows: mlx-lm's kernel by blocks of query rows, its [S, L] logits not the peak
                 out = by_query_blocks(lambda q, m: fused(q, keys, values, None, scale, m), queries, mask, L, block)
             else:

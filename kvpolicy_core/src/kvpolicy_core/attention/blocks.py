@@ -23,11 +23,9 @@ stored keys and values before decoding), so a layer's attention transient stays 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
-import mlx.core as mx
-
-from ..parts.attention_scorer import rows_of
+from ..parts.attention_scorer import by_query_blocks, rows_of  # noqa: F401  (re-exported: the cache's name)
 
 #: the most bytes one block's logits may take ([B, Hq, b, L] in float32)
 BLOCK_BYTES = 32 * 2**20
@@ -46,16 +44,3 @@ def query_block(S: int, L: int, Hq: int, B: int = 1, held: Optional[int] = None)
     cap = BLOCK_BYTES if held is None else min(BLOCK_BYTES, held)
     b = max(16, cap // max(1, B * Hq * L * 4))
     return b if S > b else None
-
-
-def by_query_blocks(attend: Callable, queries: mx.array, mask, L: int, block: int) -> mx.array:
-    """``attend(queries_block, mask_block)`` -> [B, Hq, b, Dv] over blocks of ``block`` query rows of queries
-    [B, Hq, S, D], each evaluated before the next; the outputs concatenated: [B, Hq, S, Dv]."""
-    S = queries.shape[2]
-    outs = []
-    for lo in range(0, S, block):
-        hi = min(S, lo + block)
-        out = attend(queries[:, :, lo:hi], rows_of(mask, lo, hi, S, L))
-        mx.eval(out)
-        outs.append(out)
-    return mx.concatenate(outs, axis=2)

@@ -49,6 +49,20 @@ def rows_of(mask, lo: int, hi: int, S: int, L: int):
     return mask if mask.ndim < 2 or mask.shape[-2] == 1 else mask[..., lo:hi, :]
 
 
+def by_query_blocks(attend, queries: mx.array, mask, L: int, block: int, axis: int = 2) -> mx.array:
+    """``attend(queries_block, mask_block)`` over blocks of ``block`` query rows of queries [B, Hq, S, D], each
+    evaluated before the next (else MLX schedules them together); the outputs concatenated on ``axis``, their
+    query-row axis (2 for an attention output [B, Hq, b, Dv])."""
+    S = queries.shape[2]
+    outs = []
+    for lo in range(0, S, block):
+        hi = min(S, lo + block)
+        out = attend(queries[:, :, lo:hi], rows_of(mask, lo, hi, S, L))
+        mx.eval(out)
+        outs.append(out)
+    return mx.concatenate(outs, axis=axis)
+
+
 def last_row(mask):
     """The mask of the last query row (None or "causal" -> None: the last row sees everything)."""
     if mask is None or isinstance(mask, str):
@@ -119,16 +133,11 @@ def observed_rows(queries: mx.array, keys: mx.array, scale: float, mask, key_row
     B, Hq, S, D = queries.shape
     L = keys.shape[2]
     b = max(1, ROWS_BLOCK_BYTES // max(1, B * Hq * L * 4))
-    if S <= b:
-        return observed_weights(queries, keys, scale, mask, key_rows).sum(axis=2, keepdims=True)
-    outs = []
-    for lo in range(0, S, b):
-        hi = min(S, lo + b)
-        out = observed_weights(queries[:, :, lo:hi], keys, scale, rows_of(mask, lo, hi, S, L), key_rows)
-        out = out.sum(axis=2, keepdims=True)
-        mx.eval(out)
-        outs.append(out)
-    return mx.concatenate(outs, axis=3)
+
+    def rows(q, m):
+        return observed_weights(q, keys, scale, m, key_rows).sum(axis=2, keepdims=True)
+
+    return rows(queries, mask) if S <= b else by_query_blocks(rows, queries, mask, L, b, axis=3)
 
 
 def proxy_weights(keys: mx.array, positions: mx.array, new_keys: mx.array, new_positions: mx.array) -> mx.array:
